@@ -1,0 +1,85 @@
+"""The engine contract shared by every implementation."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Literal, Protocol
+
+
+class EngineError(RuntimeError):
+    """The engine could not do what was asked; the proxy maps it to a 5xx in OpenAI's shape."""
+
+
+class UnknownAdapterError(EngineError):
+    """A request named an adapter the engine has not loaded.
+
+    Raised instead of silently falling back to the base model, which would serve (and later
+    train on) the wrong policy without anyone noticing.
+    """
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_new_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    top_logprobs: int = 0
+
+    @property
+    def logprob_temperature(self) -> float:
+        """Temperature of the distribution whose logprobs are reported.
+
+        Sampling logprobs are taken under the tempered distribution the token was drawn from,
+        so they can serve as PPO's old logprobs. Greedy decoding has no tempered distribution,
+        so it reports the model's own (temperature 1).
+        """
+        return self.temperature if self.temperature > 0 else 1.0
+
+
+@dataclass(frozen=True)
+class GeneratedToken:
+    token_id: int
+    logprob: float
+    top_logprobs: tuple[tuple[int, float], ...] = ()
+    finish_reason: Literal["stop", "length"] | None = None
+
+
+@dataclass
+class EngineInfo:
+    model_name: str
+    max_context: int
+    device: str
+    dtype: str
+    adapters: list[str] = field(default_factory=list)
+
+
+class Engine(Protocol):
+    info: EngineInfo
+
+    def generate(
+        self, input_ids: list[int], sampling: SamplingParams, adapter: str | None = None
+    ) -> AsyncIterator[GeneratedToken]:
+        """Stream sampled tokens; the last one carries the finish reason.
+
+        Closing the iterator early cancels the generation (client went away, stop string hit).
+        """
+        ...
+
+    async def score(
+        self,
+        input_ids: list[int],
+        start: int,
+        adapter: str | None = None,
+        temperature: float = 1.0,
+    ) -> list[float]:
+        """Log-probability of each of `input_ids[start:]` given everything before it."""
+        ...
+
+    async def load_adapter(self, name: str, path: str) -> None: ...
+
+    async def unload_adapter(self, name: str) -> None: ...
+
+    async def close(self) -> None: ...

@@ -1,0 +1,306 @@
+"""The embedded engine: a transformers (+ peft) model decoded in-process with a KV cache.
+
+One worker thread owns the model. Every generation, score and adapter change is a job on its
+queue, so nothing ever touches the model concurrently (no interleaving corruption) and the
+asyncio loop never blocks on a forward pass. Active generations are decoded round-robin, one
+token each per turn of the loop, so concurrent streams all make progress and a long
+generation cannot starve a short one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import queue
+import threading
+from collections import deque
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from engine.base import EngineError, EngineInfo, GeneratedToken, SamplingParams, UnknownAdapterError
+from engine.sampling import make_generator, sample_token
+
+log = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_device(device: str) -> str:
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return device
+
+
+@dataclass(eq=False)
+class _Generation:
+    input_ids: list[int]
+    sampling: SamplingParams
+    adapter: str | None
+    loop: asyncio.AbstractEventLoop
+    out: asyncio.Queue
+    cancelled: threading.Event = field(default_factory=threading.Event)
+    generator: torch.Generator | None = None
+    cache: Any = None
+    last_token: int | None = None
+    produced: int = 0
+
+
+@dataclass(eq=False)
+class _Call:
+    fn: Callable[[], Any]
+    loop: asyncio.AbstractEventLoop
+    future: asyncio.Future
+    # Adapter unloads wait until no queued or running generation still uses the adapter.
+    waits_for_adapter: str | None = None
+
+
+def _resolve(call: _Call, result: Any = None, error: BaseException | None = None) -> None:
+    def settle() -> None:
+        if call.future.done():
+            return
+        if error is not None:
+            call.future.set_exception(error)
+        else:
+            call.future.set_result(result)
+
+    with contextlib.suppress(RuntimeError):  # loop already closed at shutdown
+        call.loop.call_soon_threadsafe(settle)
+
+
+class LocalEngine:
+    """In-process engine. Construct with `await LocalEngine.open(...)`; loading takes seconds."""
+
+    def __init__(self, model_dir: str | Path, *, device: str = "auto", dtype: str = "float32", max_active: int = 8):
+        from transformers import AutoModelForCausalLM
+
+        self.model_dir = Path(model_dir)
+        self.device = resolve_device(device)
+        self._base = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=_DTYPES[dtype]).to(self.device)
+        self._base.eval()
+        self._model = self._base
+        self._peft = None  # a peft.PeftModel once the first adapter is loaded
+        self._adapters: dict[str, str] = {}
+        self._active_adapter: str | None = None
+        self.info = EngineInfo(
+            model_name=self.model_dir.name,
+            max_context=int(getattr(self._base.config, "max_position_embeddings", 2048)),
+            device=self.device,
+            dtype=dtype,
+        )
+        self._max_active = max_active
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._waiting: deque[_Generation] = deque()
+        self._active: list[_Generation] = []
+        self._deferred: list[_Call] = []
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name="nextstate-engine", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    async def open(cls, model_dir: str | Path, **kwargs: Any) -> LocalEngine:
+        return await asyncio.to_thread(cls, model_dir, **kwargs)
+
+    # ---------------------------------------------------------------- public, async API
+
+    async def generate(
+        self, input_ids: list[int], sampling: SamplingParams, adapter: str | None = None
+    ) -> AsyncIterator[GeneratedToken]:
+        if not input_ids:
+            raise EngineError("generate needs at least one input token")
+        if adapter is not None and adapter not in self._adapters:
+            raise UnknownAdapterError(f"adapter {adapter!r} is not loaded")
+        if sampling.max_new_tokens < 1:
+            raise EngineError("max_new_tokens must be at least 1")
+        job = _Generation(
+            input_ids=list(input_ids),
+            sampling=sampling,
+            adapter=adapter,
+            loop=asyncio.get_running_loop(),
+            out=asyncio.Queue(),
+            generator=make_generator(sampling.seed),
+        )
+        self._jobs.put(job)
+        try:
+            while True:
+                item = await job.out.get()
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+                if item.finish_reason is not None:
+                    return
+        finally:
+            job.cancelled.set()
+
+    async def score(
+        self, input_ids: list[int], start: int, adapter: str | None = None, temperature: float = 1.0
+    ) -> list[float]:
+        if not 1 <= start <= len(input_ids):
+            raise EngineError(f"score start must be in [1, {len(input_ids)}], got {start}")
+        if adapter is not None and adapter not in self._adapters:
+            raise UnknownAdapterError(f"adapter {adapter!r} is not loaded")
+        ids = list(input_ids)
+        return await self._call(lambda: self._score(ids, start, adapter, temperature))
+
+    async def load_adapter(self, name: str, path: str) -> None:
+        await self._call(lambda: self._load_adapter(name, str(path)))
+
+    async def unload_adapter(self, name: str) -> None:
+        if name not in self._adapters:
+            raise UnknownAdapterError(f"adapter {name!r} is not loaded")
+        await self._call(lambda: self._unload_adapter(name), waits_for_adapter=name)
+
+    @property
+    def adapters(self) -> list[str]:
+        return list(self._adapters)
+
+    async def close(self) -> None:
+        self._stopping = True
+        self._jobs.put(None)
+        await asyncio.to_thread(self._thread.join, 30)
+
+    async def _call(self, fn: Callable[[], Any], waits_for_adapter: str | None = None) -> Any:
+        loop = asyncio.get_running_loop()
+        call = _Call(fn=fn, loop=loop, future=loop.create_future(), waits_for_adapter=waits_for_adapter)
+        self._jobs.put(call)
+        return await call.future
+
+    # ---------------------------------------------------------------- worker thread
+
+    def _run(self) -> None:
+        with torch.inference_mode():
+            while not self._stopping:
+                idle = not (self._active or self._waiting or self._deferred)
+                self._take_jobs(block=idle)
+                while self._waiting and len(self._active) < self._max_active:
+                    self._active.append(self._waiting.popleft())
+                for job in list(self._active):
+                    self._step(job)
+                self._run_deferred()
+        for job in [*self._active, *self._waiting]:
+            self._deliver(job, EngineError("engine is shutting down"))
+        for call in self._deferred:
+            _resolve(call, error=EngineError("engine is shutting down"))
+
+    def _take_jobs(self, block: bool) -> None:
+        try:
+            item = self._jobs.get(block=block, timeout=None if block else 0)
+        except queue.Empty:
+            return
+        while True:
+            if item is None:
+                self._stopping = True
+            elif isinstance(item, _Generation):
+                self._waiting.append(item)
+            elif item.waits_for_adapter is not None:
+                self._deferred.append(item)
+            else:
+                self._execute(item)
+            try:
+                item = self._jobs.get_nowait()
+            except queue.Empty:
+                return
+
+    def _run_deferred(self) -> None:
+        if not self._deferred:
+            return
+        in_use = {job.adapter for job in (*self._active, *self._waiting) if not job.cancelled.is_set()}
+        still: list[_Call] = []
+        for call in self._deferred:
+            if call.waits_for_adapter in in_use:
+                still.append(call)
+            else:
+                self._execute(call)
+        self._deferred = still
+
+    def _execute(self, call: _Call) -> None:
+        try:
+            result = call.fn()
+        except BaseException as exc:  # noqa: BLE001 - every failure goes back to the caller
+            _resolve(call, error=exc if isinstance(exc, EngineError) else EngineError(str(exc)))
+        else:
+            _resolve(call, result=result)
+
+    def _step(self, job: _Generation) -> None:
+        if job.cancelled.is_set():
+            self._active.remove(job)
+            return
+        try:
+            if job.cache is None:
+                ids = torch.tensor([job.input_ids], device=self.device)
+            else:
+                ids = torch.tensor([[job.last_token]], device=self.device)
+            with self._use_adapter(job.adapter):
+                out = self._model(input_ids=ids, past_key_values=job.cache, use_cache=True)
+            job.cache = out.past_key_values
+            token, logprob, top = sample_token(out.logits[0, -1], job.sampling, job.generator)
+            job.last_token = token
+            job.produced += 1
+            finish = None
+            if token in job.sampling.stop_token_ids:
+                finish = "stop"
+            elif job.produced >= job.sampling.max_new_tokens or len(job.input_ids) + job.produced >= self.info.max_context:
+                finish = "length"
+            self._deliver(job, GeneratedToken(token, logprob, top, finish))
+            if finish is not None:
+                self._active.remove(job)
+                job.cache = None
+        except Exception as exc:  # noqa: BLE001 - a failing request must not kill the worker
+            log.exception("generation failed")
+            self._deliver(job, EngineError(f"generation failed: {exc}"))
+            self._active.remove(job)
+
+    @staticmethod
+    def _deliver(job: _Generation, item: Any) -> None:
+        with contextlib.suppress(RuntimeError):  # loop closed: nobody is listening any more
+            job.loop.call_soon_threadsafe(job.out.put_nowait, item)
+
+    def _use_adapter(self, name: str | None) -> contextlib.AbstractContextManager:
+        if self._peft is None:
+            return contextlib.nullcontext()
+        if name is None:
+            return self._peft.disable_adapter()
+        if self._active_adapter != name:
+            self._peft.set_adapter(name)
+            self._active_adapter = name
+        return contextlib.nullcontext()
+
+    def _score(self, ids: list[int], start: int, adapter: str | None, temperature: float) -> list[float]:
+        tensor = torch.tensor([ids], device=self.device)
+        with self._use_adapter(adapter):
+            logits = self._model(input_ids=tensor, use_cache=False).logits[0].float()
+        # logits[i] predicts ids[i + 1], so ids[start:] are scored by logits[start - 1 : -1].
+        logprobs = torch.log_softmax(logits[start - 1 : -1] / temperature, dim=-1)
+        targets = tensor[0, start:].unsqueeze(-1)
+        return logprobs.gather(-1, targets).squeeze(-1).tolist()
+
+    def _load_adapter(self, name: str, path: str) -> None:
+        from peft import PeftModel
+
+        if name in self._adapters:
+            raise EngineError(f"adapter {name!r} is already loaded")
+        if self._peft is None:
+            self._peft = PeftModel.from_pretrained(self._base, path, adapter_name=name, is_trainable=False)
+            self._peft.eval()
+            self._model = self._peft
+        else:
+            self._peft.load_adapter(path, adapter_name=name, is_trainable=False)
+        self._active_adapter = None
+        self._adapters[name] = path
+
+    def _unload_adapter(self, name: str) -> None:
+        if name not in self._adapters:
+            raise UnknownAdapterError(f"adapter {name!r} is not loaded")
+        del self._adapters[name]
+        if not self._adapters:
+            # peft cannot delete its last adapter; unwrapping restores the plain base model.
+            self._base = self._peft.unload()
+            self._model = self._base
+            self._peft = None
+        else:
+            self._peft.delete_adapter(name)
+        self._active_adapter = None

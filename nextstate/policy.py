@@ -1,0 +1,35 @@
+"""Which adapter serves whom. The only thing that flows back from the learner to the proxy."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class PolicyRef:
+    version: int
+    adapter: str | None  # None = the base model
+
+
+BASE_POLICY = PolicyRef(version=0, adapter=None)
+
+
+class PolicyDirectory:
+    """Maps a scope ("shared", or a user's name) to the policy that serves it now.
+
+    Reads happen on every request, writes only when the learner publishes a version, so a
+    plain dict replaced by assignment is enough: the event loop never sees a half-written map.
+    """
+
+    def __init__(self, per_user: bool = False) -> None:
+        self.per_user = per_user
+        self._current: dict[str, PolicyRef] = {}
+
+    def scope_of(self, user: str) -> str:
+        return user if self.per_user else "shared"
+
+    def current(self, user: str) -> PolicyRef:
+        return self._current.get(self.scope_of(user), BASE_POLICY)
+
+    def publish(self, scope: str, ref: PolicyRef) -> None:
+        self._current = {**self._current, scope: ref}

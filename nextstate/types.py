@@ -1,0 +1,50 @@
+"""Data types that cross package boundaries: what the proxy hands to the judge.
+
+A `Turn` holds exactly what the engine saw and sampled (token ids and sampling logprobs), so
+nothing downstream ever re-tokenises text. A `Transition` pairs a turn with the next state that
+followed it, or with none when its session closed first.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, Field
+
+
+class Turn(BaseModel):
+    session_id: str
+    user: str
+    turn_index: int = Field(description="1 for the first main turn of a session.")
+    messages: list[dict[str, Any]] = Field(description="The request's messages, normalised.")
+    tools: list[dict[str, Any]] | None = None
+    prompt_ids: list[int]
+    response_ids: list[int]
+    response_logprobs: list[float]
+    logprob_temperature: float = Field(description="Temperature the logprobs were taken at.")
+    sampling: dict[str, Any]
+    policy_version: int
+    adapter: str | None
+    response_message: dict[str, Any] = Field(description="The assistant message the client got.")
+    finish_reason: str
+    created_at: float
+
+
+class NextState(BaseModel):
+    """The messages that followed a turn: the user's reply and/or tool results."""
+
+    messages: list[dict[str, Any]]
+
+    @property
+    def role(self) -> str:
+        return self.messages[-1]["role"] if self.messages else "user"
+
+    @property
+    def text(self) -> str:
+        return "\n\n".join(str(m.get("content") or "") for m in self.messages)
+
+
+class Transition(BaseModel):
+    turn: Turn
+    next_state: NextState | None
+    reason: Literal["next_state", "session_closed", "superseded"]

@@ -1,0 +1,1 @@
+"""The HTTP surface: OpenAI routes, auth, sessions, turn classification and records."""

@@ -1,0 +1,37 @@
+"""Bearer-key authentication as FastAPI dependencies."""
+
+from __future__ import annotations
+
+import asyncio
+
+from fastapi import Request
+
+from proxy.errors import OpenAIError
+from proxy.keys import ApiKey, KeyStore
+
+_WWW = {"WWW-Authenticate": "Bearer"}
+
+
+async def authenticate(request: Request) -> ApiKey:
+    header = request.headers.get("authorization", "")
+    scheme, _, secret = header.partition(" ")
+    if scheme.lower() != "bearer" or not secret.strip():
+        raise OpenAIError(
+            401,
+            "You didn't provide an API key. Send it as 'Authorization: Bearer <key>'; "
+            "create one with 'nextstate keys create --user NAME'.",
+            code="missing_api_key",
+            headers=_WWW,
+        )
+    store: KeyStore = request.app.state.keys
+    key = await asyncio.to_thread(store.verify, secret.strip())
+    if key is None:
+        raise OpenAIError(401, "Incorrect or revoked API key provided.", code="invalid_api_key", headers=_WWW)
+    return key
+
+
+async def authenticate_admin(request: Request) -> ApiKey:
+    key = await authenticate(request)
+    if not key.admin:
+        raise OpenAIError(403, "This route needs an admin key ('nextstate keys create --admin').", type="permission_error", code="admin_required")
+    return key

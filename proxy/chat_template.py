@@ -1,0 +1,145 @@
+"""Turn OpenAI messages (+ tools) into the exact token ids the engine sees.
+
+The proxy renders prompts itself instead of letting the engine do it, so the ids it records
+for training are the ids that were actually sampled from: no re-templating, no drift. Models
+whose chat template knows no tools (SmolLM2's, for one) still get tools, rendered in the
+Hermes/Qwen style that the tool-call parser reads back.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from proxy.schemas import ChatMessage, NamedToolChoice, Tool
+
+TOOL_CALL_OPEN = "<tool_call>"
+TOOL_CALL_CLOSE = "</tool_call>"
+
+_TOOLS_PREAMBLE = (
+    "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\n<tools>\n{tools}\n</tools>\n\n"
+    "For each function call, return a json object with function name and arguments within "
+    "<tool_call></tool_call> XML tags:\n<tool_call>\n"
+    '{{"name": <function-name>, "arguments": <args-json-object>}}\n</tool_call>'
+)
+
+_END_OF_TURN_TOKENS = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|end|>", "<end_of_turn>")
+
+
+def _parse_arguments(arguments: str | dict[str, Any]) -> dict[str, Any] | str:
+    if isinstance(arguments, dict):
+        return arguments
+    try:
+        parsed = json.loads(arguments)
+    except (TypeError, ValueError):
+        return arguments
+    return parsed if isinstance(parsed, dict) else arguments
+
+
+def normalize_message(message: ChatMessage) -> dict[str, Any]:
+    """A plain dict that every chat template can render: text content, developer→system,
+    tool-call arguments as objects (as HF templates expect)."""
+    out: dict[str, Any] = {"role": "system" if message.role == "developer" else message.role, "content": message.text()}
+    if message.name:
+        out["name"] = message.name
+    if message.tool_calls:
+        out["tool_calls"] = [
+            {
+                "id": call.id,
+                "type": "function",
+                "function": {"name": call.function.name, "arguments": _parse_arguments(call.function.arguments)},
+            }
+            for call in message.tool_calls
+        ]
+    if message.tool_call_id:
+        out["tool_call_id"] = message.tool_call_id
+    return out
+
+
+def tool_call_text(name: str, arguments: dict[str, Any] | str) -> str:
+    args = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
+    return f'{TOOL_CALL_OPEN}\n{{"name": {json.dumps(name, ensure_ascii=False)}, "arguments": {args}}}\n{TOOL_CALL_CLOSE}'
+
+
+def _inline_tools(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> list[dict[str, Any]]:
+    """Hermes-style rendering for templates that know no tools: the tool list joins the system
+    prompt, tool calls become <tool_call> text and tool results user <tool_response> turns."""
+    out: list[dict[str, Any]] = []
+    for msg in messages:
+        if msg["role"] == "assistant" and msg.get("tool_calls"):
+            calls = "\n".join(tool_call_text(c["function"]["name"], c["function"]["arguments"]) for c in msg["tool_calls"])
+            content = f"{msg['content']}\n{calls}" if msg["content"] else calls
+            out.append({"role": "assistant", "content": content})
+        elif msg["role"] == "tool":
+            out.append({"role": "user", "content": f"<tool_response>\n{msg['content']}\n</tool_response>"})
+        else:
+            out.append({"role": msg["role"], "content": msg["content"]})
+    if tools:
+        preamble = _TOOLS_PREAMBLE.format(tools="\n".join(json.dumps(t, ensure_ascii=False) for t in tools))
+        if out and out[0]["role"] == "system":
+            out[0] = {"role": "system", "content": f"{out[0]['content']}\n\n{preamble}"}
+        else:
+            out.insert(0, {"role": "system", "content": preamble})
+    return out
+
+
+@dataclass(frozen=True)
+class RenderedPrompt:
+    ids: list[int]
+    prefill: str  # text forced at the start of the reply; part of the prompt, not sampled
+
+
+class ChatRenderer:
+    def __init__(self, tokenizer: Any, extra_stop_ids: list[int] | None = None) -> None:
+        if not getattr(tokenizer, "chat_template", None):
+            raise ValueError("the model's tokenizer has no chat template; nextstate serves chat models only")
+        self.tokenizer = tokenizer
+        self.template_knows_tools = "tools" in tokenizer.chat_template
+        stops = set(extra_stop_ids or [])
+        if tokenizer.eos_token_id is not None:
+            stops.add(tokenizer.eos_token_id)
+        vocab = tokenizer.get_vocab()
+        stops.update(vocab[t] for t in _END_OF_TURN_TOKENS if t in vocab)
+        self.stop_token_ids = tuple(sorted(stops))
+
+    @classmethod
+    def from_dir(cls, model_dir: str | Path) -> ChatRenderer:
+        from transformers import AutoTokenizer, GenerationConfig
+
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        extra: list[int] = []
+        try:
+            eos = GenerationConfig.from_pretrained(model_dir).eos_token_id
+            extra = [eos] if isinstance(eos, int) else list(eos or [])
+        except OSError:
+            pass
+        return cls(tokenizer, extra)
+
+    def render(
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[Tool] | None = None,
+        tool_choice: str | NamedToolChoice | None = None,
+    ) -> RenderedPrompt:
+        tool_dicts = [t.model_dump(exclude_none=True) for t in tools] if tools and tool_choice != "none" else None
+        if self.template_knows_tools:
+            text = self.tokenizer.apply_chat_template(
+                messages, tools=tool_dicts, add_generation_prompt=True, tokenize=False
+            )
+        else:
+            text = self.tokenizer.apply_chat_template(
+                _inline_tools(messages, tool_dicts), add_generation_prompt=True, tokenize=False
+            )
+        prefill = ""
+        if tool_dicts and isinstance(tool_choice, NamedToolChoice):
+            prefill = f'{TOOL_CALL_OPEN}\n{{"name": {json.dumps(tool_choice.function.name)}, "arguments": '
+        elif tool_dicts and tool_choice == "required":
+            prefill = f"{TOOL_CALL_OPEN}\n"
+        ids = self.tokenizer(text + prefill, add_special_tokens=False)["input_ids"]
+        return RenderedPrompt(ids=list(ids), prefill=prefill)
+
+    def token_text(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)

@@ -1,0 +1,110 @@
+"""Per-user API keys in the embedded SQLite store, kept only as SHA-256 hashes.
+
+A key is shown once, at creation. Keys are 256-bit random tokens, so a plain SHA-256 (no
+slow KDF) is enough to make a stolen database useless, and lets a request be checked with one
+indexed lookup. The server reads the table on every request, so a revoked key stops working
+at once, even when `nextstate keys revoke` runs in another process.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import secrets
+import sqlite3
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+KEY_PREFIX = "ns-"
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS api_keys (
+    id TEXT PRIMARY KEY,
+    user TEXT NOT NULL,
+    key_hash TEXT NOT NULL UNIQUE,
+    hint TEXT NOT NULL,
+    admin INTEGER NOT NULL DEFAULT 0,
+    created_at REAL NOT NULL,
+    revoked_at REAL
+);
+"""
+
+
+@dataclass(frozen=True)
+class ApiKey:
+    id: str
+    user: str
+    hint: str  # first characters of the key, enough to recognise it in a list
+    admin: bool
+    created_at: float
+    revoked_at: float | None
+
+    @property
+    def active(self) -> bool:
+        return self.revoked_at is None
+
+
+def _hash(secret: str) -> str:
+    return hashlib.sha256(secret.encode()).hexdigest()
+
+
+class KeyStore:
+    def __init__(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self._conn = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
+        self._conn.execute("PRAGMA journal_mode=WAL")
+        self._conn.execute("PRAGMA busy_timeout=5000")
+        self._conn.executescript(_SCHEMA)
+        self._lock = threading.Lock()
+
+    def close(self) -> None:
+        with self._lock:
+            self._conn.close()
+
+    def create(self, user: str, admin: bool = False) -> tuple[ApiKey, str]:
+        user = user.strip()
+        if not user or len(user) > 100 or any(c.isspace() for c in user):
+            raise ValueError("a user name is 1-100 characters without spaces")
+        secret = KEY_PREFIX + secrets.token_urlsafe(32)
+        key = ApiKey(
+            id="key_" + secrets.token_hex(6),
+            user=user,
+            hint=secret[:10] + "…",
+            admin=admin,
+            created_at=time.time(),
+            revoked_at=None,
+        )
+        with self._lock:
+            self._conn.execute(
+                "INSERT INTO api_keys (id, user, key_hash, hint, admin, created_at) VALUES (?, ?, ?, ?, ?, ?)",
+                (key.id, key.user, _hash(secret), key.hint, int(admin), key.created_at),
+            )
+        return key, secret
+
+    def verify(self, secret: str) -> ApiKey | None:
+        """The active key matching `secret`, or None. Compared in constant time."""
+        digest = _hash(secret)
+        with self._lock:
+            row = self._conn.execute(
+                "SELECT id, user, hint, admin, created_at, revoked_at, key_hash FROM api_keys WHERE key_hash = ?",
+                (digest,),
+            ).fetchone()
+        if row is None or not hmac.compare_digest(row[6], digest) or row[5] is not None:
+            return None
+        return ApiKey(row[0], row[1], row[2], bool(row[3]), row[4], row[5])
+
+    def list(self) -> list[ApiKey]:
+        with self._lock:
+            rows = self._conn.execute(
+                "SELECT id, user, hint, admin, created_at, revoked_at FROM api_keys ORDER BY created_at"
+            ).fetchall()
+        return [ApiKey(r[0], r[1], r[2], bool(r[3]), r[4], r[5]) for r in rows]
+
+    def revoke(self, key_id: str) -> bool:
+        with self._lock:
+            cur = self._conn.execute(
+                "UPDATE api_keys SET revoked_at = ? WHERE id = ? AND revoked_at IS NULL", (time.time(), key_id)
+            )
+        return cur.rowcount > 0
