@@ -260,6 +260,9 @@ class LocalEngine:
             job.loop.call_soon_threadsafe(job.out.put_nowait, item)
 
     def _use_adapter(self, name: str | None) -> contextlib.AbstractContextManager:
+        if name is not None and name not in self._adapters:
+            # Never fall back to the base model silently: that would serve the wrong policy.
+            raise UnknownAdapterError(f"adapter {name!r} is not loaded")
         if self._peft is None:
             return contextlib.nullcontext()
         if name is None:

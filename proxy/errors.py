@@ -63,6 +63,8 @@ def _param_from_loc(loc: tuple) -> str | None:
 
 def validation_error(errors: list) -> OpenAIError:
     """One OpenAI-style 400 from pydantic's error list, naming the offending parameter."""
+    # A union reports one failure per member; the custom check (value_error) says what is wrong.
+    errors = sorted(errors, key=lambda e: e.get("type") != "value_error")
     first = errors[0] if errors else {"msg": "invalid request", "loc": ()}
     if first.get("type") == "json_invalid":
         return invalid_request("We could not parse the JSON body of your request. Send valid JSON.")
@@ -72,8 +74,6 @@ def validation_error(errors: list) -> OpenAIError:
         msg = f"Missing required parameter: '{param}'."
     elif param:
         msg = f"Invalid value for '{param}': {msg}"
-    if len(errors) > 1:
-        msg += f" (and {len(errors) - 1} more problem{'s' if len(errors) > 2 else ''})"
     return invalid_request(msg, param=param)
 
 

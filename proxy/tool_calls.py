@@ -56,6 +56,7 @@ class ToolCallParser:
         self.enabled = enabled
         self._buf = ""
         self._in_block = False
+        self._held_space = ""  # trailing whitespace that a following tool call would swallow
         self.calls: list[ParsedToolCall] = []
 
     def push(self, text: str) -> ParseOutput:
@@ -67,7 +68,7 @@ class ToolCallParser:
             if self._in_block:
                 end = self._buf.find(TOOL_CALL_CLOSE)
                 if end < 0:
-                    return out
+                    return self._settle(out)
                 block = self._buf[:end]
                 self._buf = self._buf[end + len(TOOL_CALL_CLOSE) :]
                 self._in_block = False
@@ -78,11 +79,22 @@ class ToolCallParser:
                     out.content += self._buf[:start]
                     self._buf = self._buf[start + len(TOOL_CALL_OPEN) :]
                     self._in_block = True
+                    out.content = out.content.rstrip()
+                    self._held_space = ""
                     continue
                 keep = next((n for n in range(len(TOOL_CALL_OPEN) - 1, 0, -1) if self._buf.endswith(TOOL_CALL_OPEN[:n])), 0)
                 out.content += self._buf[: len(self._buf) - keep]
                 self._buf = self._buf[len(self._buf) - keep :]
-                return out
+                return self._settle(out)
+
+    def _settle(self, out: ParseOutput) -> ParseOutput:
+        """Hold back trailing whitespace: if a tool call comes next it is dropped, as the
+        whitespace around tool-call blocks is formatting, not something the model said."""
+        text = self._held_space + out.content
+        stripped = text.rstrip()
+        self._held_space = text[len(stripped) :]
+        out.content = stripped
+        return out
 
     def flush(self) -> ParseOutput:
         """End of generation: an unclosed block still counts if its JSON is complete."""
@@ -93,6 +105,13 @@ class ToolCallParser:
             out.content += self._buf
         self._buf = ""
         self._in_block = False
+        held, self._held_space = self._held_space, ""
+        if not self.calls:
+            out.content = held + out.content
+        elif not out.content.strip():
+            out.content = ""
+        else:
+            out.content = held + out.content
         return out
 
     def _finish_block(self, block: str, out: ParseOutput, closed: bool) -> None:

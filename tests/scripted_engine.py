@@ -1,0 +1,50 @@
+"""A test engine that 'generates' known text through the real tokenizer.
+
+The tiny model's output is gibberish, so tests that need specific replies (tool calls, stop
+strings, timing of streamed chunks) script the text instead. Everything after the engine —
+detokenisation, stop strings, tool-call parsing, sessions, records — is the production path.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+from collections.abc import AsyncIterator
+
+from engine.base import EngineInfo, GeneratedToken, SamplingParams
+
+
+class ScriptedEngine:
+    def __init__(self, tokenizer, replies: list[str] | None = None, delay_s: float = 0.0, max_context: int = 4096):
+        self.tokenizer = tokenizer
+        self.replies: deque[str] = deque(replies or [])
+        self.delay_s = delay_s
+        self.info = EngineInfo(model_name="scripted", max_context=max_context, device="cpu", dtype="float32")
+        self.prompts: list[list[int]] = []
+        self.eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
+
+    def script(self, *replies: str) -> None:
+        self.replies.extend(replies)
+
+    async def generate(self, input_ids: list[int], sampling: SamplingParams, adapter: str | None = None) -> AsyncIterator[GeneratedToken]:
+        self.prompts.append(list(input_ids))
+        text = self.replies.popleft() if self.replies else "ok"
+        ids = self.tokenizer(text, add_special_tokens=False)["input_ids"] + [self.eos]
+        for i, token in enumerate(ids[: sampling.max_new_tokens]):
+            if self.delay_s:
+                await asyncio.sleep(self.delay_s)
+            last = i == len(ids) - 1 or i == sampling.max_new_tokens - 1
+            reason = None if not last else ("stop" if token == self.eos else "length")
+            yield GeneratedToken(token, -0.5, ((token, -0.5),) * sampling.top_logprobs, reason)
+
+    async def score(self, input_ids, start, adapter=None, temperature=1.0):
+        return [-0.5] * (len(input_ids) - start)
+
+    async def load_adapter(self, name, path):
+        pass
+
+    async def unload_adapter(self, name):
+        pass
+
+    async def close(self):
+        pass

@@ -1,0 +1,119 @@
+"""The embedded engine: KV-cache decoding, logprob alignment, concurrency, adapters."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from engine.base import EngineError, SamplingParams, UnknownAdapterError
+from engine.local import LocalEngine
+
+PROMPT = list(range(5, 40))
+
+
+@pytest.fixture
+async def engine(tiny_model_dir):
+    eng = await LocalEngine.open(tiny_model_dir, device="cpu")
+    yield eng
+    await eng.close()
+
+
+async def collect(engine, sampling, adapter=None, prompt=PROMPT):
+    return [tok async for tok in engine.generate(prompt, sampling, adapter)]
+
+
+async def test_sampling_logprobs_match_a_full_forward_pass(engine):
+    """What we record as old logprobs must equal what the learner will recompute."""
+    for temperature in (0.0, 0.7, 1.0):
+        toks = await collect(engine, SamplingParams(max_new_tokens=24, temperature=temperature, seed=3))
+        params = SamplingParams(max_new_tokens=1, temperature=temperature)
+        scored = await engine.score(PROMPT + [t.token_id for t in toks], len(PROMPT), temperature=params.logprob_temperature)
+        assert len(scored) == len(toks)
+        assert scored == pytest.approx([t.logprob for t in toks], abs=1e-4)
+
+
+async def test_greedy_equals_argmax_of_full_forward(engine, tiny_model_dir):
+    from transformers import AutoModelForCausalLM
+
+    toks = await collect(engine, SamplingParams(max_new_tokens=10, temperature=0))
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    ids = list(PROMPT)
+    with torch.no_grad():
+        for _ in range(10):
+            ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
+    assert [t.token_id for t in toks] == ids[len(PROMPT) :]
+
+
+async def test_length_and_stop_finish_reasons(engine):
+    toks = await collect(engine, SamplingParams(max_new_tokens=7, temperature=0))
+    assert len(toks) == 7 and toks[-1].finish_reason == "length"
+    assert all(t.finish_reason is None for t in toks[:-1])
+    first = toks[2].token_id
+    toks = await collect(engine, SamplingParams(max_new_tokens=7, temperature=0, stop_token_ids=(first,)))
+    assert toks[-1].token_id == first and toks[-1].finish_reason == "stop"
+
+
+async def test_concurrent_generations_equal_sequential_ones(engine):
+    params = [SamplingParams(max_new_tokens=30, temperature=1.0, seed=s) for s in (1, 2, 3, 4)]
+    alone = [[t.token_id for t in await collect(engine, p)] for p in params]
+    together = await asyncio.gather(*(collect(engine, p) for p in params))
+    assert [[t.token_id for t in run] for run in together] == alone
+
+
+async def test_closing_the_stream_cancels_generation(engine):
+    stream = engine.generate(PROMPT, SamplingParams(max_new_tokens=100000))
+    async for _ in stream:
+        break
+    await stream.aclose()
+    # the engine is free again: a new request completes promptly
+    toks = await asyncio.wait_for(collect(engine, SamplingParams(max_new_tokens=3)), 10)
+    assert len(toks) == 3
+
+
+async def test_named_adapters_load_serve_and_unload(engine, tiny_model_dir, tmp_path):
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    base_scores = await engine.score(PROMPT, 1)
+    model = get_peft_model(
+        AutoModelForCausalLM.from_pretrained(tiny_model_dir),
+        LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "up_proj"], init_lora_weights=False),
+    )
+    model.save_pretrained(tmp_path / "v1")
+    with pytest.raises(UnknownAdapterError):
+        await engine.score(PROMPT, 1, adapter="v1")
+    await engine.load_adapter("v1", str(tmp_path / "v1"))
+    await engine.load_adapter("v1-copy", str(tmp_path / "v1"))
+    adapted = await engine.score(PROMPT, 1, adapter="v1")
+    assert max(abs(a - b) for a, b in zip(adapted, base_scores)) > 1e-3
+    assert await engine.score(PROMPT, 1) == pytest.approx(base_scores, abs=1e-6), "adapter=None must be the base model"
+    toks = await collect(engine, SamplingParams(max_new_tokens=5, temperature=0), adapter="v1")
+    scored = await engine.score(PROMPT + [t.token_id for t in toks], len(PROMPT), adapter="v1")
+    assert scored == pytest.approx([t.logprob for t in toks], abs=1e-4)
+    await engine.unload_adapter("v1")
+    assert await engine.score(PROMPT, 1, adapter="v1-copy") == pytest.approx(adapted, abs=1e-6)
+    await engine.unload_adapter("v1-copy")
+    assert engine.adapters == []
+    assert await engine.score(PROMPT, 1) == pytest.approx(base_scores, abs=1e-6)
+
+
+async def test_unload_waits_for_generations_using_the_adapter(engine, tiny_model_dir, tmp_path):
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_model_dir), LoraConfig(r=2, target_modules=["q_proj"])).save_pretrained(tmp_path / "a")
+    await engine.load_adapter("a", str(tmp_path / "a"))
+    running = asyncio.create_task(collect(engine, SamplingParams(max_new_tokens=200), adapter="a"))
+    await asyncio.sleep(0.01)
+    await engine.unload_adapter("a")
+    toks = await running
+    assert len(toks) == 200, "the in-flight request finished on its adapter"
+
+
+async def test_bad_requests_raise_engine_errors(engine):
+    with pytest.raises(EngineError):
+        await collect(engine, SamplingParams(max_new_tokens=3), prompt=[])
+    with pytest.raises(EngineError):
+        await engine.score(PROMPT, 0)

@@ -1,0 +1,252 @@
+"""The chat API through the official openai SDK, checked against OpenAI's own schemas."""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+import openai
+import pytest
+
+from tests.conftest import raw_post
+from tests.openai_schema import assert_valid
+
+HELLO = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Say hello."}]
+
+
+def test_completion_has_openai_shape_and_real_usage(server, alice):
+    raw = alice.chat.completions.with_raw_response.create(model="tiny", messages=HELLO, max_tokens=12)
+    completion = raw.parse()
+    assert_valid("CreateChatCompletionResponse", raw.http_response.json())
+    assert completion.id.startswith("chatcmpl-")
+    assert completion.object == "chat.completion"
+    assert completion.model == "tiny"
+    assert abs(completion.created - time.time()) < 60
+    choice = completion.choices[0]
+    assert choice.message.role == "assistant"
+    assert isinstance(choice.message.content, str)
+    assert choice.finish_reason in ("stop", "length")
+    usage = completion.usage
+    assert usage.completion_tokens >= 1 and usage.completion_tokens <= 12
+    assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
+    # prompt_tokens is the real rendered prompt length, not a guess
+    record = [r for r in server.records() if r["kind"] == "request"][-1]
+    assert usage.prompt_tokens == len(record["prompt_ids"])
+    assert usage.completion_tokens == len(record["response_ids"])
+    assert raw.headers["x-policy-version"] == "0"
+    assert raw.headers["x-session-id"].startswith("sess_")
+
+
+def test_streaming_is_token_by_token_with_usage_and_done(server, alice):
+    stream = alice.chat.completions.create(
+        model="tiny", messages=HELLO, max_tokens=40, stream=True, stream_options={"include_usage": True}
+    )
+    chunks = list(stream)
+    for chunk in chunks:
+        assert_valid("CreateChatCompletionStreamResponse", chunk.model_dump(exclude_unset=True))
+    assert len({c.id for c in chunks}) == 1
+    assert chunks[0].choices[0].delta.role == "assistant"
+    content_chunks = [c for c in chunks if c.choices and c.choices[0].delta.content]
+    assert len(content_chunks) > 5, "text must arrive in many deltas, not one"
+    finals = [c for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert len(finals) == 1 and finals[0].choices[0].finish_reason in ("stop", "length")
+    usage_chunk = chunks[-1]
+    assert usage_chunk.choices == [] and usage_chunk.usage.completion_tokens >= len(content_chunks)
+    # the streamed text is exactly what the non-streamed path would have recorded
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    record = [r for r in server.records() if r["kind"] == "request"][-1]
+    assert record["response"]["content"] == text
+
+
+def test_stream_ends_with_done_marker(server):
+    key = server.key("alice")
+    with httpx.stream(
+        "POST",
+        f"{server.base_url}/chat/completions",
+        json={"model": "tiny", "messages": HELLO, "max_tokens": 5, "stream": True},
+        headers={"Authorization": f"Bearer {key}"},
+        timeout=30,
+    ) as resp:
+        assert resp.headers["content-type"].startswith("text/event-stream")
+        lines = [line for line in resp.iter_lines() if line]
+    assert lines[-1] == "data: [DONE]"
+    assert all(line.startswith("data: ") for line in lines)
+
+
+def test_first_chunk_arrives_before_generation_ends(scripted):
+    server, engine = scripted
+    engine.delay_s = 0.05
+    engine.script("one two three four five six seven eight nine ten eleven twelve")
+    client = server.client(server.key("alice"))
+    started = time.monotonic()
+    arrivals = []
+    for chunk in client.chat.completions.create(model="tiny", messages=HELLO, stream=True):
+        if chunk.choices and chunk.choices[0].delta.content:
+            arrivals.append(time.monotonic() - started)
+    total = time.monotonic() - started
+    assert len(arrivals) > 5
+    assert arrivals[0] < total / 3, f"first content after {arrivals[0]:.2f}s of {total:.2f}s"
+
+
+def test_logprobs_have_openai_shape(server, alice):
+    raw = alice.chat.completions.with_raw_response.create(
+        model="tiny", messages=HELLO, max_tokens=6, logprobs=True, top_logprobs=3
+    )
+    body = raw.http_response.json()
+    assert_valid("CreateChatCompletionResponse", body)
+    content = raw.parse().choices[0].logprobs.content
+    assert len(content) >= 1
+    for entry in content:
+        assert entry.logprob <= 0
+        assert len(entry.top_logprobs) == 3
+        assert entry.top_logprobs[0].logprob >= entry.top_logprobs[-1].logprob
+        assert entry.bytes == list(entry.token.encode("utf-8"))
+    record = [r for r in server.records() if r["kind"] == "request"][-1]
+    assert [e.logprob for e in content] == pytest.approx(record["response_logprobs"][: len(content)])
+
+
+def test_streamed_logprobs(server, alice):
+    chunks = list(
+        alice.chat.completions.create(model="tiny", messages=HELLO, max_tokens=8, stream=True, logprobs=True, top_logprobs=2)
+    )
+    entries = [e for c in chunks if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content or []]
+    assert 1 <= len(entries) <= 8 and all(len(e.top_logprobs) == 2 for e in entries)
+
+
+def test_seed_makes_sampling_reproducible(alice):
+    kwargs = dict(model="tiny", messages=HELLO, max_tokens=15, temperature=1.0, seed=1234)
+    first = alice.chat.completions.create(**kwargs).choices[0].message.content
+    second = alice.chat.completions.create(**kwargs).choices[0].message.content
+    other = alice.chat.completions.create(**{**kwargs, "seed": 99}).choices[0].message.content
+    assert first == second
+    assert first != other
+
+
+def test_models_list(server, alice):
+    models = alice.models.list()
+    assert [m.id for m in models.data] == ["tiny"]
+    key = server.key("bob")
+    body = httpx.get(f"{server.base_url}/models", headers={"Authorization": f"Bearer {key}"}).json()
+    assert_valid("ListModelsResponse", body)
+    assert alice.models.retrieve("tiny").id == "tiny"
+
+
+def test_stop_strings_cut_the_reply(scripted):
+    server, engine = scripted
+    engine.script("alpha beta STOP gamma", "alpha beta STOP gamma")
+    client = server.client(server.key("alice"))
+    reply = client.chat.completions.create(model="tiny", messages=HELLO, stop=["STOP"])
+    assert reply.choices[0].message.content == "alpha beta "
+    assert reply.choices[0].finish_reason == "stop"
+    streamed = "".join(
+        c.choices[0].delta.content or ""
+        for c in client.chat.completions.create(model="tiny", messages=HELLO, stop="STOP", stream=True)
+        if c.choices
+    )
+    assert streamed == "alpha beta "
+
+
+def test_concurrent_requests_do_not_interfere(server, alice):
+    import concurrent.futures
+
+    def ask(seed: int) -> str:
+        return alice.chat.completions.create(
+            model="tiny", messages=HELLO, max_tokens=20, temperature=1.0, seed=seed, extra_headers={"X-Turn-Type": "side"}
+        ).choices[0].message.content
+
+    alone = {seed: ask(seed) for seed in (1, 2, 3)}
+    with concurrent.futures.ThreadPoolExecutor(6) as pool:
+        together = list(pool.map(ask, [1, 2, 3, 1, 2, 3]))
+    assert together == [alone[1], alone[2], alone[3]] * 2
+
+
+# ---------------------------------------------------------------------------- errors
+
+
+def _error(resp: httpx.Response, status: int) -> dict:
+    assert resp.status_code == status, resp.text
+    body = resp.json()
+    assert_valid("ErrorResponse", body)
+    return body["error"]
+
+
+def test_missing_and_wrong_keys_get_401(server):
+    assert _error(raw_post(server, {"model": "tiny", "messages": HELLO}, None), 401)["code"] == "missing_api_key"
+    assert _error(raw_post(server, {"model": "tiny", "messages": HELLO}, "ns-wrong"), 401)["code"] == "invalid_api_key"
+    with pytest.raises(openai.AuthenticationError):
+        server.client("ns-nope").chat.completions.create(model="tiny", messages=HELLO)
+    with pytest.raises(openai.AuthenticationError):
+        server.client("ns-nope").models.list()
+
+
+def test_auth_is_checked_before_the_body(server):
+    assert _error(raw_post(server, "{not json", None), 401)["code"] == "missing_api_key"
+
+
+def test_malformed_bodies_get_400(server):
+    key = server.key("alice")
+    assert "JSON" in _error(raw_post(server, "{not json", key), 400)["message"]
+    assert _error(raw_post(server, "[1, 2]", key), 400)["message"]
+    err = _error(raw_post(server, {"model": "tiny"}, key), 400)
+    assert err["param"] == "messages" and "Missing" in err["message"]
+    err = _error(raw_post(server, {"model": "tiny", "messages": "hi"}, key), 400)
+    assert err["param"] == "messages"
+    err = _error(raw_post(server, {"model": "tiny", "messages": [{"role": "wizard", "content": "x"}]}, key), 400)
+    assert err["param"] == "messages[0].role"
+    err = _error(raw_post(server, {"model": "tiny", "messages": HELLO, "temperature": 7}, key), 400)
+    assert err["param"] == "temperature"
+
+
+@pytest.mark.parametrize(
+    "extra, needle",
+    [
+        ({"n": 2}, "n=1"),
+        ({"response_format": {"type": "json_schema"}}, "json_schema"),
+        ({"logit_bias": {"5": 10}}, "logit_bias"),
+        ({"presence_penalty": 1.0}, "penalties"),
+        ({"tool_choice": "sometimes"}, "tool_choice"),
+        ({"top_logprobs": 3}, "logprobs"),
+        ({"stop": ["a", "b", "c", "d", "e"]}, "4 stop"),
+    ],
+)
+def test_unsupported_values_get_a_clear_400(server, extra, needle):
+    err = _error(raw_post(server, {"model": "tiny", "messages": HELLO, **extra}, server.key("a")), 400)
+    assert needle in err["message"]
+    with pytest.raises(openai.BadRequestError):
+        server.client(server.key("b")).chat.completions.create(model="tiny", messages=HELLO, **extra)
+
+
+def test_image_content_is_refused_clearly(server):
+    msg = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:,"}}]}]
+    err = _error(raw_post(server, {"model": "tiny", "messages": msg}, server.key("a")), 400)
+    assert "image_url" in err["message"] and err["param"].startswith("messages[0]")
+
+
+def test_text_content_parts_are_accepted(alice):
+    msg = [{"role": "user", "content": [{"type": "text", "text": "Say"}, {"type": "text", "text": " hello."}]}]
+    assert alice.chat.completions.create(model="tiny", messages=msg, max_tokens=3).choices[0].message is not None
+
+
+def test_unknown_model_is_404(server):
+    with pytest.raises(openai.NotFoundError) as info:
+        server.client(server.key("a")).chat.completions.create(model="gpt-4o", messages=HELLO)
+    assert "tiny" in str(info.value)
+
+
+def test_context_length_is_checked(server):
+    long = [{"role": "user", "content": "hello " * 3000}]
+    err = _error(raw_post(server, {"model": "tiny", "messages": long, "max_tokens": 100}, server.key("a")), 400)
+    assert err["code"] == "context_length_exceeded"
+
+
+def test_unknown_route_is_404_in_openai_shape(server):
+    resp = httpx.get(f"{server.base_url}/nope", headers={"Authorization": "Bearer x"})
+    _error(resp, 404)
+
+
+def test_health_and_metrics(server, alice):
+    assert httpx.get(f"{server.root}/healthz").json()["status"] == "ok"
+    alice.chat.completions.create(model="tiny", messages=HELLO, max_tokens=3)
+    text = httpx.get(f"{server.root}/metrics").text
+    assert 'nextstate_requests_total{status="200",stream="false"} 1.0' in text
+    assert "nextstate_completion_tokens_total 3.0" in text

@@ -1,0 +1,261 @@
+"""Session and turn inference: unit tests on the store, then through the HTTP API."""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+import pytest
+
+from nextstate.types import Transition, Turn
+from proxy.sessions import SessionStore
+
+SYS = {"role": "system", "content": "You are helpful."}
+
+
+def user(text):
+    return {"role": "user", "content": text}
+
+
+def reply(text):
+    return {"role": "assistant", "content": text}
+
+
+def make_turn(plan, messages) -> Turn:
+    return Turn(
+        session_id=plan.session.id, user=plan.session.user, turn_index=plan.turn_index, messages=messages,
+        prompt_ids=[1, 2], response_ids=[3], response_logprobs=[-0.1], logprob_temperature=1.0, sampling={},
+        policy_version=0, adapter=None, response_message={}, finish_reason="stop", created_at=0.0,
+    )
+
+
+class Harness:
+    def __init__(self, **kwargs):
+        self.now = 0.0
+        self.emitted: list[Transition] = []
+        self.store = SessionStore(self.emitted.append, clock=lambda: self.now, **kwargs)
+
+    def turn(self, who, messages, answer, **kwargs):
+        plan = self.store.resolve(who, messages, **kwargs)
+        if plan.turn_type == "main":
+            self.store.commit_main(plan, make_turn(plan, messages), reply(answer))
+        else:
+            self.store.finish_side(plan)
+        return plan
+
+
+def test_continuation_is_found_without_headers_and_yields_the_next_state():
+    h = Harness()
+    m1 = [SYS, user("write a poem")]
+    p1 = h.turn("alice", m1, "roses are red")
+    assert (p1.match, p1.turn_type, p1.turn_index) == ("new", "main", 1)
+    m2 = m1 + [reply("roses are red"), user("no, make it about the sea")]
+    p2 = h.turn("alice", m2, "the sea is blue")
+    assert p2.session is p1.session and (p2.match, p2.turn_type, p2.turn_index) == ("extend", "main", 2)
+    (t,) = h.emitted
+    assert t.reason == "next_state" and t.turn.turn_index == 1
+    assert t.next_state.messages == [user("no, make it about the sea")]
+
+
+def test_tool_results_are_the_next_state():
+    h = Harness()
+    m1 = [user("weather?")]
+    plan = h.store.resolve("alice", m1)
+    call = {"role": "assistant", "content": "", "tool_calls": [{"id": "x", "type": "function", "function": {"name": "w", "arguments": {"c": 1}}}]}
+    h.store.commit_main(plan, make_turn(plan, m1), call)
+    # the client re-serialises arguments and picks its own id: still the same line
+    echoed = {"role": "assistant", "content": None, "tool_calls": [{"id": "y", "type": "function", "function": {"name": "w", "arguments": '{"c":1}'}}]}
+    results = [{"role": "tool", "tool_call_id": "y", "content": "sunny"}, {"role": "tool", "tool_call_id": "z", "content": "21C"}]
+    p2 = h.turn("alice", m1 + [echoed] + results, "sunny, 21C")
+    assert p2.match == "extend"
+    assert [m["content"] for m in h.emitted[0].next_state.messages] == ["sunny", "21C"]
+    assert h.emitted[0].next_state.role == "tool"
+
+
+def test_whitespace_trimmed_by_the_client_still_matches():
+    h = Harness()
+    m1 = [user("hi")]
+    h.turn("alice", m1, "hello there\n")
+    assert h.turn("alice", m1 + [reply("hello there"), user("bye")], "bye").match == "extend"
+
+
+def test_unrelated_conversation_opens_a_new_session():
+    h = Harness()
+    p1 = h.turn("alice", [SYS, user("a")], "A")
+    p2 = h.turn("alice", [{"role": "system", "content": "Generate a title."}, user("a")], "Title")
+    assert p2.session is not p1.session and p2.match == "new"
+    assert h.emitted == []
+
+
+def test_users_never_share_sessions():
+    h = Harness()
+    m1 = [SYS, user("secret plan")]
+    p1 = h.turn("alice", m1, "ok")
+    p2 = h.turn("bob", m1 + [reply("ok"), user("continue")], "no")
+    assert p2.session is not p1.session and p2.match == "new"
+    assert h.emitted == []
+    # an explicit id is scoped to the user too
+    pa = h.turn("alice", [user("x")], "y", session_id="shared-name")
+    pb = h.turn("bob", [user("x")], "y", session_id="shared-name")
+    assert pa.session is not pb.session
+    assert h.store.get("alice", "shared-name") is pa.session and h.store.get("bob", "shared-name") is pb.session
+
+
+def test_side_request_that_looked_like_a_continuation_is_forked_away():
+    """A summarisation request extends the main line; the real next message then continues the
+    line from before it. The summary turn must not be trained, the real turn must be."""
+    h = Harness()
+    m1 = [SYS, user("plan my trip")]
+    p1 = h.turn("alice", m1, "go to Rome")
+    summary = m1 + [reply("go to Rome"), user("Summarise the conversation so far.")]
+    h.turn("alice", summary, "We planned a trip.")
+    real = m1 + [reply("go to Rome"), user("what about Paris?")]
+    p3 = h.turn("alice", real, "Paris is nice")
+    assert p3.session is p1.session and p3.match == "fork" and p3.turn_type == "main"
+    assert [t.turn.turn_index for t in h.emitted] == [1]  # only the first turn got a next state
+    m4 = real + [reply("Paris is nice"), user("thanks!")]
+    p4 = h.turn("alice", m4, "welcome")
+    assert p4.match == "extend"
+    assert h.emitted[-1].turn.turn_index == p3.turn_index
+    assert h.emitted[-1].next_state.messages == [user("thanks!")]
+
+
+def test_explicit_headers_override_inference():
+    h = Harness()
+    m1 = [user("q")]
+    p1 = h.turn("alice", m1, "a", session_id="s1")
+    assert p1.session.id == "s1" and p1.turn_type == "main"
+    side = h.turn("alice", m1 + [reply("a"), user("title?")], "T", session_id="s1", turn_type="side")
+    assert side.turn_type == "side" and h.emitted == []
+    p3 = h.turn("alice", m1 + [reply("a"), user("next")], "b", session_id="s1")
+    assert p3.turn_type == "main" and p3.match == "extend" and h.emitted[0].next_state.messages == [user("next")]
+    # a request on the session that does not continue its line is a side turn
+    assert h.turn("alice", [user("something else")], "c", session_id="s1").turn_type == "side"
+
+
+def test_session_done_closes_and_flushes_the_last_turn():
+    h = Harness()
+    plan = h.turn("alice", [user("q")], "a", done=True)
+    assert plan.session.closed and len(h.store) == 0
+    assert [t.reason for t in h.emitted] == ["session_closed"]
+    assert h.emitted[0].next_state is None
+
+
+def test_idle_sessions_close():
+    h = Harness(idle_s=60)
+    h.turn("alice", [user("old")], "a")
+    h.now = 50
+    h.turn("alice", [user("newer")], "b")
+    h.now = 100
+    assert h.store.sweep() == 1 and len(h.store) == 1
+    assert h.emitted[0].turn.messages == [user("old")]
+    h.now = 200
+    assert h.store.sweep() == 1 and len(h.store) == 0
+
+
+def test_memory_is_bounded_by_max_sessions():
+    h = Harness(max_sessions=3)
+    for i in range(10):
+        h.now = i
+        h.turn("alice", [user(f"conversation {i}")], "ok")
+    assert len(h.store) == 3
+    assert len(h.emitted) == 7 and all(t.reason == "session_closed" for t in h.emitted)
+    assert len(h.store._by_line) == 3 and len(h.store._by_boundary) <= 3
+
+
+def test_lookup_cost_does_not_grow_with_sessions():
+    h = Harness(max_sessions=100_000)
+    conv = [SYS, user("start")]
+    for i in range(20_000):
+        h.turn(f"user{i % 50}", [SYS, user(f"topic {i}")], "ok")
+    h.turn("alice", conv, "ok")
+    started = time.perf_counter()
+    for _ in range(200):
+        plan = h.store.resolve("alice", conv + [reply("ok"), user("more")], turn_type="side")
+    per_lookup = (time.perf_counter() - started) / 200
+    assert plan.match == "extend"
+    assert per_lookup < 0.002
+
+
+# ---------------------------------------------------------------------------- over HTTP
+
+
+def test_stock_client_conversation_trains_without_headers(server, alice):
+    m = [{"role": "user", "content": "Tell me a joke."}]
+    r1 = alice.chat.completions.with_raw_response.create(model="tiny", messages=m, max_tokens=8)
+    first = r1.parse().choices[0].message
+    m += [{"role": "assistant", "content": first.content}, {"role": "user", "content": "That was not funny."}]
+    r2 = alice.chat.completions.with_raw_response.create(model="tiny", messages=m, max_tokens=8)
+    assert r1.headers["x-session-id"] == r2.headers["x-session-id"]
+    assert r1.headers["x-turn-type"] == r2.headers["x-turn-type"] == "main"
+    records = server.records()
+    (transition,) = [r for r in records if r["kind"] == "transition"]
+    assert transition["reason"] == "next_state" and transition["turn_index"] == 1
+    assert transition["next_state"] == [{"role": "user", "content": "That was not funny."}]
+    requests = [r for r in records if r["kind"] == "request"]
+    assert [r["turn_index"] for r in requests] == [1, 2]
+    assert transition["response_tokens"] == len(requests[0]["response_ids"])
+
+
+def test_headers_and_body_fields_drive_sessions(server, alice):
+    m = [{"role": "user", "content": "hi"}]
+    raw = alice.chat.completions.with_raw_response.create(
+        model="tiny", messages=m, max_tokens=3, extra_headers={"X-Session-Id": "my-session"}
+    )
+    assert raw.headers["x-session-id"] == "my-session"
+    side = alice.chat.completions.with_raw_response.create(
+        model="tiny", messages=m, max_tokens=3, extra_body={"session_id": "my-session", "turn_type": "side"}
+    )
+    assert side.headers["x-turn-type"] == "side" and side.headers["x-session-id"] == "my-session"
+    alice.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "bye"}], max_tokens=3,
+        extra_headers={"X-Session-Id": "other", "X-Session-Done": "true"},
+    )
+    transitions = [r for r in server.records() if r["kind"] == "transition"]
+    assert [(t["session_id"], t["reason"]) for t in transitions] == [("other", "session_closed")]
+
+
+def test_bad_turn_type_header_is_400(server):
+    key = server.key("alice")
+    resp = httpx.post(
+        f"{server.base_url}/chat/completions",
+        json={"model": "tiny", "messages": [{"role": "user", "content": "x"}]},
+        headers={"Authorization": f"Bearer {key}", "X-Turn-Type": "sideways"},
+    )
+    assert resp.status_code == 400 and resp.json()["error"]["param"] == "X-Turn-Type"
+
+
+def test_two_users_cannot_see_each_others_sessions(server):
+    alice = server.client(server.key("alice"))
+    bob = server.client(server.key("bob"))
+    m = [{"role": "user", "content": "my secret"}]
+    a1 = alice.chat.completions.with_raw_response.create(model="tiny", messages=m, max_tokens=4, extra_headers={"X-Session-Id": "s"})
+    text = a1.parse().choices[0].message.content
+    follow = m + [{"role": "assistant", "content": text}, {"role": "user", "content": "go on"}]
+    # bob replays alice's exact conversation, with and without her session id
+    b1 = bob.chat.completions.with_raw_response.create(model="tiny", messages=follow, max_tokens=4)
+    b2 = bob.chat.completions.with_raw_response.create(model="tiny", messages=follow, max_tokens=4, extra_headers={"X-Session-Id": "s"})
+    assert b1.headers["x-session-id"] != "s"
+    records = server.records()
+    assert [r for r in records if r["kind"] == "transition"] == []  # nothing of alice's was continued
+    by_user = {(r["user"], r["session_id"]) for r in records if r["kind"] == "request"}
+    assert ("alice", "s") in by_user and ("bob", "s") in by_user
+    assert b2.headers["x-turn-type"] == "main"
+    sessions = server.app.state.sessions
+    assert sessions.get("alice", "s") is not sessions.get("bob", "s")
+    assert sessions.get("alice", "s").turn_count == 1
+
+
+@pytest.mark.parametrize("idle", [0.3])
+def test_idle_timeout_closes_sessions_in_the_server(server_factory, idle):
+    server = server_factory(session_idle_s=idle)
+    client = server.client(server.key("alice"))
+    client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=3)
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        if [r for r in server.records() if r["kind"] == "transition"]:
+            break
+        time.sleep(0.1)
+    (t,) = [r for r in server.records() if r["kind"] == "transition"]
+    assert t["reason"] == "session_closed"
+    assert len(server.app.state.sessions) == 0
