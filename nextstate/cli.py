@@ -29,7 +29,8 @@ def _base_url(settings: Settings) -> str:
 def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from nextstate.app import ConfigError, create_app
+    from engine.default_model import DefaultModelUnavailable
+    from nextstate.app import ConfigError, create_app, resolve_model_dir
 
     overrides = {k: v for k, v in (("host", args.host), ("port", args.port)) if v is not None}
     settings = _settings().model_copy(update=overrides)
@@ -37,18 +38,20 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()
+    try:
+        # Fail before binding the port, and convert the default model (once) in plain view.
+        resolve_model_dir(settings)
+    except (ConfigError, DefaultModelUnavailable) as exc:
+        sys.exit(f"nextstate: {exc}")
     print(
-        f"nextstate {__version__}: serving an OpenAI-compatible API at {_base_url(settings)}\n"
+        f"nextstate {__version__}: starting an OpenAI-compatible API at {_base_url(settings)}\n"
         f"  model:    {settings.model or 'SmolLM2-135M-Instruct (embedded default)'}\n"
         f"  data dir: {settings.data_dir}\n"
         f"  make a key with:  nextstate keys create --user NAME\n"
         f"  then point any OpenAI client at base_url={_base_url(settings)} with that key.",
         flush=True,
     )
-    try:
-        uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level=settings.log_level)
-    except ConfigError as exc:
-        sys.exit(f"nextstate: {exc}")
+    uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level=settings.log_level)
     return 0
 
 

@@ -1,0 +1,157 @@
+"""First-token latency and decode speed of the embedded engine, directly and over HTTP.
+
+    python -m bench.serve_latency                 # the embedded default (SmolLM2-135M-Instruct)
+    python -m bench.serve_latency --model DIR     # any local HF model directory
+    python -m bench.serve_latency --tiny          # the tiny test model (a smoke run)
+
+Writes bench/results/serve_latency-<model>.json. "Engine" numbers call the engine in-process
+(prompt → first token, then steady decoding); "HTTP" numbers go through the whole proxy with
+the openai SDK and stream=True (auth, templating, sessions, records, SSE).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import platform
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+PROMPTS = [
+    "Write a short story about a lighthouse keeper.",
+    "Explain how a bicycle works to a child.",
+    "List some tips for learning a new language.",
+    "Describe the water cycle.",
+]
+
+
+def _machine() -> str:
+    import torch
+
+    return f"{platform.machine()}, {torch.get_num_threads()} torch threads, {platform.processor() or 'cpu'}"
+
+
+async def engine_numbers(model_dir: Path, max_tokens: int, runs: int) -> dict:
+    from engine.base import SamplingParams
+    from engine.local import LocalEngine
+    from proxy.chat_template import ChatRenderer
+
+    renderer = ChatRenderer.from_dir(model_dir)
+    engine = await LocalEngine.open(model_dir, device="cpu")
+    ttfts, rates = [], []
+    try:
+        for i in range(runs + 1):  # first run warms up
+            prompt = renderer.render([{"role": "user", "content": PROMPTS[i % len(PROMPTS)]}]).ids
+            params = SamplingParams(max_new_tokens=max_tokens, temperature=0)
+            started = time.perf_counter()
+            first = None
+            n = 0
+            async for _ in engine.generate(prompt, params):
+                n += 1
+                if first is None:
+                    first = time.perf_counter()
+            end = time.perf_counter()
+            if i:
+                ttfts.append(first - started)
+                rates.append((n - 1) / (end - first))
+        # aggregate throughput with 4 concurrent generations
+        params = SamplingParams(max_new_tokens=max_tokens, temperature=0)
+        prompts = [renderer.render([{"role": "user", "content": p}]).ids for p in PROMPTS]
+        started = time.perf_counter()
+
+        async def count(prompt: list[int]) -> int:
+            return sum([1 async for _ in engine.generate(prompt, params)])
+
+        counts = await asyncio.gather(*(count(p) for p in prompts))
+        concurrent_rate = sum(counts) / (time.perf_counter() - started)
+    finally:
+        await engine.close()
+    return {
+        "ttft_s_median": statistics.median(ttfts),
+        "decode_tokens_per_s_median": statistics.median(rates),
+        "concurrent4_total_tokens_per_s": concurrent_rate,
+    }
+
+
+def http_numbers(model_dir: Path, max_tokens: int, runs: int) -> dict:
+    from nextstate.settings import Settings
+    from nextstate.background_server import free_port, start_server
+
+    with tempfile.TemporaryDirectory() as tmp:
+        server = start_server(Settings(data_dir=Path(tmp), model=str(model_dir), port=free_port(), served_model_name="m"))
+        try:
+            client = server.client(server.key("bench"))
+            ttfts, rates = [], []
+            for i in range(runs + 1):
+                started = time.perf_counter()
+                first = None
+                tokens = 0
+                stream = client.chat.completions.create(
+                    model="m",
+                    messages=[{"role": "user", "content": PROMPTS[i % len(PROMPTS)]}],
+                    max_tokens=max_tokens,
+                    temperature=0,
+                    stream=True,
+                    stream_options={"include_usage": True},
+                )
+                for chunk in stream:
+                    if first is None and chunk.choices and chunk.choices[0].delta.content:
+                        first = time.perf_counter()
+                    if chunk.usage:
+                        tokens = chunk.usage.completion_tokens
+                end = time.perf_counter()
+                if i:
+                    ttfts.append(first - started)
+                    rates.append((tokens - 1) / (end - first))
+        finally:
+            server.stop()
+    return {"ttft_s_median": statistics.median(ttfts), "decode_tokens_per_s_median": statistics.median(rates)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", help="local HF model dir (default: the embedded SmolLM2)")
+    parser.add_argument("--tiny", action="store_true", help="use the tiny test model")
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--runs", type=int, default=5)
+    args = parser.parse_args()
+
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    if args.tiny:
+        from engine.tiny_model import build_tiny_model
+
+        model_dir = build_tiny_model(Path(tempfile.mkdtemp()) / "tiny")
+    elif args.model:
+        model_dir = Path(args.model)
+    else:
+        from engine.default_model import ensure_default_model
+        from nextstate.settings import Settings
+
+        model_dir = ensure_default_model(Settings().models_dir)
+
+    result = {
+        "benchmark": "serve_latency",
+        "model": model_dir.name,
+        "machine": _machine(),
+        "dtype": "float32",
+        "max_tokens": args.max_tokens,
+        "runs": args.runs,
+        "engine": asyncio.run(engine_numbers(model_dir, args.max_tokens, args.runs)),
+        "http_stream": http_numbers(model_dir, args.max_tokens, args.runs),
+        "date": time.strftime("%Y-%m-%d"),
+    }
+    out = Path(__file__).parent / "results" / f"serve_latency-{model_dir.name}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    print(json.dumps(result, indent=2))
+    print(f"written to {out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,88 @@
+"""Run a nextstate app in a background thread on a free loopback port.
+
+Tests and benchmarks drive the real server over real HTTP with this, without a subprocess:
+the app's state (sessions, records) stays inspectable and the server stops cleanly.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import threading
+import time
+from dataclasses import dataclass, field
+
+import uvicorn
+from openai import OpenAI
+
+from nextstate.app import EngineFactory, create_app, open_local_engine
+from nextstate.settings import Settings
+from proxy.keys import KeyStore
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class RunningServer:
+    app: object
+    base_url: str
+    settings: Settings
+    server: uvicorn.Server
+    thread: threading.Thread
+    loop: asyncio.AbstractEventLoop = field(repr=False)
+
+    @property
+    def root(self) -> str:
+        return self.base_url.removesuffix("/v1")
+
+    def key(self, user: str, admin: bool = False) -> str:
+        store = KeyStore(self.settings.keys_db)
+        try:
+            return store.create(user, admin=admin)[1]
+        finally:
+            store.close()
+
+    def client(self, key: str, **kwargs) -> OpenAI:
+        return OpenAI(base_url=self.base_url, api_key=key, max_retries=0, timeout=60, **kwargs)
+
+    def records(self) -> list[dict]:
+        """All JSONL records written so far (waits for the background writer to catch up)."""
+        fut = asyncio.run_coroutine_threadsafe(self.app.state.records.flush(), self.loop)
+        fut.result(10)
+        out = []
+        for path in sorted(self.settings.records_dir.glob("*.jsonl")):
+            out += [json.loads(line) for line in path.read_text().splitlines() if line]
+        return out
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(30)
+        if self.thread.is_alive():
+            raise RuntimeError("server did not stop within 30 s")
+
+
+def start_server(settings: Settings, engine_factory: EngineFactory = open_local_engine) -> RunningServer:
+    app = create_app(settings, engine_factory=engine_factory)
+    config = uvicorn.Config(app, host="127.0.0.1", port=settings.port, log_level="warning", lifespan="on")
+    server = uvicorn.Server(config)
+    holder: dict = {}
+
+    def run() -> None:
+        loop = asyncio.new_event_loop()
+        holder["loop"] = loop
+        asyncio.set_event_loop(loop)
+        loop.run_until_complete(server.serve())
+
+    thread = threading.Thread(target=run, daemon=True, name="nextstate-server")
+    thread.start()
+    deadline = time.monotonic() + 60
+    while not server.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            raise RuntimeError("server failed to start (see the log above)")
+        time.sleep(0.02)
+    return RunningServer(app, f"http://127.0.0.1:{settings.port}/v1", settings, server, thread, holder["loop"])

@@ -1,0 +1,117 @@
+"""Keys (hashed, revocable at once) and the command line, run as a user would."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import time
+
+import httpx
+import openai
+import pytest
+from openai import OpenAI
+
+from proxy.keys import KeyStore
+from tests.conftest import free_port
+
+
+def run_cli(*args: str, env: dict) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "nextstate.cli", *args], env=env, capture_output=True, text=True, timeout=120
+    )
+
+
+@pytest.fixture
+def cli_env(tmp_path, tiny_model_dir) -> dict:
+    return {**os.environ, "NEXTSTATE_DATA_DIR": str(tmp_path / "data"), "NEXTSTATE_MODEL": str(tiny_model_dir)}
+
+
+def test_keys_are_stored_hashed(tmp_path):
+    store = KeyStore(tmp_path / "k.sqlite3")
+    key, secret = store.create("alice")
+    store.close()
+    raw = b"".join(p.read_bytes() for p in tmp_path.iterdir())
+    assert secret.encode() not in raw and secret[3:].encode() not in raw
+    store = KeyStore(tmp_path / "k.sqlite3")
+    assert store.verify(secret).user == "alice"
+    assert store.verify(secret + "x") is None
+    assert store.revoke(key.id) and not store.revoke(key.id)
+    assert store.verify(secret) is None
+
+
+def test_key_user_names_are_validated(tmp_path):
+    store = KeyStore(tmp_path / "k.sqlite3")
+    with pytest.raises(ValueError):
+        store.create("two words")
+
+
+def test_cli_create_list_revoke_against_a_live_server(server, cli_env):
+    env = {**cli_env, "NEXTSTATE_DATA_DIR": str(server.settings.data_dir), "NEXTSTATE_PORT": str(server.settings.port)}
+    created = run_cli("keys", "create", "--user", "carol", env=env)
+    assert created.returncode == 0, created.stderr
+    secret = re.search(r"ns-[A-Za-z0-9_\-]+", created.stdout).group(0)
+    key_id = re.search(r"key_[0-9a-f]+", created.stdout).group(0)
+    assert f'base_url="{server.base_url}"' in created.stdout
+    client = server.client(secret)
+    assert client.models.list().data[0].id == "tiny"
+
+    listed = run_cli("keys", "list", env=env)
+    assert "carol" in listed.stdout and key_id in listed.stdout and "active" in listed.stdout
+    assert secret not in listed.stdout
+
+    revoked = run_cli("keys", "revoke", key_id, env=env)
+    assert revoked.returncode == 0
+    with pytest.raises(openai.AuthenticationError):
+        client.models.list()  # refused at once, no restart
+    assert "revoked" in run_cli("keys", "list", env=env).stdout
+    again = run_cli("keys", "revoke", key_id, env=env)
+    assert again.returncode != 0 and "no active key" in again.stderr
+
+
+def test_admin_routes_need_an_admin_key(server):
+    admin = server.key("root", admin=True)
+    assert KeyStore(server.settings.keys_db).verify(admin).admin
+
+
+def test_invalid_configuration_is_reported_clearly(cli_env):
+    bad = run_cli("keys", "list", env={**cli_env, "NEXTSTATE_PORT": "notaport"})
+    assert bad.returncode != 0 and "NEXTSTATE_PORT" in bad.stderr
+
+
+def test_serve_command_starts_and_answers(cli_env):
+    port = free_port()
+    env = {**cli_env, "NEXTSTATE_PORT": str(port), "NEXTSTATE_SERVED_MODEL_NAME": "tiny"}
+    secret = re.search(r"ns-[A-Za-z0-9_\-]+", run_cli("keys", "create", "--user", "dave", env=env).stdout).group(0)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "nextstate.cli", "serve"], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    try:
+        deadline = time.monotonic() + 90
+        while True:
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert proc.poll() is None, proc.stdout.read()
+            assert time.monotonic() < deadline, "server did not come up"
+            time.sleep(0.2)
+        client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=secret, max_retries=0)
+        reply = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=4)
+        assert reply.usage.completion_tokens == 4
+    finally:
+        proc.terminate()
+        output, _ = proc.communicate(timeout=30)
+    # uvicorn shuts down gracefully, then re-raises SIGTERM so the exit status reports it
+    assert proc.returncode in (0, -15), output
+    assert "Application shutdown complete" in output
+    assert f"http://127.0.0.1:{port}/v1" in output and "nextstate keys create" in output
+
+
+def test_missing_model_dir_fails_at_start(cli_env, tmp_path):
+    env = {**cli_env, "NEXTSTATE_MODEL": str(tmp_path / "nope"), "NEXTSTATE_PORT": str(free_port())}
+    proc = subprocess.run([sys.executable, "-m", "nextstate.cli", "serve"], env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0
+    assert "not a Hugging Face model directory" in proc.stdout + proc.stderr

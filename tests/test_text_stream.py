@@ -1,0 +1,43 @@
+"""Incremental detokenisation and stop strings."""
+
+from __future__ import annotations
+
+from transformers import AutoTokenizer
+
+from proxy.text_stream import IncrementalDetokenizer, StopStringMatcher
+
+
+def test_multibyte_text_streams_without_broken_characters(tiny_model_dir):
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    text = "Grüße, 世界! naïve café — ok 🙂 done"
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    detok = IncrementalDetokenizer(tok)
+    pieces = [detok.push(i) for i in ids] + [detok.flush()]
+    assert "".join(pieces) == text
+    assert not any("\ufffd" in p for p in pieces)
+
+
+def test_special_tokens_never_reach_the_text(tiny_model_dir):
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    end = tok.convert_tokens_to_ids("<|im_end|>")
+    detok = IncrementalDetokenizer(tok, skip_ids=(end,))
+    ids = tok("hello", add_special_tokens=False)["input_ids"] + [end]
+    assert "".join(detok.push(i) for i in ids) + detok.flush() == "hello"
+
+
+def test_stop_string_split_across_deltas():
+    m = StopStringMatcher(["</answer>"])
+    out = [m.push(t) for t in ["The answer is 4.", "</ans", "wer> and more"]]
+    assert "".join(out) == "The answer is 4." and m.stopped
+    assert m.push("later") == "" and m.flush() == ""
+
+
+def test_false_start_of_a_stop_string_is_released():
+    m = StopStringMatcher(["STOP"])
+    out = [m.push(t) for t in ["ST", "OMP", " fine"]] + [m.flush()]
+    assert "".join(out) == "STOMP fine" and not m.stopped
+
+
+def test_earliest_stop_string_wins():
+    m = StopStringMatcher(["bb", "a"])
+    assert m.push("xxbbya") == "xx"
