@@ -12,18 +12,23 @@ from fastapi import FastAPI
 
 from engine.base import Engine
 from engine.default_model import ensure_default_model
+from judge.client import EngineJudgeClient, JudgeClient, OpenAIJudgeClient
+from judge.prompts import PromptLibrary
+from judge.service import Judge, JudgeConfig
+from nextstate.sample_store import SampleStore
 from nextstate import __version__
 from nextstate.policy import PolicyDirectory
 from nextstate.settings import Settings
 from nextstate.types import Transition
 from proxy.chat_template import ChatRenderer
 from proxy.completions import ChatService
-from proxy.consumers import RecordingConsumer, TransitionConsumer
 from proxy.errors import install_error_handlers
 from proxy.keys import KeyStore
 from proxy.metrics import Metrics
 from proxy.records import RecordWriter
+from proxy.admin_routes import router as admin_router
 from proxy.routes import router
+from proxy.session_routes import router as session_router
 from proxy.sessions import SessionStore
 
 log = logging.getLogger(__name__)
@@ -33,6 +38,17 @@ EngineFactory = Callable[[Path, Settings], Awaitable[Engine]]
 
 class ConfigError(RuntimeError):
     """A setting that cannot work; reported at start-up, before anything is served."""
+
+
+def preflight(settings: Settings) -> Path:
+    """Everything that can be checked before serving: the model folder (converting the
+    default once) and the judge prompts. Returns the model folder."""
+    model_dir = resolve_model_dir(settings)
+    try:
+        PromptLibrary(settings.prompts_dir).require(settings.prm_prompt)
+    except FileNotFoundError as exc:
+        raise ConfigError(str(exc)) from exc
+    return model_dir
 
 
 def resolve_model_dir(settings: Settings) -> Path:
@@ -55,29 +71,44 @@ async def open_local_engine(model_dir: Path, settings: Settings) -> Engine:
     )
 
 
-def create_app(
-    settings: Settings | None = None,
-    *,
-    engine_factory: EngineFactory = open_local_engine,
-    consumer: Callable[[RecordWriter], TransitionConsumer] = RecordingConsumer,
-) -> FastAPI:
+def make_judge_client(settings: Settings, engine: Engine, renderer: ChatRenderer, model_name: str) -> JudgeClient:
+    if settings.judge_base_url:
+        return OpenAIJudgeClient(
+            settings.judge_base_url, settings.judge_model or model_name, settings.judge_api_key, settings.judge_timeout_s
+        )
+    return EngineJudgeClient(engine, renderer)
+
+
+def create_app(settings: Settings | None = None, *, engine_factory: EngineFactory = open_local_engine) -> FastAPI:
     settings = settings or Settings()
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         settings.data_dir.mkdir(parents=True, exist_ok=True)
-        model_dir = await asyncio.to_thread(resolve_model_dir, settings)
+        model_dir = await asyncio.to_thread(preflight, settings)
         engine = await engine_factory(model_dir, settings)
         renderer = await asyncio.to_thread(ChatRenderer.from_dir, model_dir)
+        model_name = settings.served_model_name or model_dir.name
+        prompts = PromptLibrary(settings.prompts_dir)
         keys = KeyStore(settings.keys_db)
+        samples = SampleStore(settings.samples_db)
         records = RecordWriter(settings.records_dir)
         await records.start()
         metrics = Metrics()
-        sink = consumer(records)
+        judge = Judge(
+            JudgeConfig.from_settings(settings),
+            make_judge_client(settings, engine, renderer, model_name),
+            prompts,
+            engine,
+            renderer,
+            samples,
+            records,
+            on_sample=lambda s: metrics.judged.labels(s.mode, s.status).inc(),
+        )
 
         def emit(transition: Transition) -> None:
             metrics.transitions.labels(transition.reason).inc()
-            sink.submit(transition)
+            judge.submit(transition)
 
         sessions = SessionStore(emit, idle_s=settings.session_idle_s, max_sessions=settings.max_sessions)
         chat = ChatService(
@@ -87,7 +118,7 @@ def create_app(
             records=records,
             policies=PolicyDirectory(),
             metrics=metrics,
-            model_name=settings.served_model_name or model_dir.name,
+            model_name=model_name,
             default_max_tokens=settings.default_max_tokens,
         )
         app.state.settings = settings
@@ -95,9 +126,11 @@ def create_app(
         app.state.records = records
         app.state.metrics = metrics
         app.state.sessions = sessions
-        app.state.consumer = sink
+        app.state.judge = judge
+        app.state.samples = samples
         app.state.chat = chat
         sweeper = asyncio.create_task(_sweep(sessions, metrics), name="session-sweeper")
+        await judge.start()
         log.info("serving %s on %s (%s)", chat.model_name, engine.info.device, engine.info.dtype)
         try:
             yield
@@ -106,13 +139,17 @@ def create_app(
             with contextlib.suppress(asyncio.CancelledError):
                 await sweeper
             sessions.close_all()
+            await judge.aclose()
             await records.aclose()
             await engine.close()
+            samples.close()
             keys.close()
 
     app = FastAPI(title="nextstate", version=__version__, lifespan=lifespan)
     install_error_handlers(app)
     app.include_router(router)
+    app.include_router(session_router)
+    app.include_router(admin_router)
     return app
 
 

@@ -30,7 +30,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from engine.default_model import DefaultModelUnavailable
-    from nextstate.app import ConfigError, create_app, resolve_model_dir
+    from nextstate.app import ConfigError, create_app, preflight
 
     overrides = {k: v for k, v in (("host", args.host), ("port", args.port)) if v is not None}
     settings = _settings().model_copy(update=overrides)
@@ -40,7 +40,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     hf_logging.set_verbosity_error()
     try:
         # Fail before binding the port, and convert the default model (once) in plain view.
-        resolve_model_dir(settings)
+        preflight(settings)
     except (ConfigError, DefaultModelUnavailable) as exc:
         sys.exit(f"nextstate: {exc}")
     print(

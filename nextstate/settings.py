@@ -41,6 +41,31 @@ class Settings(BaseSettings):
 
     log_level: Literal["debug", "info", "warning", "error"] = "info"
 
+    # ---- judge: next states → rewards, hints, advantages
+    mode: Literal["binary", "opd", "combined"] = Field(
+        "combined", description="binary = judged scalar reward, opd = hindsight distillation, combined = both."
+    )
+    judge_base_url: str | None = Field(
+        None, description="OpenAI-compatible judge endpoint; unset = the served base model, in-process."
+    )
+    judge_model: str | None = Field(None, description="Model name sent to the judge endpoint.")
+    judge_api_key: str | None = None
+    judge_timeout_s: float = Field(120.0, gt=0, description="Per judge call; a late vote counts as no vote.")
+    judge_concurrency: int = Field(4, ge=1, description="Judge calls in flight at once.")
+    judge_temperature: float = Field(0.6, ge=0, le=2)
+    judge_max_tokens: int = Field(512, ge=16)
+    judge_max_chars: int = Field(6000, ge=200, description="Each text shown to the judge is cut to this.")
+    prm_votes: int = Field(3, ge=1, le=16, description="m: judge votes per turn (PRM and hint each).")
+    prm_prompt: str = Field("prm_personal", description="Prompt in prompts/ for the PRM judge.")
+    min_hint_chars: int = Field(10, ge=0, description="A hint must be longer than this to count.")
+    w_binary: float = 1.0
+    w_opd: float = 1.0
+    opd_clip: float = Field(2.0, gt=0, description="Per-token |teacher - old| is clipped to this.")
+    opd_teacher: Literal["base", "policy"] = Field(
+        "base", description="Teacher = the base model, or the adapter that served the turn."
+    )
+    prompts_dir: Path | None = Field(None, description="Judge prompt folder; unset = the bundled prompts/.")
+
     @field_validator("data_dir")
     @classmethod
     def _expand(cls, value: Path) -> Path:
@@ -49,6 +74,10 @@ class Settings(BaseSettings):
     @property
     def keys_db(self) -> Path:
         return self.data_dir / "nextstate.sqlite3"
+
+    @property
+    def samples_db(self) -> Path:
+        return self.data_dir / "samples.sqlite3"
 
     @property
     def records_dir(self) -> Path:

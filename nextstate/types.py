@@ -18,6 +18,7 @@ class Turn(BaseModel):
     turn_index: int = Field(description="1 for the first main turn of a session.")
     messages: list[dict[str, Any]] = Field(description="The request's messages, normalised.")
     tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
     prompt_ids: list[int]
     response_ids: list[int]
     response_logprobs: list[float]
@@ -28,6 +29,9 @@ class Turn(BaseModel):
     response_message: dict[str, Any] = Field(description="The assistant message the client got.")
     finish_reason: str
     created_at: float
+    track: Literal["personal", "outcome"] = Field(
+        "personal", description="'outcome': an environment will post a verifiable outcome for the session."
+    )
 
 
 class NextState(BaseModel):
@@ -48,3 +52,33 @@ class Transition(BaseModel):
     turn: Turn
     next_state: NextState | None
     reason: Literal["next_state", "session_closed", "superseded"]
+
+
+SampleStatus = Literal["ready", "dropped", "awaiting_outcome", "consumed"]
+
+
+class Sample(BaseModel):
+    """One judged turn, ready for the learner (or dropped, with the reason kept)."""
+
+    id: int | None = None
+    user: str
+    session_id: str
+    turn_index: int
+    policy_version: int
+    adapter: str | None
+    mode: Literal["binary", "opd", "combined"]
+    track: Literal["personal", "outcome"] = "personal"
+    status: SampleStatus
+    reason: str = Field("", description="Why the sample was dropped, or how it was accepted.")
+    prompt_ids: list[int]
+    response_ids: list[int]
+    old_logprobs: list[float]
+    logprob_temperature: float
+    advantages: list[float] = Field(description="Per response token; for outcome samples, set per batch.")
+    loss_mask: list[int]
+    reward: float = Field(description="Scalar reward: majority vote, or o + mean votes for outcome samples.")
+    votes: list[int | None] = Field(default_factory=list)
+    hint: str | None = None
+    teacher_logprobs: list[float] | None = None
+    outcome: float | None = None
+    created_at: float

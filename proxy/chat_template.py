@@ -121,10 +121,16 @@ class ChatRenderer:
     def render(
         self,
         messages: list[dict[str, Any]],
-        tools: list[Tool] | None = None,
-        tool_choice: str | NamedToolChoice | None = None,
+        tools: list[Tool] | list[dict[str, Any]] | None = None,
+        tool_choice: str | NamedToolChoice | dict[str, Any] | None = None,
     ) -> RenderedPrompt:
-        tool_dicts = [t.model_dump(exclude_none=True) for t in tools] if tools and tool_choice != "none" else None
+        """Prompt ids for `messages`. Takes the request's models or their JSON dumps (as a
+        recorded Turn keeps them), so a turn can be re-rendered exactly, e.g. for the teacher."""
+        tool_dicts = None
+        if tools and tool_choice != "none":
+            tool_dicts = [t.model_dump(exclude_none=True) if isinstance(t, Tool) else t for t in tools]
+        if isinstance(tool_choice, dict):
+            tool_choice = NamedToolChoice.model_validate(tool_choice)
         if self.template_knows_tools:
             text = self.tokenizer.apply_chat_template(
                 messages, tools=tool_dicts, add_generation_prompt=True, tokenize=False

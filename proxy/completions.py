@@ -32,6 +32,10 @@ from proxy.tool_calls import ParsedToolCall, ToolCallParser
 _TRUE = {"1", "true", "yes", "on"}
 
 
+def _dump(value: Any) -> Any:
+    return value.model_dump() if hasattr(value, "model_dump") else value
+
+
 @dataclass(frozen=True)
 class TurnHints:
     """What the client said about the session, via headers or body fields."""
@@ -39,6 +43,7 @@ class TurnHints:
     session_id: str | None = None
     turn_type: str | None = None
     done: bool = False
+    outcome_expected: bool = False
 
     @classmethod
     def from_request(cls, headers: Any, body: ChatCompletionRequest) -> TurnHints:
@@ -52,7 +57,9 @@ class TurnHints:
             raise invalid_request("X-Session-Id must be 1-200 characters.", param="X-Session-Id")
         done_header = headers.get("x-session-done")
         done = done_header.strip().lower() in _TRUE if done_header is not None else bool(body.session_done)
-        return cls(session_id.strip() if session_id else None, turn_type, done)
+        outcome_header = headers.get("x-outcome-expected")
+        outcome = outcome_header.strip().lower() in _TRUE if outcome_header is not None else bool(body.outcome_expected)
+        return cls(session_id.strip() if session_id else None, turn_type, done, outcome)
 
 
 @dataclass
@@ -64,6 +71,7 @@ class PreparedChat:
     sampling: SamplingParams
     plan: TurnPlan
     policy: PolicyRef
+    hints: TurnHints
     completion_id: str = field(default_factory=lambda: "chatcmpl-" + secrets.token_hex(12))
     created: int = field(default_factory=lambda: int(time.time()))
     started: float = field(default_factory=time.monotonic)
@@ -148,7 +156,7 @@ class ChatService:
         )
         self.metrics.turns.labels(plan.turn_type, plan.match).inc()
         self.metrics.sessions_open.set(len(self.sessions))
-        return PreparedChat(body, key, messages, prompt, sampling, plan, self.policies.current(key.user))
+        return PreparedChat(body, key, messages, prompt, sampling, plan, self.policies.current(key.user), hints)
 
     def _sampling(self, body: ChatCompletionRequest, prompt_len: int) -> SamplingParams:
         limit = self.engine.info.max_context
@@ -285,6 +293,7 @@ class ChatService:
                 turn_index=plan.turn_index or 0,
                 messages=prep.messages,
                 tools=record["tools"],
+                tool_choice=_dump(prep.request.tool_choice),
                 prompt_ids=prep.prompt.ids,
                 response_ids=response_ids,
                 response_logprobs=logprobs,
@@ -300,6 +309,7 @@ class ChatService:
                 response_message=message,
                 finish_reason=done.finish_reason,
                 created_at=time.time(),
+                track="outcome" if prep.hints.outcome_expected else "personal",
             )
             record.update(prompt_ids=prep.prompt.ids, response_ids=response_ids, response_logprobs=logprobs)
             self.records.write("request", record, version=prep.policy.version)

@@ -14,6 +14,7 @@ class Metrics:
         self.requests = Counter("nextstate_requests", "Chat completion requests by outcome.", ["status", "stream"], registry=r)
         self.turns = Counter("nextstate_turns", "Served turns by type and how their session was found.", ["turn_type", "match"], registry=r)
         self.transitions = Counter("nextstate_transitions", "Turns handed to the judge, by reason.", ["reason"], registry=r)
+        self.judged = Counter("nextstate_judged_samples", "Judged turns by mode and outcome.", ["mode", "status"], registry=r)
         self.prompt_tokens = Counter("nextstate_prompt_tokens", "Prompt tokens processed.", registry=r)
         self.completion_tokens = Counter("nextstate_completion_tokens", "Tokens generated.", registry=r)
         self.ttft = Histogram("nextstate_time_to_first_token_seconds", "Time to first token.", buckets=_LATENCY_BUCKETS, registry=r)

@@ -121,10 +121,12 @@ class ChatCompletionRequest(_Open):
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
     logit_bias: dict[str, float] | None = None
     user: str | None = None
-    # nextstate extensions, also accepted as X-Session-Id / X-Turn-Type / X-Session-Done headers.
+    # nextstate extensions, also accepted as X-Session-Id / X-Turn-Type / X-Session-Done /
+    # X-Outcome-Expected headers.
     session_id: str | None = Field(None, min_length=1, max_length=200)
     turn_type: Literal["main", "side"] | None = None
     session_done: bool | None = None
+    outcome_expected: bool | None = None
 
     @field_validator("n")
     @classmethod

@@ -1,0 +1,1 @@
+"""Next states → rewards, hindsight hints and per-token advantages (binary, OPD, combined)."""

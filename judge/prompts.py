@@ -1,0 +1,35 @@
+"""Judge prompts as files in prompts/, loaded by name and filled with `string.Template`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from string import Template
+
+BUNDLED = Path(__file__).resolve().parents[1] / "prompts"
+
+
+class PromptLibrary:
+    def __init__(self, directory: Path | None = None) -> None:
+        self.directory = directory or BUNDLED
+        if not self.directory.is_dir():
+            raise FileNotFoundError(f"judge prompt folder {self.directory} does not exist")
+
+    def names(self) -> list[str]:
+        return sorted(p.name.removesuffix(".system.txt") for p in self.directory.glob("*.system.txt"))
+
+    def require(self, name: str) -> None:
+        for part in ("system", "user"):
+            if not (self.directory / f"{name}.{part}.txt").is_file():
+                raise FileNotFoundError(
+                    f"judge prompt '{name}' needs {name}.{part}.txt in {self.directory} (have: {', '.join(self.names())})"
+                )
+
+    def render(self, name: str, **values: str) -> list[dict[str, str]]:
+        """Chat messages for the judge. Unknown placeholders are an error, not silent text."""
+        self.require(name)
+        system = (self.directory / f"{name}.system.txt").read_text(encoding="utf-8").strip()
+        user = (self.directory / f"{name}.user.txt").read_text(encoding="utf-8").strip()
+        return [
+            {"role": "system", "content": Template(system).substitute(values)},
+            {"role": "user", "content": Template(user).substitute(values)},
+        ]

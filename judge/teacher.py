@@ -1,0 +1,46 @@
+"""The OPD teacher: the same response, scored under a prompt that knows the hint.
+
+The hint is appended to the last user message as "\\n\\n[user's hint / instruction]\\n{hint}"
+and the turn is re-rendered with its own tools and tool choice, so the only difference from
+the prompt that produced the response is the hint. The response tokens are then scored, one
+logprob per response token: `score(teacher_prompt + response, start=len(teacher_prompt))`
+returns exactly `len(response)` values, aligned with the sampling logprobs (the reference's
+off-by-one came from dropping a first entry that this interface never returns).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+
+from engine.base import Engine
+from nextstate.types import Turn
+from proxy.chat_template import ChatRenderer
+
+HINT_HEADER = "\n\n[user's hint / instruction]\n"
+
+
+def enhanced_messages(messages: list[dict], hint: str) -> list[dict]:
+    out = copy.deepcopy(messages)
+    if not hint:
+        return out
+    for message in reversed(out):
+        if message["role"] == "user":
+            message["content"] = f"{message.get('content') or ''}{HINT_HEADER}{hint}"
+            return out
+    out.append({"role": "user", "content": HINT_HEADER.lstrip("\n") + hint})
+    return out
+
+
+async def teacher_prompt_ids(renderer: ChatRenderer, turn: Turn, hint: str) -> list[int]:
+    messages = enhanced_messages(turn.messages, hint)
+    prompt = await asyncio.to_thread(renderer.render, messages, turn.tools, turn.tool_choice)
+    return prompt.ids
+
+
+async def teacher_logprobs(engine: Engine, renderer: ChatRenderer, turn: Turn, hint: str, adapter: str | None) -> list[float]:
+    prompt = await teacher_prompt_ids(renderer, turn, hint)
+    scores = await engine.score(prompt + turn.response_ids, len(prompt), adapter=adapter, temperature=turn.logprob_temperature)
+    if len(scores) != len(turn.response_ids):
+        raise RuntimeError(f"teacher returned {len(scores)} logprobs for {len(turn.response_ids)} response tokens")
+    return scores
