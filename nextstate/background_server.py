@@ -50,10 +50,17 @@ class RunningServer:
     def client(self, key: str, **kwargs) -> OpenAI:
         return OpenAI(base_url=self.base_url, api_key=key, max_retries=0, timeout=60, **kwargs)
 
+    def call(self, coro, timeout: float = 60):
+        """Run a coroutine on the server's event loop (to inspect or wait on its state)."""
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def drain_judge(self, timeout: float = 60) -> None:
+        """Wait until every transition handed to the judge has been judged and stored."""
+        self.call(self.app.state.judge.drain(timeout), timeout + 5)
+
     def records(self) -> list[dict]:
         """All JSONL records written so far (waits for the background writer to catch up)."""
-        fut = asyncio.run_coroutine_threadsafe(self.app.state.records.flush(), self.loop)
-        fut.result(10)
+        self.call(self.app.state.records.flush(), 10)
         out = []
         for path in sorted(self.settings.records_dir.glob("*.jsonl")):
             out += [json.loads(line) for line in path.read_text().splitlines() if line]
@@ -66,9 +73,11 @@ class RunningServer:
             raise RuntimeError("server did not stop within 30 s")
 
 
-def start_server(settings: Settings, engine_factory: EngineFactory = open_local_engine) -> RunningServer:
-    app = create_app(settings, engine_factory=engine_factory)
-    config = uvicorn.Config(app, host="127.0.0.1", port=settings.port, log_level="warning", lifespan="on")
+def serve_in_thread(app, port: int, name: str = "nextstate-server") -> tuple[uvicorn.Server, threading.Thread, asyncio.AbstractEventLoop]:
+    """Start any ASGI app with uvicorn on 127.0.0.1:port in a daemon thread; return once it listens."""
+    config = uvicorn.Config(
+        app, host="127.0.0.1", port=port, log_level="warning", lifespan="on", timeout_graceful_shutdown=5
+    )
     server = uvicorn.Server(config)
     holder: dict = {}
 
@@ -78,11 +87,17 @@ def start_server(settings: Settings, engine_factory: EngineFactory = open_local_
         asyncio.set_event_loop(loop)
         loop.run_until_complete(server.serve())
 
-    thread = threading.Thread(target=run, daemon=True, name="nextstate-server")
+    thread = threading.Thread(target=run, daemon=True, name=name)
     thread.start()
     deadline = time.monotonic() + 60
     while not server.started:
         if not thread.is_alive() or time.monotonic() > deadline:
             raise RuntimeError("server failed to start (see the log above)")
         time.sleep(0.02)
-    return RunningServer(app, f"http://127.0.0.1:{settings.port}/v1", settings, server, thread, holder["loop"])
+    return server, thread, holder["loop"]
+
+
+def start_server(settings: Settings, engine_factory: EngineFactory = open_local_engine) -> RunningServer:
+    app = create_app(settings, engine_factory=engine_factory)
+    server, thread, loop = serve_in_thread(app, settings.port)
+    return RunningServer(app, f"http://127.0.0.1:{settings.port}/v1", settings, server, thread, loop)

@@ -106,7 +106,7 @@ def test_serve_command_starts_and_answers(cli_env):
         output, _ = proc.communicate(timeout=30)
     # uvicorn shuts down gracefully, then re-raises SIGTERM so the exit status reports it
     assert proc.returncode in (0, -15), output
-    assert "Application shutdown complete" in output
+    assert "Application shutdown complete" in output, output
     assert f"http://127.0.0.1:{port}/v1" in output and "nextstate keys create" in output
 
 
@@ -115,3 +115,20 @@ def test_missing_model_dir_fails_at_start(cli_env, tmp_path):
     proc = subprocess.run([sys.executable, "-m", "nextstate.cli", "serve"], env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0
     assert "not a Hugging Face model directory" in proc.stdout + proc.stderr
+
+
+def test_invalid_mode_is_a_clear_start_up_error(cli_env):
+    proc = subprocess.run(
+        [sys.executable, "-m", "nextstate.cli", "serve"], env={**cli_env, "NEXTSTATE_MODE": "reinforce"},
+        capture_output=True, text=True, timeout=60,
+    )
+    assert proc.returncode != 0
+    assert "NEXTSTATE_MODE" in proc.stderr and "binary" in proc.stderr
+
+
+def test_missing_prm_prompt_is_a_clear_start_up_error(cli_env):
+    proc = subprocess.run(
+        [sys.executable, "-m", "nextstate.cli", "serve"], env={**cli_env, "NEXTSTATE_PRM_PROMPT": "prm_nope"},
+        capture_output=True, text=True, timeout=60,
+    )
+    assert proc.returncode != 0 and "prm_nope" in proc.stderr

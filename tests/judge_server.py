@@ -1,0 +1,72 @@
+"""A real OpenAI-compatible HTTP judge that answers with scripted, rule-based verdicts.
+
+PRM prompt: the next state decides — thanks/great → \\boxed{1}; no/wrong/error → \\boxed{-1};
+anything else → \\boxed{0}. Hint prompt: a user correction ("no, ...") → \\boxed{1} with a hint
+whose length depends on the vote (so "longest wins" is observable); otherwise \\boxed{-1}.
+Modes "hang", "garbage" and "error" simulate a broken judge.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import time
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+
+from nextstate.background_server import free_port, serve_in_thread
+
+HINTS = ["Use French.", "Answer in French, not English.", "Answer in French, not English, and keep it to one short sentence."]
+_NEXT_STATE = re.compile(r"\[role: (\w+)\]\n(.*?)\n\n(?:First|Now)", re.DOTALL)
+
+
+class ScriptedJudge:
+    def __init__(self) -> None:
+        self.mode = "rules"
+        self.calls: list[list[dict]] = []
+        self._hint_calls = 0
+        app = FastAPI()
+
+        @app.post("/v1/chat/completions")
+        async def complete(request: Request):
+            body = await request.json()
+            self.calls.append(body["messages"])
+            if self.mode == "hang":
+                await asyncio.sleep(3600)
+            if self.mode == "error":
+                return JSONResponse({"error": {"message": "boom", "type": "server_error", "param": None, "code": None}}, 500)
+            text = "I am not sure what to say here." if self.mode == "garbage" else self.verdict(body["messages"])
+            return {
+                "id": "judge-1", "object": "chat.completion", "created": int(time.time()), "model": body["model"],
+                "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "stop"}],
+                "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2},
+            }
+
+        self.app = app
+        self.port = free_port()
+        self.server, self.thread, _ = serve_in_thread(app, self.port, name="scripted-judge")
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}/v1"
+
+    def verdict(self, messages: list[dict]) -> str:
+        system, user = messages[0]["content"], messages[-1]["content"]
+        match = _NEXT_STATE.search(user)
+        role, text = (match.group(1), match.group(2).lower()) if match else ("user", user.lower())
+        if "hindsight hint extraction" in system:
+            if role == "user" and text.startswith("no"):
+                hint = HINTS[self._hint_calls % len(HINTS)]
+                self._hint_calls += 1
+                return f"The user corrected the language. \\boxed{{1}}\n[HINT_START]{hint}[HINT_END]"
+            return "Nothing to learn here. \\boxed{-1}"
+        if "thank" in text or "great" in text:
+            return "The user is satisfied. \\boxed{1}"
+        if text.startswith("no") or "wrong" in text or "error" in text:
+            return "Step 1: the user objects. \\boxed{0} was my first guess, but final: \\boxed{-1}"
+        return "Unclear. \\boxed{0}"
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(10)

@@ -1,0 +1,246 @@
+"""The judge end to end: scripted conversations over HTTP, a real HTTP judge, every mode."""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+import pytest
+
+from judge.teacher import teacher_logprobs
+from nextstate.sample_store import SampleStore
+from nextstate.types import NextState, Transition, Turn
+from tests.judge_server import HINTS, ScriptedJudge
+
+
+@pytest.fixture
+def judge():
+    j = ScriptedJudge()
+    yield j
+    j.stop()
+
+
+def judged_server(server_factory, judge, **overrides):
+    values = {"judge_base_url": judge.base_url, "judge_model": "judge", "prm_votes": 3}
+    return server_factory(**{**values, **overrides})
+
+
+def converse(client, script, max_tokens=6, headers=None):
+    """Play a conversation as a stock client: echo every reply, then add the next message."""
+    messages = [{"role": "system", "content": "You are a translator."}]
+    for step in script:
+        messages.append(step)
+        reply = client.chat.completions.create(
+            model="tiny", messages=messages, max_tokens=max_tokens, temperature=0.7, extra_headers=headers or {}
+        )
+        messages.append({"role": "assistant", "content": reply.choices[0].message.content})
+    return messages
+
+
+SCRIPT = [
+    {"role": "user", "content": "Translate 'good morning' for me."},
+    {"role": "user", "content": "No, that's wrong. I need it in French."},  # correction → -1, hint
+    {"role": "tool", "tool_call_id": "call_1", "content": "Error: dictionary file not found"},  # tool error → -1
+    {"role": "user", "content": "Thanks, that's great!"},  # praise → +1
+]
+
+
+def samples_by_turn(server) -> dict[int, object]:
+    server.drain_judge()
+    return {s.turn_index: s for s in server.app.state.samples.samples()}
+
+
+def test_combined_mode_rewards_hints_and_advantages(server_factory, judge):
+    server = judged_server(server_factory, judge)
+    converse(server.client(server.key("alice")), SCRIPT)
+    samples = samples_by_turn(server)
+    assert sorted(samples) == [1, 2, 3], "the last turn has no next state yet"
+
+    correction, tool_error, praise = samples[1], samples[2], samples[3]
+    assert correction.reward == -1 and tool_error.reward == -1 and praise.reward == 1
+    assert correction.votes == [-1, -1, -1]
+    assert correction.hint == max(HINTS, key=len), "the longest valid hint wins"
+    assert tool_error.hint is None and praise.hint is None
+    assert {s.status for s in samples.values()} == {"ready"}
+
+    # combined: A_t = 1·r + 1·clip(teacher − old, ±2), teacher = base model under the hint prompt
+    turn = server.app.state.judge  # noqa: F841 - keep the judge alive while we rescore
+    assert len(correction.teacher_logprobs) == len(correction.response_ids)
+    expected = [-1 + max(-2, min(2, t - o)) for t, o in zip(correction.teacher_logprobs, correction.old_logprobs)]
+    assert correction.advantages == pytest.approx(expected)
+    assert any(abs(a + 1) > 1e-6 for a in correction.advantages), "the hint must move some tokens"
+    assert tool_error.advantages == [-1.0] * len(tool_error.response_ids)
+    assert praise.advantages == [1.0] * len(praise.response_ids)
+    assert all(s.loss_mask == [1] * len(s.response_ids) for s in samples.values())
+
+    # the judge saw the request, the response and the next state with its role
+    prm_prompt = next(c for c in judge.calls if "process reward model (PRM)" in c[0]["content"] and "dictionary" in c[1]["content"])
+    assert "[role: tool]" in prm_prompt[1]["content"]
+    assert "I need it in French" in prm_prompt[1]["content"]  # the request being answered
+
+    records = server.records()
+    judgements = [r for r in records if r["kind"] == "judgement"]
+    assert len(judgements) == 3 and all(len(r["votes"]) == 3 for r in judgements)
+    assert {r["status"] for r in judgements} == {"ready"}
+
+
+def test_teacher_is_the_base_model_under_the_enhanced_prompt(server_factory, judge):
+    server = judged_server(server_factory, judge, mode="opd")
+    converse(server.client(server.key("alice")), SCRIPT[:2])
+    sample = samples_by_turn(server)[1]
+    request = next(r for r in server.records() if r["kind"] == "request" and r["turn_index"] == 1)
+    turn = Turn(
+        session_id="s", user="alice", turn_index=1, messages=request["messages"], prompt_ids=request["prompt_ids"],
+        response_ids=request["response_ids"], response_logprobs=request["response_logprobs"], logprob_temperature=0.7,
+        sampling={}, policy_version=0, adapter=None, response_message=request["response"], finish_reason="length", created_at=0,
+    )
+    app = server.app
+    rescored = server.call(teacher_logprobs(app.state.chat.engine, app.state.chat.renderer, turn, sample.hint, None))
+    assert rescored == pytest.approx(sample.teacher_logprobs, abs=1e-5)
+
+
+def test_binary_mode_ignores_hints(server_factory, judge):
+    server = judged_server(server_factory, judge, mode="binary")
+    converse(server.client(server.key("alice")), SCRIPT)
+    samples = samples_by_turn(server)
+    assert [samples[i].reward for i in (1, 2, 3)] == [-1, -1, 1]
+    assert samples[1].hint is None and samples[1].teacher_logprobs is None
+    assert samples[1].advantages == [-1.0] * len(samples[1].response_ids)
+    assert not any("hindsight" in c[0]["content"] for c in judge.calls), "binary mode asks for no hints"
+
+
+def test_opd_mode_drops_turns_without_a_hint(server_factory, judge):
+    server = judged_server(server_factory, judge, mode="opd")
+    converse(server.client(server.key("alice")), SCRIPT)
+    samples = samples_by_turn(server)
+    assert samples[1].status == "ready" and samples[1].hint == max(HINTS, key=len)
+    deltas = [max(-2, min(2, t - o)) for t, o in zip(samples[1].teacher_logprobs, samples[1].old_logprobs)]
+    assert samples[1].advantages == pytest.approx(deltas)
+    assert (samples[2].status, samples[2].reason) == ("dropped", "no valid hint")
+    assert (samples[3].status, samples[3].reason) == ("dropped", "no valid hint")
+    assert not any("process reward model (PRM)" in c[0]["content"] for c in judge.calls), "opd mode runs no PRM"
+    dropped = [r for r in server.records() if r["kind"] == "judgement" and r["status"] == "dropped"]
+    assert [r["reason"] for r in dropped] == ["no valid hint", "no valid hint"]
+
+
+def test_neutral_turns_and_the_at_least_one_guarantee(server_factory, judge):
+    server = judged_server(server_factory, judge, mode="binary")
+    client = server.client(server.key("alice"))
+    converse(client, [{"role": "user", "content": "hi"}, {"role": "user", "content": "ok"}, {"role": "user", "content": "hmm"}])
+    samples = samples_by_turn(server)
+    assert [samples[i].reward for i in (1, 2)] == [0, 0]
+    assert (samples[1].status, samples[1].reason) == ("ready", "at-least-one guarantee (neutral)")
+    assert samples[1].advantages == [0.0] * len(samples[1].response_ids)
+    assert (samples[2].status, samples[2].reason) == ("dropped", "neutral: reward 0 and no hint")
+
+
+@pytest.mark.parametrize("mode", ["hang", "garbage", "error"])
+def test_a_broken_judge_costs_samples_not_requests(server_factory, judge, mode):
+    judge.mode = mode
+    server = judged_server(server_factory, judge, judge_timeout_s=0.5)
+    client = server.client(server.key("alice"))
+    started = time.monotonic()
+    converse(client, SCRIPT, max_tokens=3)
+    assert time.monotonic() - started < 5, "serving must not wait for the judge"
+    assert httpx.get(f"{server.root}/healthz").status_code == 200
+    samples = samples_by_turn(server)
+    assert len(samples) == 3
+    for s in samples.values():
+        assert s.votes == [None, None, None] and s.hint is None and s.reward == 0
+    stats = server.app.state.judge.stats.snapshot()
+    assert stats["votes_failed"] == stats["votes"] == 18
+    records = [r for r in server.records() if r["kind"] == "judgement"]
+    assert all(v["error"] or v["score"] is None for r in records for v in r["votes"])
+
+
+def test_default_in_process_judge(server_factory):
+    server = server_factory(prm_votes=2, judge_max_tokens=24)
+    converse(server.client(server.key("alice")), SCRIPT[:2])
+    samples = samples_by_turn(server)
+    assert list(samples) == [1]
+    judgement = next(r for r in server.records() if r["kind"] == "judgement")
+    assert len(judgement["votes"]) == 2 and len(judgement["hint_votes"]) == 2
+    assert all(v["text"] and v["error"] is None for v in judgement["votes"]), "the base model answered every vote"
+    assert samples[1].status in ("ready", "dropped")
+
+
+def test_outcome_rewards_for_general_agents(server_factory, judge):
+    server = judged_server(server_factory, judge, mode="binary")
+    client = server.client(server.key("env"))
+    headers = {"X-Outcome-Expected": "true", "X-Session-Id": "episode-1"}
+    converse(client, SCRIPT, headers=headers)
+    samples = samples_by_turn(server)
+    assert {s.status for s in samples.values()} == {"awaiting_outcome"}
+    assert {s.track for s in samples.values()} == {"outcome"}
+
+    key = server.key("env")
+    resp = httpx.post(f"{server.base_url}/sessions/episode-1/outcome", json={"reward": 1.0}, headers={"Authorization": f"Bearer {key}"})
+    assert resp.status_code == 200 and resp.json()["samples_updated"] == 3
+    samples = samples_by_turn(server)
+    # step reward = o + mean(PRM votes)
+    assert [samples[i].reward for i in (1, 2, 3)] == [0.0, 0.0, 2.0]
+    assert {s.status for s in samples.values()} == {"ready"}
+
+    other = server.key("someone-else")
+    resp = httpx.post(f"{server.base_url}/sessions/episode-1/outcome", json={"reward": 1.0}, headers={"Authorization": f"Bearer {other}"})
+    assert resp.status_code == 404, "another user's session is invisible"
+    resp = httpx.post(f"{server.base_url}/sessions/episode-1/outcome", json={"reward": "nan"}, headers={"Authorization": f"Bearer {key}"})
+    assert resp.status_code == 400
+
+
+def test_outcome_posted_before_judging_finishes_is_not_lost(tmp_path):
+    store = SampleStore(tmp_path / "s.sqlite3")
+    store.set_outcome("u", "s", -1.0)
+    from nextstate.types import Sample
+
+    waiting = Sample(
+        user="u", session_id="s", turn_index=1, policy_version=0, adapter=None, mode="binary", track="outcome",
+        status="awaiting_outcome", prompt_ids=[1], response_ids=[2], old_logprobs=[-1.0], logprob_temperature=1.0,
+        advantages=[0.0], loss_mask=[1], reward=0.0, votes=[1, 1, None], created_at=0.0,
+    )
+    stored = store.add_sample(waiting)
+    assert stored.status == "ready" and stored.reward == pytest.approx(-1 + 2 / 3)
+
+
+def test_admin_stats(server_factory, judge):
+    server = judged_server(server_factory, judge)
+    converse(server.client(server.key("alice")), SCRIPT)
+    server.drain_judge()
+    user_key, admin_key = server.key("alice"), server.key("root", admin=True)
+    assert httpx.get(f"{server.base_url}/admin/stats", headers={"Authorization": f"Bearer {user_key}"}).status_code == 403
+    stats = httpx.get(f"{server.base_url}/admin/stats", headers={"Authorization": f"Bearer {admin_key}"}).json()
+    assert stats["mode"] == "combined"
+    assert stats["samples"]["modes"]["combined"] == {"judged": 3, "accepted": 3, "dropped": 0, "awaiting_outcome": 0}
+    (version,) = stats["samples"]["policy_versions"]
+    assert version == {"policy_version": 0, "samples": 3, "mean_reward": pytest.approx(-1 / 3, abs=1e-3)}
+    assert stats["judge"]["votes"] == 18 and stats["judge"]["per_sample"]["p50_s"] > 0
+
+
+def test_unfinished_judgements_resume_after_a_restart(server_factory, judge, tmp_path):
+    server = judged_server(server_factory, judge)
+    converse(server.client(server.key("alice")), SCRIPT[:2])
+    server.drain_judge()
+    (sample,) = server.app.state.samples.samples()
+    request = next(r for r in server.records() if r["kind"] == "request")
+    settings = server.settings
+    server.stop()
+    # a transition accepted but not judged when the process died
+    store = SampleStore(settings.samples_db)
+    turn = Turn(
+        session_id="crashed", user="alice", turn_index=1, messages=request["messages"], prompt_ids=request["prompt_ids"],
+        response_ids=request["response_ids"], response_logprobs=request["response_logprobs"], logprob_temperature=0.7,
+        sampling={}, policy_version=0, adapter=None, response_message=request["response"], finish_reason="length", created_at=0,
+    )
+    store.add_transition(Transition(turn=turn, next_state=NextState(messages=[{"role": "user", "content": "Thanks, great!"}]), reason="next_state"))
+    store.close()
+    from tests.conftest import start_server
+
+    restarted = start_server(settings.model_copy(update={}))
+    try:
+        restarted.drain_judge()
+        samples = restarted.app.state.samples.samples()
+        assert [s.session_id for s in samples] == [sample.session_id, "crashed"]
+        assert samples[1].reward == 1 and samples[1].status == "ready"
+        assert restarted.app.state.samples.pending_transitions() == []
+    finally:
+        restarted.stop()
