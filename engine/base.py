@@ -60,11 +60,12 @@ class Engine(Protocol):
     info: EngineInfo
 
     def generate(
-        self, input_ids: list[int], sampling: SamplingParams, adapter: str | None = None
+        self, input_ids: list[int], sampling: SamplingParams, adapter: str | None = None, background: bool = False
     ) -> AsyncIterator[GeneratedToken]:
         """Stream sampled tokens; the last one carries the finish reason.
 
         Closing the iterator early cancels the generation (client went away, stop string hit).
+        `background` work (the in-process judge) yields to user requests.
         """
         ...
 

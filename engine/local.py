@@ -14,6 +14,7 @@ import contextlib
 import logging
 import queue
 import threading
+import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
@@ -28,6 +29,9 @@ from engine.sampling import make_generator, sample_token
 log = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# Background work (the in-process judge) runs only while no user request is decoding, unless
+# it has waited this long: then it gets one step, so it slows users a little but never starves.
+BACKGROUND_MAX_WAIT_S = 1.0
 
 
 def resolve_device(device: str) -> str:
@@ -43,11 +47,13 @@ class _Generation:
     adapter: str | None
     loop: asyncio.AbstractEventLoop
     out: asyncio.Queue
+    background: bool = False
     cancelled: threading.Event = field(default_factory=threading.Event)
     generator: torch.Generator | None = None
     cache: Any = None
     last_token: int | None = None
     produced: int = 0
+    last_step: float = field(default_factory=time.monotonic)
 
 
 @dataclass(eq=False)
@@ -108,7 +114,7 @@ class LocalEngine:
     # ---------------------------------------------------------------- public, async API
 
     async def generate(
-        self, input_ids: list[int], sampling: SamplingParams, adapter: str | None = None
+        self, input_ids: list[int], sampling: SamplingParams, adapter: str | None = None, background: bool = False
     ) -> AsyncIterator[GeneratedToken]:
         if not input_ids:
             raise EngineError("generate needs at least one input token")
@@ -123,6 +129,7 @@ class LocalEngine:
             loop=asyncio.get_running_loop(),
             out=asyncio.Queue(),
             generator=make_generator(sampling.seed),
+            background=background,
         )
         self._jobs.put(job)
         try:
@@ -176,15 +183,32 @@ class LocalEngine:
             while not self._stopping:
                 idle = not (self._active or self._waiting or self._deferred)
                 self._take_jobs(block=idle)
-                while self._waiting and len(self._active) < self._max_active:
-                    self._active.append(self._waiting.popleft())
+                self._admit()
+                foreground = any(not job.background for job in self._active)
+                now = time.monotonic()
                 for job in list(self._active):
+                    if job.background and foreground and now - job.last_step < BACKGROUND_MAX_WAIT_S:
+                        continue
                     self._step(job)
                 self._run_deferred()
         for job in [*self._active, *self._waiting]:
             self._deliver(job, EngineError("engine is shutting down"))
         for call in self._deferred:
             _resolve(call, error=EngineError("engine is shutting down"))
+
+    def _admit(self) -> None:
+        """Fill free decoding slots. Background work never takes a user's slot: a user
+        request is admitted while fewer than max_active user requests decode."""
+        users = sum(1 for job in self._active if not job.background)
+        for job in list(self._waiting):
+            if job.background:
+                admit = len(self._active) < self._max_active
+            else:
+                admit = users < self._max_active
+                users += admit
+            if admit:
+                self._waiting.remove(job)
+                self._active.append(job)
 
     def _take_jobs(self, block: bool) -> None:
         try:
@@ -237,6 +261,7 @@ class LocalEngine:
             with self._use_adapter(job.adapter):
                 out = self._model(input_ids=ids, past_key_values=job.cache, use_cache=True)
             job.cache = out.past_key_values
+            job.last_step = time.monotonic()
             token, logprob, top = sample_token(out.logits[0, -1], job.sampling, job.generator)
             job.last_token = token
             job.produced += 1

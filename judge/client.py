@@ -49,7 +49,7 @@ class EngineJudgeClient:
         params = SamplingParams(
             max_new_tokens=min(max_tokens, room), temperature=temperature, stop_token_ids=self.renderer.stop_token_ids
         )
-        ids = [tok.token_id async for tok in self.engine.generate(prompt.ids, params, adapter=None)]
+        ids = [tok.token_id async for tok in self.engine.generate(prompt.ids, params, adapter=None, background=True)]
         return self.renderer.tokenizer.decode(ids, skip_special_tokens=True)
 
     async def aclose(self) -> None:

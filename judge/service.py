@@ -25,6 +25,7 @@ from judge.context import prompt_values
 from judge.parsing import majority_vote, parse_hint, parse_score, select_hint
 from judge.prompts import PromptLibrary
 from judge.teacher import teacher_logprobs
+from nextstate.activity import Activity
 from nextstate.sample_store import SampleStore, step_reward
 from nextstate.settings import Settings
 from nextstate.types import Sample, Transition
@@ -52,6 +53,9 @@ class JudgeConfig:
     w_opd: float = 1.0
     opd_clip: float = 2.0
     opd_teacher: Literal["base", "policy"] = "base"
+    enabled: bool = True
+    # Judging waits up to this long for no user request to be in flight before it starts.
+    quiet_wait_s: float = 2.0
 
     @classmethod
     def from_settings(cls, s: Settings) -> JudgeConfig:
@@ -59,7 +63,7 @@ class JudgeConfig:
             mode=s.mode, prm_votes=s.prm_votes, prm_prompt=s.prm_prompt, temperature=s.judge_temperature,
             max_tokens=s.judge_max_tokens, timeout_s=s.judge_timeout_s, concurrency=s.judge_concurrency,
             max_chars=s.judge_max_chars, min_hint_chars=s.min_hint_chars, w_binary=s.w_binary, w_opd=s.w_opd,
-            opd_clip=s.opd_clip, opd_teacher=s.opd_teacher,
+            opd_clip=s.opd_clip, opd_teacher=s.opd_teacher, enabled=s.judge_enabled,
         )
 
     @property
@@ -121,6 +125,7 @@ class Judge:
         store: SampleStore,
         records: RecordWriter,
         on_sample: Callable[[Sample], None] | None = None,
+        activity: Activity | None = None,
     ) -> None:
         self.config = config
         self.client = client
@@ -130,6 +135,7 @@ class Judge:
         self.store = store
         self.records = records
         self.on_sample = on_sample
+        self.activity = activity or Activity()
         self.stats = JudgeStats()
         prompts.require(config.prm_prompt)
         prompts.require(HINT_PROMPT)
@@ -175,7 +181,7 @@ class Judge:
     def submit(self, transition: Transition) -> None:
         turn = transition.turn
         self.records.write("transition", transition_record(transition), version=turn.policy_version)
-        if transition.next_state is None:
+        if transition.next_state is None or not self.config.enabled:
             # No next state: nothing to judge, and the session is over for the guarantee too.
             if transition.reason == "session_closed":
                 self._effective.pop((turn.user, turn.session_id), None)
@@ -193,6 +199,7 @@ class Judge:
     # ---------------------------------------------------------------- judging
 
     async def _judge(self, transition_id: int | None, transition: Transition) -> None:
+        await self.activity.quiet(self.config.quiet_wait_s)
         started = time.monotonic()
         detail: dict[str, Any] = {}
         try:

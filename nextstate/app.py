@@ -17,6 +17,7 @@ from judge.prompts import PromptLibrary
 from judge.service import Judge, JudgeConfig
 from nextstate.sample_store import SampleStore
 from nextstate import __version__
+from nextstate.activity import Activity
 from nextstate.policy import PolicyDirectory
 from nextstate.settings import Settings
 from nextstate.types import Transition
@@ -95,6 +96,7 @@ def create_app(settings: Settings | None = None, *, engine_factory: EngineFactor
         records = RecordWriter(settings.records_dir)
         await records.start()
         metrics = Metrics()
+        activity = Activity()
         judge = Judge(
             JudgeConfig.from_settings(settings),
             make_judge_client(settings, engine, renderer, model_name),
@@ -104,6 +106,7 @@ def create_app(settings: Settings | None = None, *, engine_factory: EngineFactor
             samples,
             records,
             on_sample=lambda s: metrics.judged.labels(s.mode, s.status).inc(),
+            activity=activity,
         )
 
         def emit(transition: Transition) -> None:
@@ -120,6 +123,7 @@ def create_app(settings: Settings | None = None, *, engine_factory: EngineFactor
             metrics=metrics,
             model_name=model_name,
             default_max_tokens=settings.default_max_tokens,
+            activity=activity,
         )
         app.state.settings = settings
         app.state.keys = keys

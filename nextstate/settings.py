@@ -42,6 +42,7 @@ class Settings(BaseSettings):
     log_level: Literal["debug", "info", "warning", "error"] = "info"
 
     # ---- judge: next states → rewards, hints, advantages
+    judge_enabled: bool = Field(True, description="Off: transitions are recorded but not judged or trained.")
     mode: Literal["binary", "opd", "combined"] = Field(
         "combined", description="binary = judged scalar reward, opd = hindsight distillation, combined = both."
     )

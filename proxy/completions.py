@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine.base import Engine, EngineError, GeneratedToken, SamplingParams
+from nextstate.activity import Activity
 from nextstate.policy import PolicyDirectory, PolicyRef
 from nextstate.types import Turn
 from proxy.chat_template import ChatRenderer, RenderedPrompt, normalize_message
@@ -128,6 +129,7 @@ class ChatService:
         metrics: Metrics,
         model_name: str,
         default_max_tokens: int,
+        activity: Activity | None = None,
     ) -> None:
         self.engine = engine
         self.renderer = renderer
@@ -137,6 +139,7 @@ class ChatService:
         self.metrics = metrics
         self.model_name = model_name
         self.default_max_tokens = default_max_tokens
+        self.activity = activity or Activity()
 
     # ------------------------------------------------------------------ preparation
 
@@ -205,33 +208,34 @@ class ChatService:
             parser.push(prep.prompt.prefill)
         self.metrics.in_flight.inc()
         stream = self.engine.generate(prep.prompt.ids, prep.sampling, prep.policy.adapter)
-        try:
-            async for tok in stream:
-                if not response_ids:
-                    self.metrics.ttft.observe(time.monotonic() - prep.started)
-                response_ids.append(tok.token_id)
-                sampled_logprobs.append(tok.logprob)
-                if want_logprobs and tok.token_id not in stop_ids:
-                    entry = self._logprob_entry(tok)
-                    pending_lp.append(entry)
-                    all_logprobs.append(entry)
-                delta = Delta()
-                absorb(stops.push(detok.push(tok.token_id)), delta)
-                if stops.stopped:
-                    finish = "stop"
-                elif tok.finish_reason is not None:
-                    finish = tok.finish_reason
-                if delta.content or delta.tool_calls:
-                    delta.logprobs, pending_lp = pending_lp, []
-                    content.append(delta.content)
-                    yield delta
-                if stops.stopped:
-                    break
-        except EngineError as exc:
-            raise OpenAIError(500, f"The model failed while generating: {exc}", type="server_error") from exc
-        finally:
-            await stream.aclose()
-            self.metrics.in_flight.dec()
+        with self.activity.request():
+            try:
+                async for tok in stream:
+                    if not response_ids:
+                        self.metrics.ttft.observe(time.monotonic() - prep.started)
+                    response_ids.append(tok.token_id)
+                    sampled_logprobs.append(tok.logprob)
+                    if want_logprobs and tok.token_id not in stop_ids:
+                        entry = self._logprob_entry(tok)
+                        pending_lp.append(entry)
+                        all_logprobs.append(entry)
+                    delta = Delta()
+                    absorb(stops.push(detok.push(tok.token_id)), delta)
+                    if stops.stopped:
+                        finish = "stop"
+                    elif tok.finish_reason is not None:
+                        finish = tok.finish_reason
+                    if delta.content or delta.tool_calls:
+                        delta.logprobs, pending_lp = pending_lp, []
+                        content.append(delta.content)
+                        yield delta
+                    if stops.stopped:
+                        break
+            except EngineError as exc:
+                raise OpenAIError(500, f"The model failed while generating: {exc}", type="server_error") from exc
+            finally:
+                await stream.aclose()
+                self.metrics.in_flight.dec()
 
         tail = Delta(logprobs=pending_lp)
         if not stops.stopped:

@@ -22,7 +22,7 @@ _NEXT_STATE = re.compile(r"\[role: (\w+)\]\n(.*?)\n\n(?:First|Now)", re.DOTALL)
 
 
 class ScriptedJudge:
-    def __init__(self) -> None:
+    def __init__(self, serve: bool = True) -> None:
         self.mode = "rules"
         self.calls: list[list[dict]] = []
         self._hint_calls = 0
@@ -45,7 +45,8 @@ class ScriptedJudge:
 
         self.app = app
         self.port = free_port()
-        self.server, self.thread, _ = serve_in_thread(app, self.port, name="scripted-judge")
+        if serve:
+            self.server, self.thread, _ = serve_in_thread(app, self.port, name="scripted-judge")
 
     @property
     def base_url(self) -> str:
@@ -70,3 +71,11 @@ class ScriptedJudge:
     def stop(self) -> None:
         self.server.should_exit = True
         self.thread.join(10)
+
+
+if __name__ == "__main__":  # python -m tests.judge_server PORT: the same judge in its own process
+    import sys
+
+    import uvicorn
+
+    uvicorn.run(ScriptedJudge(serve=False).app, host="127.0.0.1", port=int(sys.argv[1]), log_level="warning")

@@ -26,7 +26,7 @@ class ScriptedEngine:
     def script(self, *replies: str) -> None:
         self.replies.extend(replies)
 
-    async def generate(self, input_ids: list[int], sampling: SamplingParams, adapter: str | None = None) -> AsyncIterator[GeneratedToken]:
+    async def generate(self, input_ids: list[int], sampling: SamplingParams, adapter: str | None = None, background: bool = False) -> AsyncIterator[GeneratedToken]:
         self.prompts.append(list(input_ids))
         text = self.replies.popleft() if self.replies else "ok"
         ids = self.tokenizer(text, add_special_tokens=False)["input_ids"] + [self.eos]

@@ -117,3 +117,22 @@ async def test_bad_requests_raise_engine_errors(engine):
         await collect(engine, SamplingParams(max_new_tokens=3), prompt=[])
     with pytest.raises(EngineError):
         await engine.score(PROMPT, 0)
+
+
+async def test_background_work_yields_to_user_requests(engine):
+    produced = 0
+
+    async def background():
+        nonlocal produced
+        async for _ in engine.generate(PROMPT, SamplingParams(max_new_tokens=2000), background=True):
+            produced += 1
+
+    task = asyncio.create_task(background())
+    while produced < 5:
+        await asyncio.sleep(0.001)
+    before = produced
+    toks = await collect(engine, SamplingParams(max_new_tokens=60))
+    during = produced - before
+    task.cancel()
+    assert len(toks) == 60
+    assert during <= 3, f"background made {during} steps while the user waited for 60"
