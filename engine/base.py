@@ -75,6 +75,7 @@ class Engine(Protocol):
         start: int,
         adapter: str | None = None,
         temperature: float = 1.0,
+        background: bool = False,
     ) -> list[float]:
         """Log-probability of each of `input_ids[start:]` given everything before it."""
         ...

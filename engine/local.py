@@ -63,6 +63,14 @@ class _Call:
     future: asyncio.Future
     # Adapter unloads wait until no queued or running generation still uses the adapter.
     waits_for_adapter: str | None = None
+    # Background calls (the judge's teacher pass) wait for user requests, like background
+    # generations do.
+    background: bool = False
+    queued_at: float = field(default_factory=time.monotonic)
+
+    @property
+    def deferred(self) -> bool:
+        return self.waits_for_adapter is not None or self.background
 
 
 def _resolve(call: _Call, result: Any = None, error: BaseException | None = None) -> None:
@@ -144,14 +152,19 @@ class LocalEngine:
             job.cancelled.set()
 
     async def score(
-        self, input_ids: list[int], start: int, adapter: str | None = None, temperature: float = 1.0
+        self,
+        input_ids: list[int],
+        start: int,
+        adapter: str | None = None,
+        temperature: float = 1.0,
+        background: bool = False,
     ) -> list[float]:
         if not 1 <= start <= len(input_ids):
             raise EngineError(f"score start must be in [1, {len(input_ids)}], got {start}")
         if adapter is not None and adapter not in self._adapters:
             raise UnknownAdapterError(f"adapter {adapter!r} is not loaded")
         ids = list(input_ids)
-        return await self._call(lambda: self._score(ids, start, adapter, temperature))
+        return await self._call(lambda: self._score(ids, start, adapter, temperature), background=background)
 
     async def load_adapter(self, name: str, path: str) -> None:
         await self._call(lambda: self._load_adapter(name, str(path)))
@@ -170,9 +183,11 @@ class LocalEngine:
         self._jobs.put(None)
         await asyncio.to_thread(self._thread.join, 30)
 
-    async def _call(self, fn: Callable[[], Any], waits_for_adapter: str | None = None) -> Any:
+    async def _call(self, fn: Callable[[], Any], waits_for_adapter: str | None = None, background: bool = False) -> Any:
         loop = asyncio.get_running_loop()
-        call = _Call(fn=fn, loop=loop, future=loop.create_future(), waits_for_adapter=waits_for_adapter)
+        call = _Call(
+            fn=fn, loop=loop, future=loop.create_future(), waits_for_adapter=waits_for_adapter, background=background
+        )
         self._jobs.put(call)
         return await call.future
 
@@ -220,7 +235,7 @@ class LocalEngine:
                 self._stopping = True
             elif isinstance(item, _Generation):
                 self._waiting.append(item)
-            elif item.waits_for_adapter is not None:
+            elif item.deferred:
                 self._deferred.append(item)
             else:
                 self._execute(item)
@@ -232,10 +247,15 @@ class LocalEngine:
     def _run_deferred(self) -> None:
         if not self._deferred:
             return
-        in_use = {job.adapter for job in (*self._active, *self._waiting) if not job.cancelled.is_set()}
+        live = [job for job in (*self._active, *self._waiting) if not job.cancelled.is_set()]
+        in_use = {job.adapter for job in live}
+        users_waiting = any(not job.background for job in live)
+        now = time.monotonic()
         still: list[_Call] = []
         for call in self._deferred:
-            if call.waits_for_adapter in in_use:
+            if call.waits_for_adapter is not None and call.waits_for_adapter in in_use:
+                still.append(call)
+            elif call.background and users_waiting and now - call.queued_at < BACKGROUND_MAX_WAIT_S:
                 still.append(call)
             else:
                 self._execute(call)

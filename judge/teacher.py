@@ -40,7 +40,9 @@ async def teacher_prompt_ids(renderer: ChatRenderer, turn: Turn, hint: str) -> l
 
 async def teacher_logprobs(engine: Engine, renderer: ChatRenderer, turn: Turn, hint: str, adapter: str | None) -> list[float]:
     prompt = await teacher_prompt_ids(renderer, turn, hint)
-    scores = await engine.score(prompt + turn.response_ids, len(prompt), adapter=adapter, temperature=turn.logprob_temperature)
+    scores = await engine.score(
+        prompt + turn.response_ids, len(prompt), adapter=adapter, temperature=turn.logprob_temperature, background=True
+    )
     if len(scores) != len(turn.response_ids):
         raise RuntimeError(f"teacher returned {len(scores)} logprobs for {len(turn.response_ids)} response tokens")
     return scores

@@ -37,7 +37,7 @@ class ScriptedEngine:
             reason = None if not last else ("stop" if token == self.eos else "length")
             yield GeneratedToken(token, -0.5, ((token, -0.5),) * sampling.top_logprobs, reason)
 
-    async def score(self, input_ids, start, adapter=None, temperature=1.0):
+    async def score(self, input_ids, start, adapter=None, temperature=1.0, background=False):
         return [-0.5] * (len(input_ids) - start)
 
     async def load_adapter(self, name, path):

@@ -136,3 +136,21 @@ async def test_background_work_yields_to_user_requests(engine):
     task.cancel()
     assert len(toks) == 60
     assert during <= 3, f"background made {during} steps while the user waited for 60"
+
+
+async def test_background_scoring_waits_for_user_requests(engine):
+    order = []
+
+    async def user():
+        await collect(engine, SamplingParams(max_new_tokens=150))
+        order.append("user")
+
+    async def judge():
+        await engine.score(PROMPT, 1, background=True)
+        order.append("judge")
+
+    task = asyncio.create_task(user())
+    await asyncio.sleep(0.005)
+    await asyncio.gather(task, judge())
+    assert order == ["user", "judge"]
+    assert len(await engine.score(PROMPT, 1, background=True)) == len(PROMPT) - 1  # idle: runs at once
