@@ -32,6 +32,9 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 # Background work (the in-process judge) runs only while no user request is decoding, unless
 # it has waited this long: then it gets one step, so it slows users a little but never starves.
 BACKGROUND_MAX_WAIT_S = 1.0
+# Background prompts are fed this many tokens per step, so a long judge prompt never holds
+# the model for more than a short step while a user request waits.
+BACKGROUND_CHUNK = 32
 
 
 def resolve_device(device: str) -> str:
@@ -53,6 +56,11 @@ class _Generation:
     cache: Any = None
     last_token: int | None = None
     produced: int = 0
+    fed: int = 0  # prompt tokens already through the model
+    # A scoring job (the judge's teacher pass): logprobs of input_ids[score_from:], no sampling.
+    score_from: int | None = None
+    score_temperature: float = 1.0
+    scores: list[float] = field(default_factory=list)
     last_step: float = field(default_factory=time.monotonic)
 
 
@@ -164,7 +172,22 @@ class LocalEngine:
         if adapter is not None and adapter not in self._adapters:
             raise UnknownAdapterError(f"adapter {adapter!r} is not loaded")
         ids = list(input_ids)
-        return await self._call(lambda: self._score(ids, start, adapter, temperature), background=background)
+        if not background:
+            return await self._call(lambda: self._score(ids, start, adapter, temperature))
+        # In the background it is scheduled like a background generation: chunked, yielding
+        # to user requests, and holding its adapter against unloads until it finishes.
+        job = _Generation(
+            input_ids=ids, sampling=SamplingParams(max_new_tokens=1), adapter=adapter, loop=asyncio.get_running_loop(),
+            out=asyncio.Queue(), background=True, score_from=start, score_temperature=temperature,
+        )
+        self._jobs.put(job)
+        try:
+            item = await job.out.get()
+        finally:
+            job.cancelled.set()
+        if isinstance(item, BaseException):
+            raise item
+        return item
 
     async def load_adapter(self, name: str, path: str) -> None:
         await self._call(lambda: self._load_adapter(name, str(path)))
@@ -274,30 +297,58 @@ class LocalEngine:
             self._active.remove(job)
             return
         try:
-            if job.cache is None:
-                ids = torch.tensor([job.input_ids], device=self.device)
+            prompt_len = len(job.input_ids)
+            if job.fed < prompt_len:
+                size = BACKGROUND_CHUNK if job.background else prompt_len
+                ids = job.input_ids[job.fed : job.fed + size]
             else:
-                ids = torch.tensor([[job.last_token]], device=self.device)
+                ids = [job.last_token]
             with self._use_adapter(job.adapter):
-                out = self._model(input_ids=ids, past_key_values=job.cache, use_cache=True)
+                out = self._model(
+                    input_ids=torch.tensor([ids], device=self.device), past_key_values=job.cache, use_cache=True
+                )
             job.cache = out.past_key_values
             job.last_step = time.monotonic()
-            token, logprob, top = sample_token(out.logits[0, -1], job.sampling, job.generator)
-            job.last_token = token
-            job.produced += 1
-            finish = None
-            if token in job.sampling.stop_token_ids:
-                finish = "stop"
-            elif job.produced >= job.sampling.max_new_tokens or len(job.input_ids) + job.produced >= self.info.max_context:
-                finish = "length"
-            self._deliver(job, GeneratedToken(token, logprob, top, finish))
-            if finish is not None:
-                self._active.remove(job)
-                job.cache = None
+            first, prefilling = job.fed, job.fed < prompt_len
+            if prefilling:
+                job.fed += len(ids)
+            if job.score_from is not None:
+                self._collect_scores(job, out.logits[0], first)
+                return
+            if job.fed < prompt_len:
+                return  # more of the prompt to feed before the first token
+            self._sample(job, out.logits[0, -1])
         except Exception as exc:  # noqa: BLE001 - a failing request must not kill the worker
             log.exception("generation failed")
             self._deliver(job, EngineError(f"generation failed: {exc}"))
             self._active.remove(job)
+
+    def _sample(self, job: _Generation, logits: torch.Tensor) -> None:
+        token, logprob, top = sample_token(logits, job.sampling, job.generator)
+        job.last_token = token
+        job.produced += 1
+        finish = None
+        if token in job.sampling.stop_token_ids:
+            finish = "stop"
+        elif job.produced >= job.sampling.max_new_tokens or len(job.input_ids) + job.produced >= self.info.max_context:
+            finish = "length"
+        self._deliver(job, GeneratedToken(token, logprob, top, finish))
+        if finish is not None:
+            self._active.remove(job)
+            job.cache = None
+
+    def _collect_scores(self, job: _Generation, logits: torch.Tensor, first: int) -> None:
+        """logits[i] is the prediction for input_ids[first + i + 1]; keep those from score_from on."""
+        ids = job.input_ids
+        lo, hi = max(first + 1, job.score_from), min(job.fed + 1, len(ids))
+        if lo < hi:
+            rows = torch.log_softmax(logits[lo - 1 - first : hi - 1 - first].float() / job.score_temperature, dim=-1)
+            targets = torch.tensor(ids[lo:hi], device=rows.device).unsqueeze(-1)
+            job.scores += rows.gather(-1, targets).squeeze(-1).tolist()
+        if job.fed >= len(ids):
+            self._deliver(job, job.scores)
+            self._active.remove(job)
+            job.cache = None
 
     @staticmethod
     def _deliver(job: _Generation, item: Any) -> None:

@@ -160,7 +160,7 @@ class Judge:
         deadline = None if timeout is None else time.monotonic() + timeout
         while self._tasks:
             remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
-            done, _ = await asyncio.wait(set(self._tasks), timeout=remaining)
+            await asyncio.wait(set(self._tasks), timeout=remaining)
             if deadline is not None and time.monotonic() >= deadline:
                 return
 

@@ -154,3 +154,17 @@ async def test_background_scoring_waits_for_user_requests(engine):
     await asyncio.gather(task, judge())
     assert order == ["user", "judge"]
     assert len(await engine.score(PROMPT, 1, background=True)) == len(PROMPT) - 1  # idle: runs at once
+
+
+async def test_chunked_background_work_matches_foreground(engine):
+    from engine.local import BACKGROUND_CHUNK
+
+    long_prompt = list(range(5, 5 + 3 * BACKGROUND_CHUNK + 7))
+    foreground = await engine.score(long_prompt, 10)
+    background = await engine.score(long_prompt, 10, background=True)
+    assert len(background) == len(long_prompt) - 10
+    assert background == pytest.approx(foreground, abs=1e-5)
+    params = SamplingParams(max_new_tokens=12, temperature=1.0, seed=11)
+    fg = [t.token_id for t in await collect(engine, params, prompt=long_prompt)]
+    bg = [t.token_id async for t in engine.generate(long_prompt, params, background=True)]
+    assert bg == fg
