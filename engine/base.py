@@ -53,7 +53,7 @@ class EngineInfo:
     max_context: int
     device: str
     dtype: str
-    adapters: list[str] = field(default_factory=list)
+    vocab_size: int = 0
 
 
 class Engine(Protocol):

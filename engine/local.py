@@ -29,8 +29,8 @@ from engine.sampling import make_generator, sample_token
 log = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-# Background work (the in-process judge) runs only while no user request is decoding, unless
-# it has waited this long: then it gets one step, so it slows users a little but never starves.
+# Background work (the in-process judge) runs only while no user request is decoding; while
+# users keep it busy, one background step runs per this many seconds, so it never starves.
 BACKGROUND_MAX_WAIT_S = 1.0
 # Background prompts are fed this many tokens per step, so a long judge prompt never holds
 # the model for more than a short step while a user request waits.
@@ -71,14 +71,6 @@ class _Call:
     future: asyncio.Future
     # Adapter unloads wait until no queued or running generation still uses the adapter.
     waits_for_adapter: str | None = None
-    # Background calls (the judge's teacher pass) wait for user requests, like background
-    # generations do.
-    background: bool = False
-    queued_at: float = field(default_factory=time.monotonic)
-
-    @property
-    def deferred(self) -> bool:
-        return self.waits_for_adapter is not None or self.background
 
 
 def _resolve(call: _Call, result: Any = None, error: BaseException | None = None) -> None:
@@ -113,6 +105,7 @@ class LocalEngine:
             max_context=int(getattr(self._base.config, "max_position_embeddings", 2048)),
             device=self.device,
             dtype=dtype,
+            vocab_size=int(self._base.config.vocab_size),
         )
         self._max_active = max_active
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
@@ -120,6 +113,7 @@ class LocalEngine:
         self._active: list[_Generation] = []
         self._deferred: list[_Call] = []
         self._stopping = False
+        self._last_background_step = time.monotonic()
         self._thread = threading.Thread(target=self._run, name="nextstate-engine", daemon=True)
         self._thread.start()
 
@@ -206,11 +200,9 @@ class LocalEngine:
         self._jobs.put(None)
         await asyncio.to_thread(self._thread.join, 30)
 
-    async def _call(self, fn: Callable[[], Any], waits_for_adapter: str | None = None, background: bool = False) -> Any:
+    async def _call(self, fn: Callable[[], Any], waits_for_adapter: str | None = None) -> Any:
         loop = asyncio.get_running_loop()
-        call = _Call(
-            fn=fn, loop=loop, future=loop.create_future(), waits_for_adapter=waits_for_adapter, background=background
-        )
+        call = _Call(fn=fn, loop=loop, future=loop.create_future(), waits_for_adapter=waits_for_adapter)
         self._jobs.put(call)
         return await call.future
 
@@ -222,17 +214,26 @@ class LocalEngine:
                 idle = not (self._active or self._waiting or self._deferred)
                 self._take_jobs(block=idle)
                 self._admit()
-                foreground = any(not job.background for job in self._active)
-                now = time.monotonic()
-                for job in list(self._active):
-                    if job.background and foreground and now - job.last_step < BACKGROUND_MAX_WAIT_S:
-                        continue
+                for job in self._runnable():
                     self._step(job)
                 self._run_deferred()
         for job in [*self._active, *self._waiting]:
             self._deliver(job, EngineError("engine is shutting down"))
         for call in self._deferred:
             _resolve(call, error=EngineError("engine is shutting down"))
+
+    def _runnable(self) -> list[_Generation]:
+        """This round's jobs: everything when no user request decodes; otherwise the user
+        requests, plus one background job if background work has waited BACKGROUND_MAX_WAIT_S."""
+        users = [job for job in self._active if not job.background]
+        background = [job for job in self._active if job.background]
+        if not users:
+            return background
+        now = time.monotonic()
+        if background and now - self._last_background_step >= BACKGROUND_MAX_WAIT_S:
+            self._last_background_step = now
+            return users + [min(background, key=lambda job: job.last_step)]
+        return users
 
     def _admit(self) -> None:
         """Fill free decoding slots. Background work never takes a user's slot: a user
@@ -258,7 +259,7 @@ class LocalEngine:
                 self._stopping = True
             elif isinstance(item, _Generation):
                 self._waiting.append(item)
-            elif item.deferred:
+            elif item.waits_for_adapter is not None:
                 self._deferred.append(item)
             else:
                 self._execute(item)
@@ -270,15 +271,10 @@ class LocalEngine:
     def _run_deferred(self) -> None:
         if not self._deferred:
             return
-        live = [job for job in (*self._active, *self._waiting) if not job.cancelled.is_set()]
-        in_use = {job.adapter for job in live}
-        users_waiting = any(not job.background for job in live)
-        now = time.monotonic()
+        in_use = {job.adapter for job in (*self._active, *self._waiting) if not job.cancelled.is_set()}
         still: list[_Call] = []
         for call in self._deferred:
-            if call.waits_for_adapter is not None and call.waits_for_adapter in in_use:
-                still.append(call)
-            elif call.background and users_waiting and now - call.queued_at < BACKGROUND_MAX_WAIT_S:
+            if call.waits_for_adapter in in_use:
                 still.append(call)
             else:
                 self._execute(call)

@@ -91,8 +91,14 @@ def build_tokenizer(vocab_size: int = 512) -> PreTrainedTokenizerFast:
     return fast
 
 
-def build_tiny_model(out_dir: str | Path, seed: int = 0, hidden_size: int = 64, layers: int = 2) -> Path:
-    """Write a complete HF model directory (config, weights, tokenizer, template) to `out_dir`."""
+def build_tiny_model(
+    out_dir: str | Path, seed: int = 0, hidden_size: int = 64, layers: int = 2, init_std: float = 0.02
+) -> Path:
+    """Write a complete HF model directory (config, weights, tokenizer, template) to `out_dir`.
+
+    With the default init the next-token distribution is nearly uniform; a larger `init_std`
+    (0.4) makes it peaked like a trained model's, which learning tests need to see a signal.
+    """
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = build_tokenizer()
@@ -108,6 +114,7 @@ def build_tiny_model(out_dir: str | Path, seed: int = 0, hidden_size: int = 64, 
         eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"),
         pad_token_id=tokenizer.pad_token_id,
         bos_token_id=None,
+        initializer_range=init_std,
     )
     torch.manual_seed(seed)
     model = Qwen2ForCausalLM(config)

@@ -15,12 +15,13 @@ from engine.default_model import ensure_default_model
 from judge.client import EngineJudgeClient, JudgeClient, OpenAIJudgeClient
 from judge.prompts import PromptLibrary
 from judge.service import Judge, JudgeConfig
+from learner.service import Learner
 from nextstate.sample_store import SampleStore
 from nextstate import __version__
 from nextstate.activity import Activity
 from nextstate.policy import PolicyDirectory
 from nextstate.settings import Settings
-from nextstate.types import Transition
+from nextstate.types import Sample, Transition
 from proxy.chat_template import ChatRenderer
 from proxy.completions import ChatService
 from proxy.errors import install_error_handlers
@@ -97,6 +98,14 @@ def create_app(settings: Settings | None = None, *, engine_factory: EngineFactor
         await records.start()
         metrics = Metrics()
         activity = Activity()
+        policies = PolicyDirectory(per_user=settings.adapter_scope == "user")
+        learner = Learner(settings, model_dir, engine, samples, policies, records) if settings.learn else None
+
+        def on_sample(sample: Sample) -> None:
+            metrics.judged.labels(sample.mode, sample.status).inc()
+            if learner is not None:
+                learner.notify(sample)
+
         judge = Judge(
             JudgeConfig.from_settings(settings),
             make_judge_client(settings, engine, renderer, model_name),
@@ -105,7 +114,7 @@ def create_app(settings: Settings | None = None, *, engine_factory: EngineFactor
             renderer,
             samples,
             records,
-            on_sample=lambda s: metrics.judged.labels(s.mode, s.status).inc(),
+            on_sample=on_sample,
             activity=activity,
         )
 
@@ -119,7 +128,7 @@ def create_app(settings: Settings | None = None, *, engine_factory: EngineFactor
             renderer=renderer,
             sessions=sessions,
             records=records,
-            policies=PolicyDirectory(),
+            policies=policies,
             metrics=metrics,
             model_name=model_name,
             default_max_tokens=settings.default_max_tokens,
@@ -131,9 +140,13 @@ def create_app(settings: Settings | None = None, *, engine_factory: EngineFactor
         app.state.metrics = metrics
         app.state.sessions = sessions
         app.state.judge = judge
+        app.state.learner = learner
+        app.state.policies = policies
         app.state.samples = samples
         app.state.chat = chat
         sweeper = asyncio.create_task(_sweep(sessions, metrics), name="session-sweeper")
+        if learner is not None:
+            await learner.start()
         await judge.start()
         log.info("serving %s on %s (%s)", chat.model_name, engine.info.device, engine.info.dtype)
         try:
@@ -143,6 +156,8 @@ def create_app(settings: Settings | None = None, *, engine_factory: EngineFactor
             with contextlib.suppress(asyncio.CancelledError):
                 await sweeper
             sessions.close_all()
+            if learner is not None:
+                await learner.aclose()
             await judge.aclose()
             await records.aclose()
             await engine.close()

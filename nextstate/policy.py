@@ -31,5 +31,11 @@ class PolicyDirectory:
     def current(self, user: str) -> PolicyRef:
         return self._current.get(self.scope_of(user), BASE_POLICY)
 
+    def current_scope(self, scope: str) -> PolicyRef:
+        return self._current.get(scope, BASE_POLICY)
+
+    def scopes(self) -> dict[str, PolicyRef]:
+        return dict(self._current)
+
     def publish(self, scope: str, ref: PolicyRef) -> None:
         self._current = {**self._current, scope: ref}

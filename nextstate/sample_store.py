@@ -144,6 +144,17 @@ class SampleStore:
     def session_samples(self, user: str, session_id: str) -> list[Sample]:
         return self._rows("user = ? AND session_id = ?", (user, session_id))
 
+    def ready_samples(self, limit: int, user: str | None = None) -> list[Sample]:
+        """The oldest samples ready to train, of one user or of everyone."""
+        if user is None:
+            return self._rows("status = 'ready'", (), limit)
+        return self._rows("status = 'ready' AND user = ?", (user,), limit)
+
+    def ready_counts_by_user(self) -> dict[str, int]:
+        with self._lock:
+            rows = self._conn.execute("SELECT user, COUNT(*) FROM samples WHERE status = 'ready' GROUP BY user ORDER BY MIN(id)").fetchall()
+        return {user: count for user, count in rows}
+
     def mark_consumed(self, ids: list[int]) -> None:
         with self._lock:
             self._conn.executemany("UPDATE samples SET status = 'consumed' WHERE id = ?", [(i,) for i in ids])

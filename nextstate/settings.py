@@ -67,6 +67,20 @@ class Settings(BaseSettings):
     )
     prompts_dir: Path | None = Field(None, description="Judge prompt folder; unset = the bundled prompts/.")
 
+    # ---- learner: samples → LoRA updates → hot-swapped adapters
+    learn: bool = Field(True, description="Run the co-located learner.")
+    adapter_scope: Literal["shared", "user"] = Field("shared", description="One adapter for all, or one per user.")
+    batch_size: int = Field(16, ge=1, description="Ready samples per update.")
+    lr: float = Field(1e-5, gt=0)
+    kl_coef: float = Field(0.0, ge=0, description="β of the k3 KL to the base model (adapter off).")
+    max_kl: float = Field(1.0, gt=0, description="An update moving the policy further than this is skipped.")
+    ppo_epochs: int = Field(1, ge=1)
+    minibatch_size: int = Field(0, ge=0, description="Samples per optimizer step; 0 = the whole batch.")
+    lora_r: int = Field(16, ge=1)
+    lora_alpha: int = Field(32, ge=1)
+    lora_target_modules: str = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"
+    learner_device: Literal["auto", "cpu", "cuda"] = Field("auto", description="Where the learner's model copy lives.")
+
     @field_validator("data_dir")
     @classmethod
     def _expand(cls, value: Path) -> Path:
@@ -75,6 +89,16 @@ class Settings(BaseSettings):
     @property
     def keys_db(self) -> Path:
         return self.data_dir / "nextstate.sqlite3"
+
+    @property
+    def adapters_dir(self) -> Path:
+        return self.data_dir / "adapters"
+
+    @property
+    def learner_device_resolved(self) -> str:
+        from engine.local import resolve_device
+
+        return resolve_device(self.learner_device)
 
     @property
     def samples_db(self) -> Path:

@@ -1,12 +1,14 @@
-"""Admin routes (admin keys only)."""
+"""Admin routes (admin keys only): judge stats, adapter versions, rollback."""
 
 from __future__ import annotations
 
 import asyncio
 
 from fastapi import APIRouter, Depends, Request
+from pydantic import BaseModel, Field
 
 from proxy.auth import authenticate_admin
+from proxy.errors import OpenAIError
 from proxy.keys import ApiKey
 
 router = APIRouter(prefix="/v1/admin")
@@ -15,12 +17,44 @@ router = APIRouter(prefix="/v1/admin")
 @router.get("/stats")
 async def stats(request: Request, _: ApiKey = Depends(authenticate_admin)) -> dict:
     """What the judge has done: samples judged/accepted/dropped per mode (and why), mean
-    reward per policy version, judge latency."""
+    reward per policy version, judge latency; and the learner's recent steps."""
     judge = request.app.state.judge
+    learner = request.app.state.learner
     return {
         "object": "nextstate.stats",
         "mode": judge.config.mode,
         "samples": await asyncio.to_thread(request.app.state.samples.stats),
         "judge": judge.stats.snapshot(),
+        "learner": {"enabled": learner is not None, "steps": learner.steps[-20:] if learner else []},
         "sessions_open": len(request.app.state.sessions),
     }
+
+
+@router.get("/adapters")
+async def adapters(request: Request, _: ApiKey = Depends(authenticate_admin)) -> dict:
+    learner = request.app.state.learner
+    if learner is None:
+        return {"object": "list", "data": []}
+    versions = learner.versions
+    data = []
+    for scope in await asyncio.to_thread(versions.scopes):
+        current = request.app.state.policies.current_scope(scope)
+        data.append({"scope": scope, "versions": versions.versions(scope), "serving": current.version, "adapter": current.adapter})
+    return {"object": "list", "data": data}
+
+
+class RollbackRequest(BaseModel):
+    version: int = Field(ge=1)
+    scope: str = Field("shared", description="'shared', or a user's name when adapters are per user.")
+
+
+@router.post("/adapters/rollback")
+async def rollback(body: RollbackRequest, request: Request, _: ApiKey = Depends(authenticate_admin)) -> dict:
+    learner = request.app.state.learner
+    if learner is None:
+        raise OpenAIError(409, "The learner is off (NEXTSTATE_LEARN=0): there are no adapters to roll back.", code="learner_disabled")
+    try:
+        new_version = await learner.rollback(body.scope, body.version)
+    except KeyError:
+        raise OpenAIError(404, f"Scope '{body.scope}' has no adapter version {body.version}.", param="version", code="version_not_found") from None
+    return {"object": "adapter.rollback", "scope": body.scope, "restored": body.version, "version": new_version}

@@ -244,15 +244,17 @@ class SessionStore:
             self._sessions.move_to_end((s.user, s.id))
 
     def _set_line(self, s: Session, length: int, digest: str) -> None:
-        if s.line_len and self._by_line.get((s.user, s.line_hash)) is s:
-            del self._by_line[(s.user, s.line_hash)]
+        self._reindex(self._by_line, s, (s.line_len, s.line_hash), (length, digest))
         s.line_len, s.line_hash = length, digest
-        if length:
-            self._by_line[(s.user, digest)] = s
 
     def _set_boundary(self, s: Session, length: int, digest: str) -> None:
-        if s.boundary_len and self._by_boundary.get((s.user, s.boundary_hash)) is s:
-            del self._by_boundary[(s.user, s.boundary_hash)]
+        self._reindex(self._by_boundary, s, (s.boundary_len, s.boundary_hash), (length, digest))
         s.boundary_len, s.boundary_hash = length, digest
-        if length:
-            self._by_boundary[(s.user, digest)] = s
+
+    @staticmethod
+    def _reindex(index: dict, s: Session, old: tuple[int, str], new: tuple[int, str]) -> None:
+        """Move `s` in a hash index from its old line to its new one (length 0 = no line)."""
+        if old[0] and index.get((s.user, old[1])) is s:
+            del index[(s.user, old[1])]
+        if new[0]:
+            index[(s.user, new[1])] = s

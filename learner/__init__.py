@@ -1,0 +1,1 @@
+"""Samples → PPO-clipped LoRA updates → versioned adapters hot-swapped into the engine."""

@@ -1,0 +1,237 @@
+"""LoRA training on the learner's own copy of the base model.
+
+One peft model holds one adapter per scope ("shared", or one per user), each with its own
+AdamW state, so per-user adapters train on per-user samples only. A step that produces a
+non-finite loss or gradient, or moves the policy further than `max_kl` from the policy that
+sampled the batch, is rolled back (weights and optimizer state) and reported as skipped.
+Calls are blocking and meant for a worker thread.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import math
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from learner.ppo import k3_kl, ppo_token_losses
+from nextstate.types import Sample
+
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+OPTIMIZER_STATE = "optimizer.pt"
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    lr: float = 1e-5
+    weight_decay: float = 0.1
+    betas: tuple[float, float] = (0.9, 0.98)
+    grad_clip: float = 1.0
+    eps: float = 0.2
+    eps_high: float = 0.28
+    kl_coef: float = 0.0
+    max_kl: float = 1.0
+    ppo_epochs: int = 1
+    minibatch_size: int = 16
+    lora_r: int = 16
+    lora_alpha: int = 32
+    target_modules: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@dataclass
+class StepResult:
+    scope: str
+    samples: int
+    tokens: int
+    loss: float
+    pg_loss: float
+    clip_fraction: float
+    kl_to_base: float
+    policy_kl: float  # k3 estimate of KL(π_old ‖ π_new) on the batch after the update
+    mismatch: float  # mean |train logprob − sampling logprob| before the update
+    mean_advantage: float
+    grad_norm: float
+    seconds: float
+    skipped: str | None = None
+
+    def to_dict(self) -> dict:
+        return {k: (round(v, 6) if isinstance(v, float) else v) for k, v in asdict(self).items()}
+
+
+def adapter_name(scope: str) -> str:
+    """peft adapter names become module keys: keep them to letters and digits."""
+    return "a" + hashlib.sha256(scope.encode()).hexdigest()[:16]
+
+
+class LoraTrainer:
+    def __init__(self, model_dir: str | Path, config: TrainConfig, device: str = "cpu") -> None:
+        from transformers import AutoModelForCausalLM
+
+        self.config = config
+        self.device = device
+        self.model_dir = Path(model_dir)
+        self._base = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=torch.float32).to(device)
+        self._base.requires_grad_(False)
+        self._base.config.use_cache = False
+        self.model = None  # peft.PeftModel once the first scope exists
+        self._optimizers: dict[str, torch.optim.Optimizer] = {}
+
+    # ---------------------------------------------------------------- scopes
+
+    def _lora_config(self):
+        from peft import LoraConfig
+
+        c = self.config
+        return LoraConfig(r=c.lora_r, lora_alpha=c.lora_alpha, lora_dropout=0.0, target_modules=list(c.target_modules), task_type="CAUSAL_LM")
+
+    def ensure_scope(self, scope: str) -> str:
+        from peft import get_peft_model
+
+        name = adapter_name(scope)
+        if self.model is None:
+            self.model = get_peft_model(self._base, self._lora_config(), adapter_name=name)
+        elif name not in self.model.peft_config:
+            self.model.add_adapter(name, self._lora_config())
+        if scope not in self._optimizers:
+            c = self.config
+            self._optimizers[scope] = torch.optim.AdamW(
+                self._params(name), lr=c.lr, weight_decay=c.weight_decay, betas=c.betas
+            )
+        return name
+
+    def _params(self, name: str) -> list[torch.nn.Parameter]:
+        params = [p for n, p in self.model.named_parameters() if "lora_" in n and f".{name}." in n]
+        for p in params:
+            p.requires_grad_(True)
+        return params
+
+    def _activate(self, scope: str) -> tuple[str, list[torch.nn.Parameter]]:
+        name = self.ensure_scope(scope)
+        self.model.set_adapter(name)
+        return name, self._params(name)
+
+    # ---------------------------------------------------------------- persistence
+
+    def save(self, scope: str, path: Path) -> None:
+        """Write the scope's adapter in peft's standard layout (loadable by peft and SGLang)."""
+        from peft import get_peft_model_state_dict
+        from safetensors.torch import save_file
+
+        name = self.ensure_scope(scope)
+        state = get_peft_model_state_dict(self.model, adapter_name=name)
+        save_file({k: v.detach().contiguous().cpu() for k, v in state.items()}, str(path / ADAPTER_WEIGHTS))
+        config = self.model.peft_config[name].to_dict()
+        config["base_model_name_or_path"] = str(self.model_dir)
+        config["target_modules"] = sorted(config["target_modules"])
+        (path / "adapter_config.json").write_text(json.dumps(config, indent=1, default=str))
+        torch.save(self._optimizers[scope].state_dict(), path / OPTIMIZER_STATE)
+
+    def load(self, scope: str, path: Path) -> None:
+        """Resume a scope from a published version: weights and optimizer state."""
+        from peft import set_peft_model_state_dict
+        from safetensors.torch import load_file
+
+        name = self.ensure_scope(scope)
+        set_peft_model_state_dict(self.model, load_file(str(path / ADAPTER_WEIGHTS)), adapter_name=name)
+        optimizer_file = path / OPTIMIZER_STATE
+        if optimizer_file.is_file():
+            self._optimizers[scope].load_state_dict(torch.load(optimizer_file, weights_only=True))
+
+    # ---------------------------------------------------------------- training
+
+    def _logprobs(self, sample: Sample) -> torch.Tensor:
+        ids = torch.tensor([sample.prompt_ids + sample.response_ids], device=self.device)
+        logits = self.model(input_ids=ids[:, :-1]).logits[0, len(sample.prompt_ids) - 1 :].float()
+        logprobs = torch.log_softmax(logits / sample.logprob_temperature, dim=-1)
+        targets = torch.tensor(sample.response_ids, device=self.device).unsqueeze(-1)
+        return logprobs.gather(-1, targets).squeeze(-1)
+
+    def step(self, scope: str, samples: list[Sample]) -> StepResult:
+        started = time.monotonic()
+        c = self.config
+        _, params = self._activate(scope)
+        optimizer = self._optimizers[scope]
+        weights_before = [p.detach().clone() for p in params]
+        optimizer_before = copy.deepcopy(optimizer.state_dict())
+        self.model.train()
+        totals = {"loss": 0.0, "pg": 0.0, "kl": 0.0, "clipped": 0.0, "mismatch": 0.0, "grad_norm": 0.0}
+        tokens = sum(sum(s.loss_mask) for s in samples)
+        mean_adv = sum(a * m for s in samples for a, m in zip(s.advantages, s.loss_mask)) / max(tokens, 1)
+        skipped = None
+        steps = 0
+        try:
+            for epoch in range(c.ppo_epochs):
+                for start in range(0, len(samples), c.minibatch_size):
+                    batch = samples[start : start + c.minibatch_size]
+                    batch_tokens = max(1, sum(sum(s.loss_mask) for s in batch))
+                    optimizer.zero_grad(set_to_none=True)
+                    for s in batch:
+                        logprobs = self._logprobs(s)
+                        old = torch.tensor(s.old_logprobs, device=self.device)
+                        adv = torch.tensor(s.advantages, device=self.device)
+                        mask = torch.tensor(s.loss_mask, device=self.device, dtype=torch.float32)
+                        base = None
+                        if c.kl_coef > 0:
+                            with torch.no_grad(), self.model.disable_adapter():
+                                base = self._logprobs(s)
+                        tok_loss, clipped, kl = ppo_token_losses(logprobs, old, adv, c.eps, c.eps_high, base, c.kl_coef)
+                        loss = (tok_loss * mask).sum() / batch_tokens
+                        loss.backward()
+                        if epoch == 0:
+                            totals["mismatch"] += float(((logprobs.detach() - old).abs() * mask).sum())
+                        totals["loss"] += float(loss.detach())
+                        totals["pg"] += float(((tok_loss - c.kl_coef * kl) * mask).sum()) / batch_tokens
+                        totals["kl"] += float((kl * mask).sum())
+                        totals["clipped"] += float((clipped * mask).sum())
+                    if not math.isfinite(totals["loss"]) or any(
+                        p.grad is not None and not torch.isfinite(p.grad).all() for p in params
+                    ):
+                        skipped = "non-finite loss or gradient"
+                        break
+                    totals["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(params, c.grad_clip))
+                    optimizer.step()
+                    steps += 1
+                if skipped:
+                    break
+            self.model.eval()
+            policy_kl = 0.0
+            if not skipped:
+                with torch.no_grad():
+                    for s in samples:
+                        new = self._logprobs(s)
+                        old = torch.tensor(s.old_logprobs, device=self.device)
+                        mask = torch.tensor(s.loss_mask, device=self.device, dtype=torch.float32)
+                        # samples come from π_old, so k3 with ratio π_new/π_old estimates KL(π_old ‖ π_new)
+                        policy_kl += float((k3_kl(old, new) * mask).sum())
+                policy_kl /= max(tokens, 1)
+                if not math.isfinite(policy_kl) or policy_kl > c.max_kl:
+                    skipped = f"policy KL {policy_kl:.4g} exceeds the limit {c.max_kl:g}"
+        finally:
+            self.model.eval()
+            optimizer.zero_grad(set_to_none=True)
+        if skipped:
+            with torch.no_grad():
+                for p, before in zip(params, weights_before):
+                    p.copy_(before)
+            optimizer.load_state_dict(optimizer_before)
+        denom = max(tokens * max(1, c.ppo_epochs), 1)
+        return StepResult(
+            scope=scope,
+            samples=len(samples),
+            tokens=tokens,
+            loss=totals["loss"] / max(steps, 1),
+            pg_loss=totals["pg"] / max(steps, 1),
+            clip_fraction=totals["clipped"] / denom,
+            kl_to_base=totals["kl"] / denom,
+            policy_kl=policy_kl if not skipped or "KL" in (skipped or "") else float("nan"),
+            mismatch=totals["mismatch"] / max(tokens, 1),
+            mean_advantage=mean_adv,
+            grad_norm=totals["grad_norm"],
+            seconds=time.monotonic() - started,
+            skipped=skipped,
+        )

@@ -1,0 +1,93 @@
+"""Adapter versions on disk: `adapters/<scope>/v<N>/`, peft format, never overwritten.
+
+A version is written into a temporary folder and renamed into place, then `CURRENT` is
+replaced atomically, so a crash leaves either the old or the new version current, never a
+half-written one. Each version keeps a manifest (the sample ids it trained on, the step's
+numbers) and the optimizer state, so training resumes exactly where it stopped.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+_SAFE = re.compile(r"[^A-Za-z0-9_.@-]")
+
+
+def scope_dir_name(scope: str) -> str:
+    """A folder name for a scope; user names with odd characters get a short hash suffix."""
+    safe = _SAFE.sub("_", scope)
+    if safe != scope or safe in (".", ".."):
+        safe = f"{safe}-{hashlib.sha256(scope.encode()).hexdigest()[:8]}"
+    return safe
+
+
+class AdapterVersions:
+    def __init__(self, root: Path) -> None:
+        self.root = root
+
+    def scope_root(self, scope: str) -> Path:
+        return self.root / scope_dir_name(scope)
+
+    def path(self, scope: str, version: int) -> Path:
+        return self.scope_root(scope) / f"v{version}"
+
+    def versions(self, scope: str) -> list[int]:
+        root = self.scope_root(scope)
+        if not root.is_dir():
+            return []
+        return sorted(int(p.name[1:]) for p in root.iterdir() if p.is_dir() and re.fullmatch(r"v\d+", p.name))
+
+    def current(self, scope: str) -> int | None:
+        marker = self.scope_root(scope) / "CURRENT"
+        if marker.is_file():
+            version = int(marker.read_text().strip())
+            if self.path(scope, version).is_dir():
+                return version
+        versions = self.versions(scope)
+        return versions[-1] if versions else None
+
+    def scopes(self) -> list[str]:
+        """Scopes with a current version (their manifest names the scope exactly)."""
+        out = []
+        if self.root.is_dir():
+            for child in sorted(self.root.iterdir()):
+                manifest = child / "scope.json"
+                if manifest.is_file():
+                    out.append(json.loads(manifest.read_text())["scope"])
+        return out
+
+    def manifest(self, scope: str, version: int) -> dict[str, Any]:
+        return json.loads((self.path(scope, version) / "manifest.json").read_text())
+
+    def publish(self, scope: str, version: int, write: Callable[[Path], None], manifest: dict[str, Any]) -> Path:
+        root = self.scope_root(scope)
+        root.mkdir(parents=True, exist_ok=True)
+        (root / "scope.json").write_text(json.dumps({"scope": scope}))
+        target = self.path(scope, version)
+        if target.exists():
+            raise FileExistsError(f"adapter version {target} already exists")
+        tmp = Path(tempfile.mkdtemp(dir=root, prefix=f".v{version}-"))
+        try:
+            write(tmp)
+            (tmp / "manifest.json").write_text(json.dumps({"scope": scope, "version": version, **manifest}, indent=1))
+            tmp.rename(target)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        self.set_current(scope, version)
+        return target
+
+    def set_current(self, scope: str, version: int) -> None:
+        root = self.scope_root(scope)
+        fd, tmp = tempfile.mkstemp(dir=root, prefix=".CURRENT-")
+        with os.fdopen(fd, "w") as handle:
+            handle.write(f"{version}\n")
+        os.replace(tmp, root / "CURRENT")

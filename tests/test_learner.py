@@ -1,0 +1,344 @@
+"""The learner: PPO loss, LoRA steps, versions, hot swaps, scopes, rollback, restarts, learning."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import httpx
+import pytest
+import torch
+
+from engine.base import SamplingParams
+from learner.ppo import k3_kl, ppo_token_losses
+from learner.trainer import LoraTrainer, TrainConfig
+from nextstate.types import Sample
+
+PROMPT = list(range(5, 30))
+
+
+def test_ppo_loss_clips_asymmetrically():
+    old = torch.zeros(4)
+    logp = torch.log(torch.tensor([1.0, 1.5, 0.5, 1.1]))
+    loss, clipped, _ = ppo_token_losses(logp, old, torch.ones(4))
+    # positive advantage: ratio above 1 + 0.28 is clipped, below is not
+    assert loss.tolist() == pytest.approx([-1.0, -1.28, -0.5, -1.1])
+    assert clipped.tolist() == [0, 1, 0, 0]
+    loss, clipped, _ = ppo_token_losses(logp, old, -torch.ones(4))
+    # negative advantage: ratio below 1 - 0.2 is clipped
+    assert loss.tolist() == pytest.approx([1.0, 1.5, 0.8, 1.1])
+    assert clipped.tolist() == [0, 0, 1, 0]
+
+
+def test_k3_kl_is_non_negative_and_zero_at_equality():
+    a = torch.tensor([-1.0, -2.0, -0.5])
+    assert k3_kl(a, a).tolist() == [0.0, 0.0, 0.0]
+    assert (k3_kl(a, a + torch.tensor([0.3, -0.7, 1.2])) > 0).all()
+    loss, _, kl = ppo_token_losses(a, a, torch.zeros(3), base_logprobs=a - 0.5, kl_coef=0.1)
+    assert loss.tolist() == pytest.approx((0.1 * kl).tolist())
+
+
+def make_sample(engine_tokens, prompt=PROMPT, advantage=1.0, temperature=1.0, user="alice", policy_version=0) -> Sample:
+    n = len(engine_tokens)
+    return Sample(
+        user=user, session_id="s", turn_index=1, policy_version=policy_version, adapter=None, mode="binary", status="ready",
+        prompt_ids=prompt, response_ids=[t.token_id for t in engine_tokens], old_logprobs=[t.logprob for t in engine_tokens],
+        logprob_temperature=temperature, advantages=[advantage] * n, loss_mask=[1] * n, reward=advantage,
+        created_at=0.0,
+    )
+
+
+@pytest.fixture
+def trainer(tiny_model_dir):
+    return LoraTrainer(tiny_model_dir, TrainConfig(lr=5e-3, lora_r=4, lora_alpha=8))
+
+
+@pytest.fixture
+async def engine(tiny_model_dir):
+    from engine.local import LocalEngine
+
+    eng = await LocalEngine.open(tiny_model_dir, device="cpu")
+    yield eng
+    await eng.close()
+
+
+async def generate(engine, n=4, adapter=None, seed0=0, max_new=8):
+    out = []
+    for i in range(n):
+        params = SamplingParams(max_new_tokens=max_new, temperature=1.0, seed=seed0 + i)
+        out.append([t async for t in engine.generate(PROMPT, params, adapter)])
+    return out
+
+
+async def test_a_step_moves_logprobs_the_way_advantages_point(trainer, engine):
+    up = [make_sample(toks, advantage=1.0) for toks in await generate(engine, 4)]
+    result = trainer.step("shared", up)
+    assert result.skipped is None and result.samples == 4
+    assert result.mismatch < 1e-3, "train and sampling logprobs agree before the update"
+    assert result.policy_kl > 0 and result.grad_norm > 0
+    with torch.no_grad():
+        after = [trainer._logprobs(s).sum().item() for s in up]
+    assert all(a > sum(s.old_logprobs) for a, s in zip(after, up))
+
+
+async def test_bad_steps_are_skipped_and_rolled_back(trainer, engine):
+    samples = [make_sample(toks) for toks in await generate(engine, 2)]
+    name, params = trainer._activate("shared")
+    before = [p.detach().clone() for p in params]
+    nan = [s.model_copy(update={"advantages": [float("nan")] * len(s.response_ids)}) for s in samples]
+    result = trainer.step("shared", nan)
+    assert result.skipped == "non-finite loss or gradient"
+    assert all(torch.equal(a, b) for a, b in zip(before, trainer._params(name)))
+    strict = LoraTrainer(trainer.model_dir, TrainConfig(lr=0.5, max_kl=1e-6, lora_r=4, lora_alpha=8))
+    result = strict.step("shared", samples)
+    assert result.skipped and "policy KL" in result.skipped
+
+
+async def test_saved_adapter_serves_what_was_trained(trainer, engine, tmp_path):
+    samples = [make_sample(toks) for toks in await generate(engine, 3)]
+    trainer.step("shared", samples)
+    trainer.save("shared", tmp_path)
+    config = json.loads((tmp_path / "adapter_config.json").read_text())
+    assert config["peft_type"] == "LORA" and config["r"] == 4
+    await engine.load_adapter("v1", str(tmp_path))
+    for s in samples:
+        served = await engine.score(s.prompt_ids + s.response_ids, len(s.prompt_ids), adapter="v1")
+        with torch.no_grad():
+            trained = trainer._logprobs(s).tolist()
+        assert served == pytest.approx(trained, abs=1e-4)
+    # and the optimizer state resumes
+    fresh = LoraTrainer(trainer.model_dir, trainer.config)
+    fresh.load("shared", tmp_path)
+    assert fresh._optimizers["shared"].state_dict()["state"], "AdamW moments restored"
+
+
+# ---------------------------------------------------------------------------- the service
+
+
+def learning_server(server_factory, **overrides):
+    values = {"batch_size": 4, "lr": 5e-3, "lora_r": 4, "lora_alpha": 8, "judge_enabled": False}
+    return server_factory(**{**values, **overrides})
+
+
+def feed(server, samples: list[Sample]) -> None:
+    """Put judged samples in the store as the judge would, and wake the learner."""
+    store, learner = server.app.state.samples, server.app.state.learner
+
+    async def put():
+        for s in samples:
+            stored = await asyncio.to_thread(store.add_sample, s)
+            learner.notify(stored)
+
+    server.call(put())
+
+
+def wait_for(predicate, timeout=60.0):
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.05)
+
+
+def served_samples(server, n, user="alice", advantage=1.0, seed0=0):
+    chat = server.app.state.chat
+    ref = server.app.state.policies.current(user)
+    runs = server.call(generate(chat.engine, n, ref.adapter, seed0))
+    return [make_sample(toks, advantage=advantage, user=user, policy_version=ref.version) for toks in runs]
+
+
+def test_updates_publish_versions_that_serve(server_factory):
+    server = learning_server(server_factory)
+    client = server.client(server.key("alice"))
+    ask = dict(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=3)
+    assert client.chat.completions.with_raw_response.create(**ask).headers["x-policy-version"] == "0"
+    feed(server, served_samples(server, 4))
+    wait_for(lambda: server.app.state.policies.current("alice").version == 1)
+    raw = client.chat.completions.with_raw_response.create(**ask)
+    assert raw.headers["x-policy-version"] == "1"
+    vdir = server.settings.adapters_dir / "shared" / "v1"
+    assert (vdir / "adapter_model.safetensors").is_file() and (vdir / "adapter_config.json").is_file()
+    manifest = json.loads((vdir / "manifest.json").read_text())
+    assert len(manifest["sample_ids"]) == 4 and manifest["step"]["samples"] == 4
+    assert server.app.state.samples.samples("ready") == []
+    assert len(server.app.state.samples.samples("consumed")) == 4
+    steps = [r for r in server.records() if r["kind"] == "train_step"]
+    assert steps[0]["version"] == 1 and steps[0]["published"] and "mismatch" in steps[0] and "clip_fraction" in steps[0]
+    assert (server.settings.records_dir / "policy-v0001.jsonl").is_file()
+    request = [r for r in server.records() if r["kind"] == "request"][-1]
+    assert request["policy_version"] == 1 and request["adapter"] == "shared-v1"
+
+
+def test_no_request_fails_or_stalls_across_swaps(server_factory):
+    import concurrent.futures
+
+    server = learning_server(server_factory)
+    client = server.client(server.key("alice"))
+    stop = time.monotonic() + 60
+    results: list[tuple[float, int]] = []
+
+    def hammer(i):
+        out = []
+        while time.monotonic() < stop and len(results) + len(out) < 400:
+            started = time.monotonic()
+            raw = client.chat.completions.with_raw_response.create(
+                model="tiny", messages=[{"role": "user", "content": f"q{i}"}], max_tokens=4,
+                extra_headers={"X-Turn-Type": "side"},
+            )
+            out.append((time.monotonic() - started, int(raw.headers["x-policy-version"])))
+            if out[-1][1] == 4:
+                break
+        return out
+
+    with concurrent.futures.ThreadPoolExecutor(3) as pool:
+        futures = [pool.submit(hammer, i) for i in range(3)]
+        for round_ in range(4):
+            feed(server, served_samples(server, 4, seed0=10 * round_))
+            wait_for(lambda: server.app.state.policies.current("alice").version == round_ + 1)
+        for f in futures:
+            results += f.result()  # any failed request would raise here
+    versions = [v for _, v in results]
+    assert set(versions) >= {0, 4} and max(versions) == 4
+    assert len(results) >= 20
+    assert max(latency for latency, _ in results) < 5, "no request stalled during a swap"
+    assert server.app.state.chat.engine.adapters == ["shared-v4"] or wait_for(
+        lambda: server.app.state.chat.engine.adapters == ["shared-v4"]
+    ) is None, "old versions are unloaded"
+
+
+def test_user_scope_keeps_users_apart(server_factory):
+    server = learning_server(server_factory, adapter_scope="user")
+    policies = server.app.state.policies
+    feed(server, served_samples(server, 4, user="alice"))
+    wait_for(lambda: policies.current("alice").version == 1)
+    assert policies.current("bob").version == 0 and policies.current("bob").adapter is None
+    assert (server.settings.adapters_dir / "alice" / "v1").is_dir()
+    assert not (server.settings.adapters_dir / "shared").exists()
+    bob = server.client(server.key("bob"))
+    raw = bob.chat.completions.with_raw_response.create(model="tiny", messages=[{"role": "user", "content": "x"}], max_tokens=2)
+    assert raw.headers["x-policy-version"] == "0"
+    # three of bob's samples are not a batch; alice's adapter is not touched by them
+    feed(server, served_samples(server, 3, user="bob", advantage=-1.0))
+    time.sleep(0.5)
+    assert policies.current("bob").version == 0 and policies.current("alice").version == 1
+
+
+def test_rollback_restores_an_earlier_version(server_factory):
+    server = learning_server(server_factory)
+    policies = server.app.state.policies
+    for round_ in range(2):
+        feed(server, served_samples(server, 4, seed0=round_ * 10))
+        wait_for(lambda: policies.current("alice").version == round_ + 1)
+    admin, user = server.key("root", admin=True), server.key("alice")
+    url = f"{server.base_url}/admin/adapters/rollback"
+    assert httpx.post(url, json={"version": 1}, headers={"Authorization": f"Bearer {user}"}).status_code == 403
+    assert httpx.post(url, json={"version": 9}, headers={"Authorization": f"Bearer {admin}"}).status_code == 404
+    resp = httpx.post(url, json={"version": 1}, headers={"Authorization": f"Bearer {admin}"})
+    assert resp.status_code == 200 and resp.json()["version"] == 3
+    assert policies.current("alice").version == 3
+    root = server.settings.adapters_dir / "shared"
+    assert (root / "v3" / "adapter_model.safetensors").read_bytes() == (root / "v1" / "adapter_model.safetensors").read_bytes()
+    listing = httpx.get(f"{server.base_url}/admin/adapters", headers={"Authorization": f"Bearer {admin}"}).json()
+    assert listing["data"] == [{"scope": "shared", "versions": [1, 2, 3], "serving": 3, "adapter": "shared-v3"}]
+
+
+def test_restart_resumes_without_losing_or_repeating_samples(server_factory, tmp_path):
+    from tests.conftest import start_server
+
+    server = learning_server(server_factory)
+    feed(server, served_samples(server, 4))
+    wait_for(lambda: server.app.state.policies.current("alice").version == 1)
+    feed(server, served_samples(server, 3, seed0=50))  # a partial batch when the process stops
+    settings = server.settings
+    server.stop()
+
+    restarted = start_server(settings)
+    try:
+        assert restarted.app.state.policies.current("alice").version == 1, "serving resumes at the latest version"
+        assert len(restarted.app.state.samples.samples("ready")) == 3
+        feed(restarted, served_samples(restarted, 1, seed0=90))
+        wait_for(lambda: restarted.app.state.policies.current("alice").version == 2)
+        manifests = [json.loads((settings.adapters_dir / "shared" / f"v{v}" / "manifest.json").read_text()) for v in (1, 2)]
+        ids = manifests[0]["sample_ids"] + manifests[1]["sample_ids"]
+        assert len(ids) == len(set(ids)) == 8, "every sample trained exactly once"
+    finally:
+        restarted.stop()
+
+
+def test_crash_between_publish_and_bookkeeping_trains_nothing_twice(server_factory):
+    """If the process dies after a version is on disk but before its samples are marked
+    consumed, the restart reads the manifest and marks them."""
+    from tests.conftest import start_server
+
+    server = learning_server(server_factory, learn=False)
+    samples = server.app.state.samples
+    stored = [samples.add_sample(s) for s in served_samples(server, 4)]
+    settings = server.settings
+    server.stop()
+    from learner.trainer import LoraTrainer as Trainer
+    from learner.versions import AdapterVersions
+
+    trainer = Trainer(settings.model, TrainConfig(lr=5e-3, lora_r=4, lora_alpha=8))
+    trainer.step("shared", stored)
+    AdapterVersions(settings.adapters_dir).publish(
+        "shared", 1, lambda p: trainer.save("shared", p), {"sample_ids": [s.id for s in stored]}
+    )  # ... and the process "dies" here
+    restarted = start_server(settings.model_copy(update={"learn": True}))
+    try:
+        assert restarted.app.state.samples.samples("ready") == []
+        assert restarted.app.state.policies.current("alice").version == 1
+    finally:
+        restarted.stop()
+
+
+@pytest.fixture(scope="module")
+def peaked_model_dir(tmp_path_factory):
+    """A tiny model whose next-token distribution is peaked like a trained model's."""
+    from engine.tiny_model import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("models") / "peaked", init_std=0.4)
+
+
+def test_a_consistent_reward_moves_the_policy(server_factory, peaked_model_dir):
+    """Reward +1 for replies that start with a chosen token, −1 otherwise: after a few
+    updates the served adapter gives that token markedly more probability."""
+    server = learning_server(server_factory, model=str(peaked_model_dir), batch_size=16, lr=5e-3, lora_r=8, lora_alpha=16)
+    chat, policies = server.app.state.chat, server.app.state.policies
+    prompt = chat.renderer.render([{"role": "user", "content": "Pick a word."}]).ids
+
+    def first_token_distribution():
+        return server.call(first_token_probs(chat.engine, prompt, policies.current("alice").adapter))
+
+    before = first_token_distribution()
+    chosen = int(before.topk(2).indices[1])  # the runner-up: sampled now and then, not yet preferred
+    curve = [float(before[chosen])]
+    for update in range(5):
+        ref = policies.current("alice")
+        runs = server.call(sample_replies(chat.engine, prompt, ref.adapter, 16, seed0=1000 * update))
+        feed(server, [
+            make_sample(toks, prompt=prompt, advantage=1.0 if toks[0].token_id == chosen else -1.0, policy_version=ref.version)
+            for toks in runs
+        ])
+        wait_for(lambda: policies.current("alice").version == update + 1)
+        curve.append(float(first_token_distribution()[chosen]))
+    assert curve[-1] > 3 * curve[0] and curve[-1] > 0.2, f"P(chosen first token) per update: {curve}"
+
+
+async def first_token_probs(engine, prompt, adapter):
+    """The served policy's whole distribution over the first reply token (top-k = vocabulary)."""
+    vocab = engine.info.vocab_size
+    params = SamplingParams(max_new_tokens=1, temperature=1.0, top_logprobs=vocab)
+    (tok,) = [t async for t in engine.generate(prompt, params, adapter)]
+    probs = torch.zeros(vocab)
+    for token_id, logprob in tok.top_logprobs:
+        probs[token_id] = float(torch.tensor(logprob).exp())
+    return probs
+
+
+async def sample_replies(engine, prompt, adapter, n, seed0):
+    params = [SamplingParams(max_new_tokens=3, temperature=1.0, seed=seed0 + i) for i in range(n)]
+
+    async def one(p):
+        return [t async for t in engine.generate(prompt, p, adapter)]
+
+    return await asyncio.gather(*(one(p) for p in params))
