@@ -58,6 +58,7 @@ class Learner:
         self.batch_size = settings.batch_size
         self.trainer: LoraTrainer | None = None
         self.steps: list[dict[str, Any]] = []
+        self._step_index: dict[str, int] = {}  # updates tried per scope, published or skipped
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
         self._lock = asyncio.Lock()  # one update or rollback at a time
@@ -93,6 +94,7 @@ class Learner:
             consumed = [i for v in self.versions.versions(scope) for i in self.versions.manifest(scope, v).get("sample_ids", [])]
             await asyncio.to_thread(self.store.mark_consumed, consumed)
             await asyncio.to_thread(self.trainer.load, scope, path)
+            self._step_index[scope] = self.versions.manifest(scope, version).get("step_index", 0)
             await self._serve(scope, version, path)
             log.info("learner resumed scope %s at version %d", scope, version)
 
@@ -137,24 +139,26 @@ class Learner:
             result = await asyncio.to_thread(self.trainer.step, scope, batch)
             ids = [x.id for x in samples if x.id is not None]
             current = self.policies.current_scope(scope)
-            record = {"scope": scope, "sample_ids": ids, **result.to_dict()}
+            step_index = self._step_index[scope] = self._step_index.get(scope, 0) + 1
+            record = {"step": step_index, "scope": scope, "sample_ids": ids, **result.to_dict()}
             if result.skipped:
                 await asyncio.to_thread(self.store.mark_consumed, ids)
                 record.update(version=None, published=False)
-                log.warning("learner step for %s skipped: %s", scope, result.skipped)
+                log.warning("learner step %d (%s) skipped, not published: %s", step_index, scope, result.skipped)
             else:
                 version = max(current.version, self.versions.current(scope) or 0) + 1
                 finished = time.monotonic()
                 path = await asyncio.to_thread(
                     self.versions.publish, scope, version, lambda p: self.trainer.save(scope, p),
-                    {"sample_ids": ids, "step": result.to_dict()},
+                    {"sample_ids": ids, "step_index": step_index, "step": result.to_dict()},
                 )
                 await asyncio.to_thread(self.store.mark_consumed, ids)
                 swap_s = await self._serve(scope, version, path)
                 record.update(version=version, published=True, publish_to_serving_s=round(time.monotonic() - finished, 4), swap_s=swap_s)
                 log.info(
-                    "learner %s v%d: %d samples, loss %.4f, clip %.3f, kl %.4g, mismatch %.4f, adv %.3f, %.1fs, swap %.0f ms",
-                    scope, version, result.samples, result.loss, result.clip_fraction, result.policy_kl,
+                    "learner step %d (%s) -> v%d: %d samples, loss %.4f, clip %.3f, kl %.4g, mismatch %.4f, "
+                    "mean adv %.3f, %.1fs, swap %.0f ms",
+                    step_index, scope, version, result.samples, result.loss, result.clip_fraction, result.policy_kl,
                     result.mismatch, result.mean_advantage, result.seconds, swap_s * 1000,
                 )
             self.steps.append(record)

@@ -342,3 +342,66 @@ async def sample_replies(engine, prompt, adapter, n, seed0):
         return [t async for t in engine.generate(prompt, p, adapter)]
 
     return await asyncio.gather(*(one(p) for p in params))
+
+
+def test_killed_mid_batch_the_server_loses_nothing(tmp_path, tiny_model_dir):
+    """SIGKILL a real `nextstate serve` holding a partial batch; the restart trains it."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from nextstate.background_server import free_port
+    from nextstate.sample_store import SampleStore
+
+    port = free_port()
+    env = {**os.environ, "NEXTSTATE_DATA_DIR": str(tmp_path / "data"), "NEXTSTATE_MODEL": str(tiny_model_dir),
+           "NEXTSTATE_PORT": str(port), "NEXTSTATE_BATCH_SIZE": "4", "NEXTSTATE_JUDGE_ENABLED": "false",
+           "NEXTSTATE_LR": "5e-3", "NEXTSTATE_LORA_R": "4", "NEXTSTATE_LORA_ALPHA": "8"}
+
+    def serve():
+        proc = subprocess.Popen([sys.executable, "-m", "nextstate.cli", "serve"], env=env,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+        wait_for(lambda: _up(port) or proc.poll() is not None)
+        assert proc.poll() is None
+        return proc
+
+    def fake_turns(n, seed):
+        g = torch.Generator().manual_seed(seed)
+        out = []
+        for _ in range(n):
+            ids = torch.randint(5, 400, (3,), generator=g).tolist()
+            toks = [type("T", (), {"token_id": i, "logprob": -6.2})() for i in ids]
+            out.append(make_sample(toks))
+        return out
+
+    proc = serve()
+    store = SampleStore(tmp_path / "data" / "samples.sqlite3")
+    try:
+        for s in fake_turns(3, 0):
+            store.add_sample(s)
+        time.sleep(0.5)
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(10)
+    assert len(store.samples("ready")) == 3, "a partial batch survives the kill"
+
+    proc = serve()
+    try:
+        store.add_sample(fake_turns(1, 1)[0])
+        v1 = tmp_path / "data" / "adapters" / "shared" / "v1"
+        wait_for(lambda: (v1 / "manifest.json").is_file(), timeout=30)
+        ids = json.loads((v1 / "manifest.json").read_text())["sample_ids"]
+        assert sorted(ids) == [1, 2, 3, 4]
+        wait_for(lambda: len(store.samples("consumed")) == 4)
+    finally:
+        proc.terminate()
+        proc.wait(30)
+        store.close()
+
+
+def _up(port: int) -> bool:
+    try:
+        return httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=1).status_code == 200
+    except httpx.HTTPError:
+        return False

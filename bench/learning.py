@@ -1,0 +1,231 @@
+"""Does it learn, how fast do new versions serve, and what does training cost serving?
+
+    pip install -e '.[bench]'
+    python -m bench.learning                  # peaked tiny model: learning curve + swap latency
+    python -m bench.learning --smol           # embedded SmolLM2: adds chat latency while training
+
+Learning curve: a rule rewards replies whose first token is a chosen token (+1) and punishes
+every other reply (−1); batches of real samples from the served adapter go through the real
+learner (the judge is bypassed: this measures the learner, not the judge), and after every
+update the chosen token's probability under the served adapter is measured. Hot swap: time
+from an update finishing to its version serving. With --smol, chat latency (p50/p99) is
+measured while idle and while a training step runs. Writes bench/results/learning-<model>.json
+and a PNG plot beside it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+from engine.base import SamplingParams
+from nextstate.background_server import free_port, start_server
+from nextstate.settings import Settings
+from nextstate.types import Sample
+
+RESULTS = Path(__file__).parent / "results"
+
+
+async def _first_token_probs(engine, prompt, adapter) -> list[float]:
+    import math
+
+    params = SamplingParams(max_new_tokens=1, temperature=1.0, top_logprobs=engine.info.vocab_size)
+    (tok,) = [t async for t in engine.generate(prompt, params, adapter)]
+    probs = [0.0] * engine.info.vocab_size
+    for token_id, logprob in tok.top_logprobs:
+        probs[token_id] = math.exp(logprob)
+    return probs
+
+
+async def _replies(engine, prompt, adapter, n, seed0, max_new):
+    async def one(i):
+        params = SamplingParams(max_new_tokens=max_new, temperature=1.0, seed=seed0 + i)
+        return [t async for t in engine.generate(prompt, params, adapter)]
+
+    return await asyncio.gather(*(one(i) for i in range(n)))
+
+
+def _sample(prompt, toks, reward, version) -> Sample:
+    n = len(toks)
+    return Sample(
+        user="bench", session_id="bench", turn_index=1, policy_version=version, adapter=None, mode="binary",
+        status="ready", prompt_ids=prompt, response_ids=[t.token_id for t in toks], old_logprobs=[t.logprob for t in toks],
+        logprob_temperature=1.0, advantages=[reward] * n, loss_mask=[1] * n, reward=reward, created_at=time.time(),
+    )
+
+
+def _train_on(server, samples: list[Sample]) -> None:
+    store, learner = server.app.state.samples, server.app.state.learner
+
+    async def put():
+        for s in samples:
+            learner.notify(await asyncio.to_thread(store.add_sample, s))
+
+    server.call(put())
+
+
+def _wait_version(server, version: int, timeout: float = 1800) -> None:
+    deadline = time.monotonic() + timeout
+    while server.app.state.policies.current("bench").version < version:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"version {version} did not appear")
+        time.sleep(0.05)
+
+
+def learning_curve(server, updates: int, batch: int, max_new: int) -> dict:
+    chat, policies = server.app.state.chat, server.app.state.policies
+    prompt = chat.renderer.render([{"role": "user", "content": "Pick a word."}]).ids
+    before = server.call(_first_token_probs(chat.engine, prompt, None))
+    chosen = sorted(range(len(before)), key=lambda i: -before[i])[1]  # the runner-up token
+    probs, rewards = [before[chosen]], []
+    for update in range(updates):
+        ref = policies.current("bench")
+        runs = server.call(_replies(chat.engine, prompt, ref.adapter, batch, 1000 * update, max_new), timeout=1800)
+        batch_rewards = [1.0 if toks[0].token_id == chosen else -1.0 for toks in runs]
+        rewards.append(statistics.fmean(batch_rewards))
+        _train_on(server, [_sample(prompt, toks, r, ref.version) for toks, r in zip(runs, batch_rewards)])
+        _wait_version(server, update + 1)
+        probs.append(server.call(_first_token_probs(chat.engine, prompt, policies.current("bench").adapter)))
+        probs[-1] = probs[-1][chosen]
+        print(f"update {update + 1}: mean reward {rewards[-1]:+.3f}, P(chosen) {probs[-1]:.3f}", flush=True)
+    steps = server.app.state.learner.steps
+    return {
+        "chosen_token": chosen,
+        "p_chosen_per_update": [round(p, 4) for p in probs],
+        "mean_reward_per_update": [round(r, 4) for r in rewards],
+        "train_seconds_per_update": [round(s["seconds"], 3) for s in steps],
+        "swap_ms": [round(1000 * s["swap_s"], 2) for s in steps if s.get("published")],
+        "update_finished_to_serving_ms": [round(1000 * s["publish_to_serving_s"], 2) for s in steps if s.get("published")],
+    }
+
+
+def latency_while_training(server, batch: int, max_new: int, requests: int) -> dict:
+    """Chat latency while idle, then while one training step of `batch` samples runs."""
+    chat, policies = server.app.state.chat, server.app.state.policies
+    client = server.client(server.key("bench-user"))
+    ask = dict(model="m", messages=[{"role": "user", "content": "Name a fruit."}], max_tokens=8, temperature=0,
+               extra_headers={"X-Turn-Type": "side"})
+
+    def measure(n: int, stop: threading.Event | None = None) -> list[float]:
+        out = []
+        while len(out) < n and not (stop is not None and stop.is_set()):
+            started = time.perf_counter()
+            client.chat.completions.create(**ask)
+            out.append(time.perf_counter() - started)
+        return out
+
+    idle = measure(requests)
+    prompt = chat.renderer.render([{"role": "user", "content": "Tell me something."}]).ids
+    ref = policies.current("bench")
+    runs = server.call(_replies(chat.engine, prompt, ref.adapter, batch, 7, max_new), timeout=1800)
+    done = threading.Event()
+    during: list[float] = []
+    target = ref.version + 1
+
+    def watch():
+        _wait_version(server, target)
+        done.set()
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    _train_on(server, [_sample(prompt, toks, 1.0, ref.version) for toks in runs])
+    while not done.is_set():
+        during += measure(1, done)
+    watcher.join()
+
+    def pct(values, q):
+        ordered = sorted(values)
+        return round(1000 * ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))], 1)
+
+    return {
+        "idle": {"requests": len(idle), "p50_ms": pct(idle, 0.5), "p99_ms": pct(idle, 0.99)},
+        "while_training": {"requests": len(during), "p50_ms": pct(during, 0.5), "p99_ms": pct(during, 0.99)},
+        "train_step_s": round(server.app.state.learner.steps[-1]["seconds"], 2),
+    }
+
+
+def plot(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    curve = result["learning_curve"]
+    fig, ax1 = plt.subplots(figsize=(7, 4))
+    updates = list(range(len(curve["p_chosen_per_update"])))
+    ax1.plot(updates, curve["p_chosen_per_update"], "o-", color="tab:blue", label="P(chosen first token), served adapter")
+    ax1.set_xlabel("update (policy version)")
+    ax1.set_ylabel("probability", color="tab:blue")
+    ax2 = ax1.twinx()
+    ax2.plot(range(1, len(curve["mean_reward_per_update"]) + 1), curve["mean_reward_per_update"], "s--", color="tab:red",
+             label="mean reward of the batch it trained on")
+    ax2.set_ylabel("mean reward", color="tab:red")
+    ax1.set_title(f"nextstate learner on {result['model']}: reward +1 for the chosen first token")
+    fig.legend(loc="upper left", bbox_to_anchor=(0.1, 0.88), fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--smol", action="store_true", help="the embedded SmolLM2 (adds latency while training)")
+    parser.add_argument("--model", help="any local HF model dir")
+    parser.add_argument("--updates", type=int, default=None)
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--lr", type=float, default=None)
+    args = parser.parse_args()
+
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    if args.model:
+        model_dir = Path(args.model)
+    elif args.smol:
+        from engine.default_model import ensure_default_model
+
+        model_dir = ensure_default_model(Settings().models_dir)
+    else:
+        from engine.tiny_model import build_tiny_model
+
+        model_dir = build_tiny_model(Path(tempfile.mkdtemp()) / "tiny-peaked", init_std=0.4)
+    small = not (args.smol or args.model)
+    updates = args.updates or (8 if small else 4)
+    lr = args.lr or (5e-3 if small else 1e-4)
+    max_new = 3 if small else 8
+    with tempfile.TemporaryDirectory() as tmp:
+        settings = Settings(
+            data_dir=Path(tmp), model=str(model_dir), port=free_port(), served_model_name="m", judge_enabled=False,
+            batch_size=args.batch, lr=lr, lora_r=8 if small else 16, lora_alpha=16 if small else 32,
+        )
+        server = start_server(settings)
+        try:
+            result = {
+                "benchmark": "learning",
+                "model": model_dir.name,
+                "machine": "2-core x86_64 CPU, no GPU (the project's dev/CI machine)",
+                "batch_size": args.batch,
+                "lr": lr,
+                "learning_curve": learning_curve(server, updates, args.batch, max_new),
+            }
+            if not small:
+                result["latency_while_training"] = latency_while_training(server, args.batch, max_new, 30)
+        finally:
+            server.stop()
+    result["date"] = time.strftime("%Y-%m-%d")
+    RESULTS.mkdir(exist_ok=True)
+    out = RESULTS / f"learning-{result['model']}.json"
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    plot(result, out.with_suffix(".png"))
+    print(json.dumps(result, indent=2))
+    print(f"written to {out} and {out.with_suffix('.png')}")
+
+
+if __name__ == "__main__":
+    main()
