@@ -10,6 +10,32 @@ from typing import Literal, Protocol
 class EngineError(RuntimeError):
     """The engine could not do what was asked; the proxy maps it to a 5xx in OpenAI's shape."""
 
+    http_status = 500
+
+
+class EngineUnavailable(EngineError):
+    """The engine cannot be reached (not started yet, restarting): 503, try again."""
+
+    http_status = 503
+
+
+class EngineTimeout(EngineError):
+    """The engine did not answer in time: 504."""
+
+    http_status = 504
+
+
+class EngineRejected(EngineError):
+    """The engine refused the request as invalid (e.g. too long for its context): 400."""
+
+    http_status = 400
+
+
+class EngineBadGateway(EngineError):
+    """The engine answered with an error or something unreadable: 502."""
+
+    http_status = 502
+
 
 class UnknownAdapterError(EngineError):
     """A request named an adapter the engine has not loaded.

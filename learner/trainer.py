@@ -185,7 +185,7 @@ class LoraTrainer:
                         if epoch == 0:
                             totals["mismatch"] += float(((logprobs.detach() - old).abs() * mask).sum())
                         totals["loss"] += float(loss.detach())
-                        totals["pg"] += float(((tok_loss - c.kl_coef * kl) * mask).sum()) / batch_tokens
+                        totals["pg"] += float(((tok_loss - c.kl_coef * kl).detach() * mask).sum()) / batch_tokens
                         totals["kl"] += float((kl * mask).sum())
                         totals["clipped"] += float((clipped * mask).sum())
                     if not math.isfinite(totals["loss"]) or any(

@@ -65,7 +65,17 @@ def resolve_model_dir(settings: Settings) -> Path:
     return ensure_default_model(settings.models_dir)
 
 
-async def open_local_engine(model_dir: Path, settings: Settings) -> Engine:
+async def open_engine(model_dir: Path, settings: Settings) -> Engine:
+    """The engine NEXTSTATE_ENGINE names: in-process, or a client of an SGLang server."""
+    if settings.engine == "sglang":
+        from engine.sglang import SGLangEngine
+
+        engine = SGLangEngine(
+            settings.sglang_url, model_dir, timeout_s=settings.sglang_timeout_s, retries=settings.sglang_retries
+        )
+        if not await engine.healthy():
+            log.warning("SGLang at %s is not answering yet; requests get 503 until it does", settings.sglang_url)
+        return engine
     from engine.local import LocalEngine
 
     return await LocalEngine.open(
@@ -81,7 +91,7 @@ def make_judge_client(settings: Settings, engine: Engine, renderer: ChatRenderer
     return EngineJudgeClient(engine, renderer)
 
 
-def create_app(settings: Settings | None = None, *, engine_factory: EngineFactory = open_local_engine) -> FastAPI:
+def create_app(settings: Settings | None = None, *, engine_factory: EngineFactory = open_engine) -> FastAPI:
     settings = settings or Settings()
 
     @contextlib.asynccontextmanager

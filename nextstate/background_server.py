@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import uvicorn
 from openai import OpenAI
 
-from nextstate.app import EngineFactory, create_app, open_local_engine
+from nextstate.app import EngineFactory, create_app, open_engine
 from nextstate.settings import Settings
 from proxy.keys import KeyStore
 
@@ -97,7 +97,7 @@ def serve_in_thread(app, port: int, name: str = "nextstate-server") -> tuple[uvi
     return server, thread, holder["loop"]
 
 
-def start_server(settings: Settings, engine_factory: EngineFactory = open_local_engine) -> RunningServer:
+def start_server(settings: Settings, engine_factory: EngineFactory = open_engine) -> RunningServer:
     app = create_app(settings, engine_factory=engine_factory)
     server, thread, loop = serve_in_thread(app, settings.port)
     return RunningServer(app, f"http://127.0.0.1:{settings.port}/v1", settings, server, thread, loop)

@@ -27,7 +27,10 @@ class Settings(BaseSettings):
     served_model_name: str | None = Field(
         None, description="Model id shown by /v1/models; defaults to the model directory's name."
     )
-    engine: Literal["local"] = "local"
+    engine: Literal["local", "sglang"] = Field("local", description="local = in-process; sglang = an SGLang server.")
+    sglang_url: str = Field("http://127.0.0.1:30000", description="SGLang's native API (keep it on loopback).")
+    sglang_timeout_s: float = Field(300.0, gt=0, description="Longest wait for an SGLang answer.")
+    sglang_retries: int = Field(2, ge=0, description="Retries of SGLang calls while safe (before any token).")
     device: Literal["auto", "cpu", "cuda"] = "auto"
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
 

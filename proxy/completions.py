@@ -33,6 +33,15 @@ from proxy.tool_calls import ParsedToolCall, ToolCallParser
 _TRUE = {"1", "true", "yes", "on"}
 
 
+def engine_error(exc: EngineError) -> OpenAIError:
+    """The engine's failure as the client should see it: 502/503/504 for an engine that is
+    down, slow or broken (retry later), 400 for a request it refused."""
+    status = exc.http_status
+    if status >= 500:
+        return OpenAIError(status, f"The model server failed: {exc}", type="server_error", code="engine_error")
+    return OpenAIError(status, f"The model server refused the request: {exc}", code="engine_rejected")
+
+
 def _dump(value: Any) -> Any:
     return value.model_dump() if hasattr(value, "model_dump") else value
 
@@ -232,7 +241,7 @@ class ChatService:
                     if stops.stopped:
                         break
             except EngineError as exc:
-                raise OpenAIError(500, f"The model failed while generating: {exc}", type="server_error") from exc
+                raise engine_error(exc) from exc
             finally:
                 await stream.aclose()
                 self.metrics.in_flight.dec()
@@ -372,9 +381,19 @@ class ChatService:
                 body["usage"] = None
             return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
 
+        events = self._run(prep)
+        # The first event is awaited before anything is sent, so an engine that is down or
+        # refuses the request still gets its proper status code (502/503/504/400).
+        first = await anext(events)
         yield chunk({"role": "assistant", "content": ""})
+
+        async def rest():
+            yield first
+            async for event in events:
+                yield event
+
         try:
-            async for event in self._run(prep):
+            async for event in rest():
                 if isinstance(event, Delta):
                     if event.content or (event.logprobs and not event.tool_calls):
                         yield chunk({"content": event.content}, logprobs=event.logprobs)

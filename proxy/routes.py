@@ -43,9 +43,21 @@ async def chat_completions(request: Request, key: ApiKey = Depends(authenticate)
     prep = await chat.prepare(body, key, TurnHints.from_request(request.headers, body))
     metrics = request.app.state.metrics
     if body.stream:
+        stream = chat.stream(prep)
+        try:
+            first = await anext(stream)  # engine failures before the first token keep their status
+        except OpenAIError as exc:
+            metrics.requests.labels(str(exc.status), "true").inc()
+            raise
         metrics.requests.labels("200", "true").inc()
+
+        async def body_stream():
+            yield first
+            async for piece in stream:
+                yield piece
+
         return StreamingResponse(
-            chat.stream(prep),
+            body_stream(),
             media_type="text/event-stream",
             headers={**prep.headers, "Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )

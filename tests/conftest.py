@@ -10,7 +10,7 @@ import httpx
 import pytest
 
 from engine.tiny_model import build_tiny_model
-from nextstate.app import open_local_engine
+from nextstate.app import open_engine
 from nextstate.background_server import RunningServer, free_port, start_server
 from nextstate.settings import Settings
 from tests.scripted_engine import ScriptedEngine
@@ -32,7 +32,7 @@ def make_settings(tmp_path: Path, model_dir: Path, **overrides) -> Settings:
 def server_factory(tmp_path, tiny_model_dir) -> Iterator:
     started: list[RunningServer] = []
 
-    def factory(engine_factory=open_local_engine, **overrides) -> RunningServer:
+    def factory(engine_factory=open_engine, **overrides) -> RunningServer:
         srv = start_server(make_settings(tmp_path / f"s{len(started)}", tiny_model_dir, **overrides), engine_factory)
         started.append(srv)
         return srv

@@ -1,0 +1,297 @@
+"""The production engine: an SGLang server driven through its native HTTP API.
+
+Targets SGLang's `/generate` (token ids in, token ids and logprobs out, streaming), and
+`/load_lora_adapter` / `/unload_lora_adapter` for named adapters; launch SGLang with
+`--enable-lora`, `--max-lora-rank` and `--lora-target-modules` matching the learner (see
+deploy/). Shapes used, from SGLang's io_struct / tokenizer manager:
+
+* request: `input_ids`, `sampling_params` {max_new_tokens, temperature, top_p, stop_token_ids,
+  no_stop_trim, sampling_seed}, `return_logprob`, `top_logprobs_num`, `logprob_start_len`,
+  `stream`, `lora_path` (always sent: null means the base model, on purpose).
+* response: `output_ids`, `meta_info` {finish_reason: null | {type: stop|length|abort, ...},
+  prompt_tokens, completion_tokens, output_token_logprobs: [[logprob, token_id, text|null]],
+  output_top_logprobs, input_token_logprobs}. Streaming sends `data: {json}` events ending in
+  `data: [DONE]`; each event holds everything so far, or only the new tokens when SGLang runs
+  with --incremental-streaming-output; both are handled.
+* scoring: `max_new_tokens: 0` with `logprob_start_len = start − 1`; `input_token_logprobs`
+  then covers input_ids[start − 1:], and its first entry (that position's own logprob) is
+  always null, so it is dropped: one logprob per scored token, aligned.
+* logprobs are SGLang's default log_softmax(logits / temperature), the same convention as the
+  local engine and the learner (do not set SGLANG_RETURN_ORIGINAL_LOGPROB).
+
+Failures map to clean errors: unreachable → EngineUnavailable (503), too slow → EngineTimeout
+(504), 5xx or an unreadable answer → EngineBadGateway (502). Requests are retried only while
+that is safe: before any token reached the caller.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from engine.base import (
+    EngineBadGateway,
+    EngineError,
+    EngineInfo,
+    EngineRejected,
+    EngineTimeout,
+    EngineUnavailable,
+    GeneratedToken,
+    SamplingParams,
+    UnknownAdapterError,
+)
+
+log = logging.getLogger(__name__)
+
+TARGET_SGLANG = "0.5.x (native /generate API with output_ids; checked against io_struct.py and the tokenizer manager's output processor)"
+
+
+def _model_info(model_dir: Path) -> tuple[int, int]:
+    config = json.loads((model_dir / "config.json").read_text())
+    return int(config.get("max_position_embeddings", 4096)), int(config.get("vocab_size", 0))
+
+
+class _Retryable(Exception):
+    def __init__(self, error: EngineError) -> None:
+        self.error = error
+
+
+class SGLangEngine:
+    def __init__(
+        self,
+        base_url: str,
+        model_dir: str | Path,
+        *,
+        timeout_s: float = 300.0,
+        retries: int = 2,
+        backoff_s: float = 0.5,
+        transport: httpx.AsyncBaseTransport | None = None,
+    ) -> None:
+        model_dir = Path(model_dir)
+        max_context, vocab = _model_info(model_dir)
+        self.base_url = base_url.rstrip("/")
+        self.info = EngineInfo(model_name=model_dir.name, max_context=max_context, device="sglang", dtype="server", vocab_size=vocab)
+        self.retries = retries
+        self.backoff_s = backoff_s
+        self._adapters: set[str] = set()
+        self._client = httpx.AsyncClient(
+            base_url=self.base_url, timeout=httpx.Timeout(timeout_s, connect=5.0), transport=transport
+        )
+
+    @property
+    def adapters(self) -> list[str]:
+        return sorted(self._adapters)
+
+    async def close(self) -> None:
+        await self._client.aclose()
+
+    async def healthy(self) -> bool:
+        try:
+            return (await self._client.get("/health", timeout=5.0)).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    # ---------------------------------------------------------------- generate
+
+    def _payload(self, input_ids: list[int], sampling: SamplingParams, adapter: str | None, stream: bool) -> dict[str, Any]:
+        params: dict[str, Any] = {
+            "max_new_tokens": sampling.max_new_tokens,
+            "temperature": sampling.temperature,
+            "top_p": sampling.top_p,
+            "stop_token_ids": list(sampling.stop_token_ids),
+            # keep the stop token in output_ids: it was sampled, and the learner trains on it
+            "no_stop_trim": True,
+            "skip_special_tokens": False,
+        }
+        if sampling.seed is not None:
+            params["sampling_seed"] = sampling.seed
+        payload: dict[str, Any] = {
+            "input_ids": list(input_ids),
+            "sampling_params": params,
+            "return_logprob": True,
+            "stream": stream,
+            "lora_path": adapter,
+        }
+        if sampling.top_logprobs:
+            payload["top_logprobs_num"] = sampling.top_logprobs
+        return payload
+
+    async def generate(
+        self, input_ids: list[int], sampling: SamplingParams, adapter: str | None = None, background: bool = False
+    ) -> AsyncIterator[GeneratedToken]:
+        if adapter is not None and adapter not in self._adapters:
+            raise UnknownAdapterError(f"adapter {adapter!r} is not loaded")
+        payload = self._payload(input_ids, sampling, adapter, stream=True)
+        attempt = 0
+        while True:
+            delivered = 0
+            try:
+                async for token in self._stream(payload):
+                    delivered += 1
+                    yield token
+                return
+            except _Retryable as retry:
+                if delivered or attempt >= self.retries:
+                    raise retry.error from None
+            attempt += 1
+            log.warning("SGLang generate failed, retrying (%d/%d)", attempt, self.retries)
+            await asyncio.sleep(self.backoff_s * attempt)
+
+    async def _stream(self, payload: dict[str, Any]) -> AsyncIterator[GeneratedToken]:
+        seen = 0
+        try:
+            async with self._client.stream("POST", "/generate", json=payload) as response:
+                if response.status_code != 200:
+                    await response.aread()
+                    error = self._http_error(response)
+                    raise _Retryable(error) if isinstance(error, EngineBadGateway) else error
+                async for line in response.aiter_lines():
+                    if not line.startswith("data:"):
+                        continue
+                    data = line[5:].strip()
+                    if data == "[DONE]":
+                        return
+                    event = self._parse(data)
+                    tokens, finish = self._new_tokens(event, seen)
+                    for i, token in enumerate(tokens):
+                        seen += 1
+                        last = i == len(tokens) - 1
+                        yield token if not (last and finish) else GeneratedToken(token.token_id, token.logprob, token.top_logprobs, finish)
+                    if finish:
+                        return
+        except httpx.TimeoutException as exc:
+            raise _Retryable(EngineTimeout(f"SGLang did not answer in time: {exc!r}")) from None
+        except httpx.TransportError as exc:
+            raise _Retryable(EngineUnavailable(f"SGLang at {self.base_url} is unreachable: {exc!r}")) from None
+        raise _Retryable(EngineBadGateway("SGLang closed the stream before the generation finished"))
+
+    @staticmethod
+    def _parse(data: str) -> dict[str, Any]:
+        try:
+            event = json.loads(data)
+        except ValueError:
+            raise _Retryable(EngineBadGateway(f"SGLang sent unreadable data: {data[:200]!r}")) from None
+        if not isinstance(event, dict):
+            raise _Retryable(EngineBadGateway("SGLang sent an event that is not an object"))
+        if "error" in event:
+            raise EngineBadGateway(f"SGLang reported an error: {event['error']}")
+        return event
+
+    @staticmethod
+    def _new_tokens(event: dict[str, Any], seen: int) -> tuple[list[GeneratedToken], str | None]:
+        """The tokens this event adds, and the finish reason if it is the last."""
+        try:
+            meta = event["meta_info"]
+            ids = list(event["output_ids"])
+            logprobs = meta.get("output_token_logprobs") or []
+            tops = meta.get("output_top_logprobs") or []
+            # Cumulative events (SGLang's default) repeat everything so far; incremental ones
+            # (--incremental-streaming-output) carry only new tokens. completion_tokens is
+            # always the running total, which tells them apart.
+            total = int(meta.get("completion_tokens", len(ids)))
+            if len(ids) == total:
+                ids, logprobs, tops = ids[seen:], logprobs[seen:], tops[seen:]
+            if len(logprobs) != len(ids):
+                raise ValueError(f"{len(ids)} tokens but {len(logprobs)} logprobs")
+            tokens = []
+            for k, (token_id, entry) in enumerate(zip(ids, logprobs)):
+                if int(entry[1]) != int(token_id):
+                    raise ValueError(f"logprob entry for token {entry[1]} where {token_id} was sampled")
+                top = tuple((int(t[1]), float(t[0])) for t in (tops[k] or [])) if k < len(tops) else ()
+                tokens.append(GeneratedToken(int(token_id), float(entry[0]), top))
+            reason = meta.get("finish_reason")
+        except (KeyError, TypeError, ValueError, IndexError) as exc:
+            raise _Retryable(EngineBadGateway(f"SGLang sent an event of unexpected shape: {exc}")) from None
+        if reason is None:
+            return tokens, None
+        kind = reason.get("type") if isinstance(reason, dict) else str(reason)
+        if kind == "abort":
+            raise EngineBadGateway(f"SGLang aborted the generation: {reason.get('message', reason)}")
+        return tokens, ("length" if kind == "length" else "stop")
+
+    # ---------------------------------------------------------------- score
+
+    async def score(
+        self,
+        input_ids: list[int],
+        start: int,
+        adapter: str | None = None,
+        temperature: float = 1.0,
+        background: bool = False,
+    ) -> list[float]:
+        if not 1 <= start <= len(input_ids):
+            raise EngineError(f"score start must be in [1, {len(input_ids)}], got {start}")
+        if adapter is not None and adapter not in self._adapters:
+            raise UnknownAdapterError(f"adapter {adapter!r} is not loaded")
+        payload = {
+            "input_ids": list(input_ids),
+            "sampling_params": {"max_new_tokens": 0, "temperature": temperature},
+            "return_logprob": True,
+            "logprob_start_len": start - 1,
+            "stream": False,
+            "lora_path": adapter,
+        }
+        body = await self._post("/generate", payload, retry=True)
+        try:
+            entries = body["meta_info"]["input_token_logprobs"][1:]
+            scored = [float(e[0]) for e in entries]
+            ids = [int(e[1]) for e in entries]
+        except (KeyError, TypeError, ValueError, IndexError) as exc:
+            raise EngineBadGateway(f"SGLang sent a scoring answer of unexpected shape: {exc}") from None
+        if ids != list(input_ids[start:]):
+            raise EngineBadGateway(f"SGLang scored {len(ids)} tokens that are not input_ids[{start}:]")
+        return scored
+
+    # ---------------------------------------------------------------- adapters
+
+    async def load_adapter(self, name: str, path: str) -> None:
+        body = await self._post("/load_lora_adapter", {"lora_name": name, "lora_path": str(path)}, retry=False, ok_400=True)
+        if not body.get("success", False):
+            raise EngineError(f"SGLang could not load adapter {name!r}: {body.get('error_message', body)}")
+        self._adapters.add(name)
+
+    async def unload_adapter(self, name: str) -> None:
+        if name not in self._adapters:
+            raise UnknownAdapterError(f"adapter {name!r} is not loaded")
+        # Remove it from routing first; SGLang itself waits for requests still using it.
+        self._adapters.discard(name)
+        body = await self._post("/unload_lora_adapter", {"lora_name": name}, retry=False, ok_400=True)
+        if not body.get("success", False):
+            raise EngineError(f"SGLang could not unload adapter {name!r}: {body.get('error_message', body)}")
+
+    # ---------------------------------------------------------------- plumbing
+
+    async def _post(self, path: str, payload: dict[str, Any], retry: bool, ok_400: bool = False) -> dict[str, Any]:
+        attempt = 0
+        while True:
+            try:
+                response = await self._client.post(path, json=payload)
+                if response.status_code == 200 or (ok_400 and response.status_code == 400):
+                    body = response.json()
+                    if not isinstance(body, dict):
+                        raise ValueError("not a JSON object")
+                    return body
+                error: EngineError = self._http_error(response)
+            except httpx.TimeoutException as exc:
+                error = EngineTimeout(f"SGLang did not answer in time: {exc!r}")
+            except httpx.TransportError as exc:
+                error = EngineUnavailable(f"SGLang at {self.base_url} is unreachable: {exc!r}")
+            except ValueError as exc:
+                error = EngineBadGateway(f"SGLang sent an unreadable answer: {exc}")
+            if not retry or attempt >= self.retries or not isinstance(error, (EngineUnavailable, EngineBadGateway)):
+                raise error
+            attempt += 1
+            await asyncio.sleep(self.backoff_s * attempt)
+
+    @staticmethod
+    def _http_error(response: httpx.Response) -> EngineError:
+        text = response.text[:300] if response.content else ""
+        if response.status_code >= 500:
+            return EngineBadGateway(f"SGLang answered {response.status_code}: {text}")
+        return EngineRejected(f"SGLang refused the request ({response.status_code}): {text}")
