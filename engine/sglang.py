@@ -20,8 +20,8 @@ deploy/). Shapes used, from SGLang's io_struct / tokenizer manager:
   local engine and the learner (do not set SGLANG_RETURN_ORIGINAL_LOGPROB).
 
 Failures map to clean errors: unreachable → EngineUnavailable (503), too slow → EngineTimeout
-(504), 5xx or an unreadable answer → EngineBadGateway (502). Requests are retried only while
-that is safe: before any token reached the caller.
+(504), 5xx or an unreadable answer → EngineBadGateway (502). Requests are retried (not after a
+timeout) only while that is safe: before any token reached the caller.
 """
 
 from __future__ import annotations
@@ -166,7 +166,8 @@ class SGLangEngine:
                     if finish:
                         return
         except httpx.TimeoutException as exc:
-            raise _Retryable(EngineTimeout(f"SGLang did not answer in time: {exc!r}")) from None
+            # not retried: a retry would only multiply the wait the client already had
+            raise EngineTimeout(f"SGLang did not answer in time: {exc!r}") from None
         except httpx.TransportError as exc:
             raise _Retryable(EngineUnavailable(f"SGLang at {self.base_url} is unreachable: {exc!r}")) from None
         raise _Retryable(EngineBadGateway("SGLang closed the stream before the generation finished"))

@@ -1,0 +1,156 @@
+"""A stand-in SGLang server for contract tests, built from SGLang's documented shapes.
+
+It serves SGLang's native `/generate`, `/load_lora_adapter`, `/unload_lora_adapter` and
+`/health` with the request fields and response shapes the real server uses (io_struct.py's
+GenerateReqInput / LoadLoRAAdapterReqInput; the tokenizer manager's output dicts:
+`output_ids`, `meta_info.output_token_logprobs` as [logprob, token_id, text] triples,
+cumulative streaming events or incremental ones, `finish_reason` {type: stop|length|abort},
+a null first entry in `input_token_logprobs`). The model behind it is the embedded engine on
+the tiny model, so what the client parses can be checked against a direct computation.
+`mode` injects failures: "500", "hang", "garbage", "drop" (close mid-stream), "abort".
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import uuid
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from engine.base import SamplingParams
+from engine.local import LocalEngine
+from nextstate.background_server import free_port, serve_in_thread
+
+
+class FakeSGLang:
+    def __init__(self, model_dir, incremental: bool = False) -> None:
+        self.model_dir = model_dir
+        self.incremental = incremental
+        self.mode = "ok"
+        self.requests: list[tuple[str, dict]] = []
+        self.engine: LocalEngine | None = None
+        @contextlib.asynccontextmanager
+        async def lifespan(_: FastAPI):
+            self.engine = await LocalEngine.open(model_dir, device="cpu")
+            yield
+            await self.engine.close()
+
+        app = FastAPI(lifespan=lifespan)
+
+        @app.get("/health")
+        async def health():
+            return JSONResponse({}, 200 if self.mode != "500" else 503)
+
+        @app.post("/generate")
+        async def generate(request: Request):
+            body = await request.json()
+            self.requests.append(("/generate", body))
+            if self.mode == "500":
+                return JSONResponse({"error": {"message": "internal error"}}, 500)
+            if self.mode == "hang":
+                await asyncio.sleep(3600)
+            if self.mode == "garbage":
+                return StreamingResponse(iter(["data: {not json\n\n"]), media_type="text/event-stream")
+            adapter = body.get("lora_path")
+            if adapter is not None and adapter not in self.engine.adapters:
+                return JSONResponse({"error": {"message": f"LoRA adapter {adapter} is not loaded"}}, 400)
+            params = body.get("sampling_params", {})
+            if params.get("max_new_tokens") == 0:
+                return await self._score(body, adapter, params)
+            sampling = SamplingParams(
+                max_new_tokens=params.get("max_new_tokens", 128),
+                temperature=params.get("temperature", 1.0),
+                top_p=params.get("top_p", 1.0),
+                seed=params.get("sampling_seed"),
+                stop_token_ids=tuple(params.get("stop_token_ids") or ()),
+                top_logprobs=body.get("top_logprobs_num") or 0,
+            )
+            rid = uuid.uuid4().hex
+            events = self._events(body["input_ids"], sampling, adapter, rid)
+            if body.get("stream"):
+                return StreamingResponse(self._sse(events), media_type="text/event-stream")
+            last = None
+            async for event in events:
+                last = event
+            return JSONResponse(last)
+
+        @app.post("/load_lora_adapter")
+        async def load(request: Request):
+            body = await request.json()
+            self.requests.append(("/load_lora_adapter", body))
+            try:
+                await self.engine.load_adapter(body["lora_name"], body["lora_path"])
+            except Exception as exc:  # noqa: BLE001
+                return JSONResponse({"success": False, "error_message": str(exc), "loaded_adapters": None}, 400)
+            return {"success": True, "error_message": "", "loaded_adapters": {n: "" for n in self.engine.adapters}}
+
+        @app.post("/unload_lora_adapter")
+        async def unload(request: Request):
+            body = await request.json()
+            self.requests.append(("/unload_lora_adapter", body))
+            try:
+                await self.engine.unload_adapter(body["lora_name"])
+            except Exception as exc:  # noqa: BLE001
+                return JSONResponse({"success": False, "error_message": str(exc), "loaded_adapters": None}, 400)
+            return {"success": True, "error_message": "", "loaded_adapters": {n: "" for n in self.engine.adapters}}
+
+        self.app = app
+        self.port = free_port()
+        self.server, self.thread, self.loop = serve_in_thread(app, self.port, name="fake-sglang")
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(15)
+
+    async def _events(self, input_ids, sampling, adapter, rid):
+        ids, logprobs, tops = [], [], []
+        async for tok in self.engine.generate(input_ids, sampling, adapter):
+            ids.append(tok.token_id)
+            logprobs.append([tok.logprob, tok.token_id, None])
+            tops.append([[lp, t, None] for t, lp in tok.top_logprobs] if sampling.top_logprobs else None)
+            finish = None
+            if tok.finish_reason == "stop":
+                finish = {"type": "stop", "matched": tok.token_id}
+            elif tok.finish_reason == "length":
+                finish = {"type": "length", "length": len(ids)}
+            if self.mode == "abort" and len(ids) == 2:
+                finish = {"type": "abort", "message": "aborted by the scheduler"}
+            new = slice(len(ids) - 1, len(ids)) if self.incremental else slice(0, len(ids))
+            meta = {
+                "id": rid,
+                "finish_reason": finish,
+                "prompt_tokens": len(input_ids),
+                "completion_tokens": len(ids),
+                "cached_tokens": 0,
+                "output_token_logprobs": logprobs[new],
+            }
+            if sampling.top_logprobs:
+                meta["output_top_logprobs"] = tops[new]
+            yield {"text": None, "output_ids": ids[new], "meta_info": meta}
+            if finish is not None:
+                return
+
+    async def _sse(self, events):
+        n = 0
+        async for event in events:
+            n += 1
+            if self.mode == "drop" and n == 3:
+                return  # connection closes without a finish
+            yield f"data: {json.dumps(event)}\n\n"
+        yield "data: [DONE]\n\n"
+
+    async def _score(self, body, adapter, params):
+        ids = body["input_ids"]
+        start = body["logprob_start_len"]
+        scores = await self.engine.score(ids, start + 1, adapter=adapter, temperature=params.get("temperature", 1.0))
+        entries = [[None, ids[start], None]] + [[lp, t, None] for lp, t in zip(scores, ids[start + 1 :])]
+        meta = {"id": uuid.uuid4().hex, "finish_reason": {"type": "length", "length": 0}, "prompt_tokens": len(ids),
+                "completion_tokens": 0, "input_token_logprobs": entries, "output_token_logprobs": []}
+        return {"text": "", "output_ids": [], "meta_info": meta}

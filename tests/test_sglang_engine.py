@@ -1,0 +1,193 @@
+"""The `sglang` engine against a server speaking SGLang's documented API (tests/fake_sglang.py).
+
+What this proves: the client sends the fields SGLang expects, parses both streaming modes,
+aligns logprobs with sampled ids, scores with the right offset, manages adapters by name and
+turns every failure into a clean error — and nextstate recovers when SGLang comes back.
+What it cannot prove here: that a real SGLang matches these shapes (see the gpu-marked test).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+
+import httpx
+import pytest
+
+from engine.base import EngineBadGateway, EngineTimeout, EngineUnavailable, SamplingParams, UnknownAdapterError
+from engine.local import LocalEngine
+from engine.sglang import SGLangEngine
+from tests.fake_sglang import FakeSGLang
+
+PROMPT = list(range(5, 40))
+
+
+@pytest.fixture(params=[False, True], ids=["cumulative", "incremental"])
+def sglang(request, tiny_model_dir):
+    fake = FakeSGLang(tiny_model_dir, incremental=request.param)
+    yield fake
+    fake.stop()
+
+
+@pytest.fixture
+async def client(sglang, tiny_model_dir):
+    engine = SGLangEngine(sglang.url, tiny_model_dir, timeout_s=2.0, retries=2, backoff_s=0.01)
+    yield engine
+    await engine.close()
+
+
+@pytest.fixture
+async def direct(tiny_model_dir):
+    engine = await LocalEngine.open(tiny_model_dir, device="cpu")
+    yield engine
+    await engine.close()
+
+
+async def collect(engine, params, adapter=None):
+    return [t async for t in engine.generate(PROMPT, params, adapter)]
+
+
+async def test_streamed_tokens_and_logprobs_match_the_model(client, direct, sglang):
+    params = SamplingParams(max_new_tokens=20, temperature=0.8, seed=3, top_logprobs=2, stop_token_ids=(7,))
+    via_sglang = await collect(client, params)
+    expected = await collect(direct, params)
+    assert [t.token_id for t in via_sglang] == [t.token_id for t in expected]
+    assert [t.logprob for t in via_sglang] == pytest.approx([t.logprob for t in expected], abs=1e-5)
+    assert [len(t.top_logprobs) for t in via_sglang] == [2] * len(via_sglang)
+    assert via_sglang[-1].finish_reason == expected[-1].finish_reason
+    assert all(t.finish_reason is None for t in via_sglang[:-1])
+    _, sent = sglang.requests[-1]
+    assert sent["input_ids"] == PROMPT and sent["stream"] is True and sent["return_logprob"] is True
+    assert "lora_path" in sent and sent["lora_path"] is None, "always sent: a missing lora_path silently means base"
+    assert sent["sampling_params"] == {
+        "max_new_tokens": 20, "temperature": 0.8, "top_p": 1.0, "stop_token_ids": [7], "no_stop_trim": True,
+        "skip_special_tokens": False, "sampling_seed": 3,
+    }
+    assert sent["top_logprobs_num"] == 2
+
+
+async def test_scoring_is_aligned_one_logprob_per_token(client, direct, sglang):
+    for start in (1, 10, len(PROMPT) - 1):
+        scored = await client.score(PROMPT, start, temperature=0.7)
+        assert len(scored) == len(PROMPT) - start
+        assert scored == pytest.approx(await direct.score(PROMPT, start, temperature=0.7), abs=1e-5)
+    _, sent = sglang.requests[-1]
+    assert sent["sampling_params"]["max_new_tokens"] == 0 and sent["logprob_start_len"] == len(PROMPT) - 2
+
+
+async def test_adapters_by_name(client, direct, sglang, tiny_model_dir, tmp_path):
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    get_peft_model(
+        AutoModelForCausalLM.from_pretrained(tiny_model_dir), LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    ).save_pretrained(tmp_path / "a")
+    with pytest.raises(UnknownAdapterError):
+        await collect(client, SamplingParams(max_new_tokens=2), adapter="user-v1")
+    await client.load_adapter("user-v1", str(tmp_path / "a"))
+    await direct.load_adapter("user-v1", str(tmp_path / "a"))
+    assert sglang.requests[-1] == ("/load_lora_adapter", {"lora_name": "user-v1", "lora_path": str(tmp_path / "a")})
+    params = SamplingParams(max_new_tokens=8, temperature=1.0, seed=1)
+    assert [t.token_id for t in await collect(client, params, "user-v1")] == [t.token_id for t in await collect(direct, params, "user-v1")]
+    assert sglang.requests[-1][1]["lora_path"] == "user-v1"
+    assert await client.score(PROMPT, 5, adapter="user-v1") == pytest.approx(await direct.score(PROMPT, 5, adapter="user-v1"), abs=1e-5)
+    with pytest.raises(Exception, match="could not load"):
+        await client.load_adapter("user-v1", str(tmp_path / "a"))  # duplicate names are refused
+    await client.unload_adapter("user-v1")
+    assert client.adapters == [] and sglang.requests[-1] == ("/unload_lora_adapter", {"lora_name": "user-v1"})
+
+
+async def test_server_errors_are_retried_then_reported(client, sglang):
+    sglang.mode = "500"
+    before = len(sglang.requests)
+    with pytest.raises(EngineBadGateway):
+        await collect(client, SamplingParams(max_new_tokens=3))
+    assert len(sglang.requests) - before == 3, "one try and two retries"
+    with pytest.raises(EngineBadGateway):
+        await client.score(PROMPT, 3)
+    sglang.mode = "ok"
+    assert len(await collect(client, SamplingParams(max_new_tokens=3))) == 3, "recovers by itself"
+
+
+@pytest.mark.parametrize("mode, error", [("hang", EngineTimeout), ("garbage", EngineBadGateway), ("drop", EngineBadGateway), ("abort", EngineBadGateway)])
+async def test_broken_answers_become_clean_errors(client, sglang, mode, error):
+    sglang.mode = mode
+    with pytest.raises(error):
+        await collect(client, SamplingParams(max_new_tokens=6, temperature=0))
+    sglang.mode = "ok"
+    assert len(await collect(client, SamplingParams(max_new_tokens=3))) == 3
+
+
+async def test_no_retry_once_tokens_reached_the_caller(client, sglang):
+    sglang.mode = "drop"
+    before = len(sglang.requests)
+    got = []
+    with pytest.raises(EngineBadGateway):
+        async for tok in client.generate(PROMPT, SamplingParams(max_new_tokens=10, temperature=0)):
+            got.append(tok)
+    assert len(got) == 2 and len(sglang.requests) - before == 1, "a half-streamed reply is not silently restarted"
+
+
+async def test_unreachable_server_is_unavailable(tiny_model_dir):
+    from nextstate.background_server import free_port
+
+    engine = SGLangEngine(f"http://127.0.0.1:{free_port()}", tiny_model_dir, retries=1, backoff_s=0.01)
+    try:
+        assert not await engine.healthy()
+        with pytest.raises(EngineUnavailable):
+            await collect(engine, SamplingParams(max_new_tokens=2))
+    finally:
+        await engine.close()
+
+
+# ---------------------------------------------------------------------------- through nextstate
+
+
+@pytest.mark.parametrize("sglang", [False], indirect=True, ids=["cumulative"])
+def test_nextstate_serves_through_sglang_and_maps_failures(server_factory, sglang):
+    server = server_factory(engine="sglang", sglang_url=sglang.url, sglang_retries=1, judge_enabled=False, learn=False)
+    client = server.client(server.key("alice"))
+    ask = dict(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=5, temperature=0)
+    reply = client.chat.completions.create(**ask)
+    assert reply.usage.completion_tokens == 5
+    chunks = list(client.chat.completions.create(**ask, stream=True))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == reply.choices[0].message.content
+    key = server.key("bob")
+
+    def status(stream: bool) -> tuple[int, dict]:
+        r = httpx.post(f"{server.base_url}/chat/completions", json={**ask, "stream": stream},
+                       headers={"Authorization": f"Bearer {key}"}, timeout=30)
+        return r.status_code, r.json()
+
+    sglang.mode = "500"
+    for stream in (False, True):
+        code, body = status(stream)
+        assert code == 502 and body["error"]["type"] == "server_error" and body["error"]["code"] == "engine_error"
+    sglang.mode = "ok"
+    assert status(False)[0] == 200
+    sglang.stop()
+    code, body = status(True)
+    assert code == 503 and "unreachable" in body["error"]["message"]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not shutil.which("nvidia-smi"), reason="needs a GPU")
+def test_real_sglang_on_gpu():
+    """Run with a real SGLang (see deploy/README.md): NEXTSTATE_SGLANG_URL and NEXTSTATE_MODEL set."""
+    import os
+
+    url, model = os.environ.get("NEXTSTATE_SGLANG_URL"), os.environ.get("NEXTSTATE_MODEL")
+    if not url or not model:
+        pytest.skip("set NEXTSTATE_SGLANG_URL and NEXTSTATE_MODEL to a running SGLang and its model dir")
+
+    async def check():
+        engine = SGLangEngine(url, model)
+        try:
+            toks = [t async for t in engine.generate(PROMPT, SamplingParams(max_new_tokens=8, temperature=0.7, seed=1))]
+            ids = PROMPT + [t.token_id for t in toks]
+            scored = await engine.score(ids, len(PROMPT), temperature=0.7)
+            assert scored == pytest.approx([t.logprob for t in toks], abs=0.05)
+        finally:
+            await engine.close()
+
+    asyncio.run(check())
