@@ -168,3 +168,28 @@ async def test_chunked_background_work_matches_foreground(engine):
     fg = [t.token_id for t in await collect(engine, params, prompt=long_prompt)]
     bg = [t.token_id async for t in engine.generate(long_prompt, params, background=True)]
     assert bg == fg
+
+
+async def test_new_versions_reuse_freed_slots_in_place(engine, tiny_model_dir, tmp_path):
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    for i, name in enumerate(("v1", "v2")):
+        torch.manual_seed(i)
+        get_peft_model(
+            AutoModelForCausalLM.from_pretrained(tiny_model_dir),
+            LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False),
+        ).save_pretrained(tmp_path / name)
+    await engine.load_adapter("v1", str(tmp_path / "v1"))
+    v1 = await engine.score(PROMPT, 1, adapter="v1")
+    await engine.unload_adapter("v1")
+    await engine.load_adapter("v2", str(tmp_path / "v2"))
+    assert engine._adapters["v2"].slot == "slot0", "v2 was copied into v1's slot"
+    v2 = await engine.score(PROMPT, 1, adapter="v2")
+    fresh = await LocalEngine.open(tiny_model_dir, device="cpu")
+    try:
+        await fresh.load_adapter("v2", str(tmp_path / "v2"))
+        assert v2 == pytest.approx(await fresh.score(PROMPT, 1, adapter="v2"), abs=1e-6)
+    finally:
+        await fresh.close()
+    assert max(abs(a - b) for a, b in zip(v1, v2)) > 1e-3
