@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from collections.abc import AsyncIterator, Iterable
+from dataclasses import dataclass
 from typing import Literal, Protocol
 
 
@@ -43,6 +43,16 @@ class UnknownAdapterError(EngineError):
     Raised instead of silently falling back to the base model, which would serve (and later
     train on) the wrong policy without anyone noticing.
     """
+
+
+def check_request(loaded: Iterable[str], adapter: str | None, input_ids: list[int], score_start: int | None = None) -> None:
+    """The argument checks every engine makes before doing any work."""
+    if not input_ids:
+        raise EngineError("a request needs at least one input token")
+    if score_start is not None and not 1 <= score_start <= len(input_ids):
+        raise EngineError(f"score start must be in [1, {len(input_ids)}], got {score_start}")
+    if adapter is not None and adapter not in loaded:
+        raise UnknownAdapterError(f"adapter {adapter!r} is not loaded")
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from engine.base import EngineError, EngineInfo, GeneratedToken, SamplingParams, UnknownAdapterError
+from engine.base import EngineError, EngineInfo, GeneratedToken, SamplingParams, UnknownAdapterError, check_request
 from engine.sampling import make_generator, sample_token
 
 log = logging.getLogger(__name__)
@@ -162,10 +162,7 @@ class LocalEngine:
     async def generate(
         self, input_ids: list[int], sampling: SamplingParams, adapter: str | None = None, background: bool = False
     ) -> AsyncIterator[GeneratedToken]:
-        if not input_ids:
-            raise EngineError("generate needs at least one input token")
-        if adapter is not None and adapter not in self._adapters:
-            raise UnknownAdapterError(f"adapter {adapter!r} is not loaded")
+        check_request(self._adapters, adapter, input_ids)
         if sampling.max_new_tokens < 1:
             raise EngineError("max_new_tokens must be at least 1")
         job = _Generation(
@@ -197,10 +194,7 @@ class LocalEngine:
         temperature: float = 1.0,
         background: bool = False,
     ) -> list[float]:
-        if not 1 <= start <= len(input_ids):
-            raise EngineError(f"score start must be in [1, {len(input_ids)}], got {start}")
-        if adapter is not None and adapter not in self._adapters:
-            raise UnknownAdapterError(f"adapter {adapter!r} is not loaded")
+        check_request(self._adapters, adapter, input_ids, start)
         ids = list(input_ids)
         if not background:
             return await self._call(lambda: self._score(ids, start, adapter, temperature))

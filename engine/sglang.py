@@ -45,6 +45,7 @@ from engine.base import (
     GeneratedToken,
     SamplingParams,
     UnknownAdapterError,
+    check_request,
 )
 
 log = logging.getLogger(__name__)
@@ -125,8 +126,7 @@ class SGLangEngine:
     async def generate(
         self, input_ids: list[int], sampling: SamplingParams, adapter: str | None = None, background: bool = False
     ) -> AsyncIterator[GeneratedToken]:
-        if adapter is not None and adapter not in self._adapters:
-            raise UnknownAdapterError(f"adapter {adapter!r} is not loaded")
+        check_request(self._adapters, adapter, input_ids)
         payload = self._payload(input_ids, sampling, adapter, stream=True)
         attempt = 0
         while True:
@@ -226,10 +226,7 @@ class SGLangEngine:
         temperature: float = 1.0,
         background: bool = False,
     ) -> list[float]:
-        if not 1 <= start <= len(input_ids):
-            raise EngineError(f"score start must be in [1, {len(input_ids)}], got {start}")
-        if adapter is not None and adapter not in self._adapters:
-            raise UnknownAdapterError(f"adapter {adapter!r} is not loaded")
+        check_request(self._adapters, adapter, input_ids, start)
         payload = {
             "input_ids": list(input_ids),
             "sampling_params": {"max_new_tokens": 0, "temperature": temperature},

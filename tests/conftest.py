@@ -8,6 +8,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from openai import OpenAI
 
 from engine.tiny_model import build_tiny_model
 from nextstate.app import open_engine

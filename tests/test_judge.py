@@ -64,7 +64,6 @@ def test_combined_mode_rewards_hints_and_advantages(server_factory, judge):
     assert {s.status for s in samples.values()} == {"ready"}
 
     # combined: A_t = 1·r + 1·clip(teacher − old, ±2), teacher = base model under the hint prompt
-    turn = server.app.state.judge  # noqa: F841 - keep the judge alive while we rescore
     assert len(correction.teacher_logprobs) == len(correction.response_ids)
     expected = [-1 + max(-2, min(2, t - o)) for t, o in zip(correction.teacher_logprobs, correction.old_logprobs)]
     assert correction.advantages == pytest.approx(expected)
