@@ -191,3 +191,23 @@ def test_real_sglang_on_gpu():
             await engine.close()
 
     asyncio.run(check())
+
+
+@pytest.mark.parametrize("sglang", [False], indirect=True, ids=["cumulative"])
+def test_per_user_adapters_on_one_sglang_server(server_factory, sglang):
+    """The learner publishes alice's adapter to SGLang by name; her requests carry it in
+    lora_path, bob's carry null (the base model)."""
+    from tests.test_learner import feed, served_samples, wait_for
+
+    server = server_factory(
+        engine="sglang", sglang_url=sglang.url, judge_enabled=False, adapter_scope="user",
+        batch_size=4, lr=5e-3, lora_r=4, lora_alpha=8,
+    )
+    feed(server, served_samples(server, 4, user="alice"))
+    wait_for(lambda: server.app.state.policies.current("alice").version == 1)
+    assert ("/load_lora_adapter", {"lora_name": "alice-v1", "lora_path": str(server.settings.adapters_dir / "alice" / "v1")}) in sglang.requests
+    ask = dict(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=3)
+    raw = server.client(server.key("alice")).chat.completions.with_raw_response.create(**ask)
+    assert raw.headers["x-policy-version"] == "1" and sglang.requests[-1][1]["lora_path"] == "alice-v1"
+    raw = server.client(server.key("bob")).chat.completions.with_raw_response.create(**ask)
+    assert raw.headers["x-policy-version"] == "0" and sglang.requests[-1][1]["lora_path"] is None
