@@ -254,12 +254,14 @@ class LocalEngine:
             _resolve(call, error=EngineError("engine is shutting down"))
 
     def _runnable(self) -> list[_Generation]:
-        """This round's jobs: everything when no user request decodes; otherwise the user
-        requests, plus one background job if background work has waited BACKGROUND_MAX_WAIT_S."""
+        """This round's jobs: the user requests, plus one background job if background work
+        has waited BACKGROUND_MAX_WAIT_S; with no user request, one background job."""
         users = [job for job in self._active if not job.background]
         background = [job for job in self._active if job.background]
         if not users:
-            return background
+            # One background step at a time, the longest-waiting first: a user request that
+            # arrives meanwhile waits for at most one short step, not a whole round.
+            return [min(background, key=lambda job: job.last_step)] if background else []
         now = time.monotonic()
         if background and now - self._last_background_step >= BACKGROUND_MAX_WAIT_S:
             self._last_background_step = now
