@@ -37,6 +37,8 @@ BACKGROUND_MAX_WAIT_S = 1.0
 # Background prompts are fed this many tokens per step, so a long judge prompt never holds
 # the model for more than a short step while a user request waits.
 BACKGROUND_CHUNK = 32
+# ... and starts only after no user request has decoded for this long.
+BACKGROUND_IDLE_GAP_S = 0.1
 
 
 def resolve_device(device: str) -> str:
@@ -150,6 +152,7 @@ class LocalEngine:
         self._deferred: list[_Call] = []
         self._stopping = False
         self._last_background_step = time.monotonic()
+        self._last_user_step = 0.0
         self._thread = threading.Thread(target=self._run, name="nextstate-engine", daemon=True)
         self._thread.start()
 
@@ -245,9 +248,14 @@ class LocalEngine:
                 idle = not (self._active or self._waiting or self._deferred)
                 self._take_jobs(block=idle)
                 self._admit()
-                for job in self._runnable():
+                runnable = self._runnable()
+                for job in runnable:
                     self._step(job)
                 self._run_deferred()
+                if not runnable and self._active:
+                    # Background work is holding off right after a user request: wait for the
+                    # gap to pass, or for new work, without spinning.
+                    self._take_jobs(block=True, timeout=BACKGROUND_IDLE_GAP_S)
         for job in [*self._active, *self._waiting]:
             self._deliver(job, EngineError("engine is shutting down"))
         for call in self._deferred:
@@ -255,14 +263,20 @@ class LocalEngine:
 
     def _runnable(self) -> list[_Generation]:
         """This round's jobs: the user requests, plus one background job if background work
-        has waited BACKGROUND_MAX_WAIT_S; with no user request, one background job."""
+        has waited BACKGROUND_MAX_WAIT_S; with no user request, one background job once users
+        have been quiet for BACKGROUND_IDLE_GAP_S."""
         users = [job for job in self._active if not job.background]
         background = [job for job in self._active if job.background]
-        if not users:
-            # One background step at a time, the longest-waiting first: a user request that
-            # arrives meanwhile waits for at most one short step, not a whole round.
-            return [min(background, key=lambda job: job.last_step)] if background else []
         now = time.monotonic()
+        if not users:
+            # A client usually sends its next request right after a reply (an agent's tool
+            # call, say): background work starts only once users have been quiet for a moment,
+            # then runs one step at a time, the longest-waiting first, so a user request that
+            # arrives meanwhile waits for at most one short step.
+            if not background or now - self._last_user_step < BACKGROUND_IDLE_GAP_S:
+                return []
+            return [min(background, key=lambda job: job.last_step)]
+        self._last_user_step = now
         if background and now - self._last_background_step >= BACKGROUND_MAX_WAIT_S:
             self._last_background_step = now
             return users + [min(background, key=lambda job: job.last_step)]
@@ -282,9 +296,9 @@ class LocalEngine:
                 self._waiting.remove(job)
                 self._active.append(job)
 
-    def _take_jobs(self, block: bool) -> None:
+    def _take_jobs(self, block: bool, timeout: float | None = None) -> None:
         try:
-            item = self._jobs.get(block=block, timeout=None if block else 0)
+            item = self._jobs.get(block=block, timeout=timeout if block else 0)
         except queue.Empty:
             return
         while True:

@@ -1,0 +1,127 @@
+"""Hot swaps under load: 20 consecutive adapter versions while clients keep chatting.
+
+    python -m bench.hot_swap            # tiny model (fast)
+    python -m bench.hot_swap --smol     # embedded SmolLM2
+
+Four client threads send chat requests without pause while the learner publishes 20 versions
+(real updates on real samples). Reports every request that failed (expected: none), the
+version each request reports (X-Policy-Version; never goes backwards for a client), the swap
+time (adapter load until new requests use it) and update-finished-to-serving time. Writes
+bench/results/hot_swap-<model>.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+from bench.learning import _replies, _sample, _train_on, _wait_version
+from nextstate.background_server import free_port, start_server
+from nextstate.settings import Settings
+
+RESULTS = Path(__file__).parent / "results"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--smol", action="store_true")
+    parser.add_argument("--swaps", type=int, default=20)
+    args = parser.parse_args()
+
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    if args.smol:
+        from engine.default_model import ensure_default_model
+
+        model_dir = ensure_default_model(Settings().models_dir)
+    else:
+        from engine.tiny_model import build_tiny_model
+
+        model_dir = build_tiny_model(Path(tempfile.mkdtemp()) / "tiny-peaked", init_std=0.4)
+    batch = 4
+    with tempfile.TemporaryDirectory() as tmp:
+        settings = Settings(
+            data_dir=Path(tmp), model=str(model_dir), port=free_port(), served_model_name="m", judge_enabled=False,
+            batch_size=batch, lr=1e-4 if args.smol else 5e-3,
+        )
+        server = start_server(settings)
+        stop = threading.Event()
+        outcomes: list[tuple[int, float, int | None, str | None]] = []  # thread, latency, version, error
+        lock = threading.Lock()
+
+        def client_loop(worker: int) -> None:
+            client = server.client(server.key(f"client{worker}"))
+            while not stop.is_set():
+                started = time.perf_counter()
+                try:
+                    raw = client.chat.completions.with_raw_response.create(
+                        model="m", messages=[{"role": "user", "content": f"hello {worker}"}], max_tokens=8,
+                        extra_headers={"X-Turn-Type": "side"},
+                    )
+                    raw.parse()
+                    item = (worker, time.perf_counter() - started, int(raw.headers["x-policy-version"]), None)
+                except Exception as exc:  # noqa: BLE001 - a failure is what this bench counts
+                    item = (worker, time.perf_counter() - started, None, repr(exc))
+                with lock:
+                    outcomes.append(item)
+
+        threads = [threading.Thread(target=client_loop, args=(w,)) for w in range(4)]
+        try:
+            for t in threads:
+                t.start()
+            chat = server.app.state.chat
+            prompt = chat.renderer.render([{"role": "user", "content": "Pick a word."}]).ids
+            for version in range(1, args.swaps + 1):
+                ref = server.app.state.policies.current("bench")
+                runs = server.call(_replies(chat.engine, prompt, ref.adapter, batch, 100 * version, 4), timeout=600)
+                _train_on(server, [_sample(prompt, toks, 1.0 if i % 2 else -1.0, ref.version) for i, toks in enumerate(runs)])
+                _wait_version(server, version)
+                print(f"version {version} serving", flush=True)
+            time.sleep(0.5)
+        finally:
+            stop.set()
+            for t in threads:
+                t.join(60)
+            steps = list(server.app.state.learner.steps)
+            server.stop()
+
+    failed = [o for o in outcomes if o[3] is not None]
+    backwards = 0
+    for worker in range(4):
+        versions = [o[2] for o in outcomes if o[0] == worker and o[2] is not None]
+        backwards += sum(1 for a, b in zip(versions, versions[1:]) if b < a)
+    latencies = sorted(o[1] for o in outcomes if o[3] is None)
+    swaps = [1000 * s["swap_s"] for s in steps if s.get("published")]
+    served = [1000 * s["publish_to_serving_s"] for s in steps if s.get("published")]
+    result = {
+        "benchmark": "hot_swap",
+        "model": model_dir.name,
+        "machine": "2-core x86_64 CPU, no GPU (the project's dev/CI machine)",
+        "swaps": len(swaps),
+        "requests": len(outcomes),
+        "requests_failed": len(failed),
+        "failures": [o[3] for o in failed][:5],
+        "version_went_backwards_for_a_client": backwards,
+        "versions_seen": sorted({o[2] for o in outcomes if o[2] is not None}),
+        "request_p50_ms": round(1000 * latencies[len(latencies) // 2], 1),
+        "request_p99_ms": round(1000 * latencies[int(0.99 * (len(latencies) - 1))], 1),
+        "swap_ms": {"median": round(statistics.median(swaps), 2), "max": round(max(swaps), 2), "all": [round(s, 2) for s in swaps]},
+        "update_finished_to_serving_ms": {"median": round(statistics.median(served), 2), "max": round(max(served), 2)},
+        "date": time.strftime("%Y-%m-%d"),
+    }
+    RESULTS.mkdir(exist_ok=True)
+    out = RESULTS / f"hot_swap-{model_dir.name}.json"
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    print(json.dumps({k: v for k, v in result.items() if k != "swap_ms"}, indent=2))
+    print(f"written to {out}")
+
+
+if __name__ == "__main__":
+    main()
