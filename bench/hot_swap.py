@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 
 from bench.learning import _replies, _sample, _train_on
+from bench.models import bench_model
 from nextstate.background_server import free_port, start_server
 from nextstate.settings import Settings
 
@@ -33,18 +34,7 @@ def main() -> None:
     parser.add_argument("--swaps", type=int, default=20)
     args = parser.parse_args()
 
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.set_verbosity_error()
-    hf_logging.disable_progress_bar()
-    if args.smol:
-        from engine.default_model import ensure_default_model
-
-        model_dir = ensure_default_model(Settings().models_dir)
-    else:
-        from engine.tiny_model import build_tiny_model
-
-        model_dir = build_tiny_model(Path(tempfile.mkdtemp()) / "tiny-peaked", init_std=0.4)
+    model_dir = bench_model(smol=args.smol, peaked=True)
     batch = 4
     with tempfile.TemporaryDirectory() as tmp:
         settings = Settings(

@@ -25,6 +25,7 @@ from pathlib import Path
 
 import httpx
 
+from bench.models import bench_model
 from nextstate.background_server import free_port, start_server
 from nextstate.settings import Settings
 
@@ -110,18 +111,7 @@ def main() -> None:
     parser.add_argument("--think-ms", type=float, nargs="+", default=[0, 250], help="pause between a reply and the next turn")
     args = parser.parse_args()
 
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.set_verbosity_error()
-    hf_logging.disable_progress_bar()
-    if args.smol:
-        from engine.default_model import ensure_default_model
-
-        model_dir = ensure_default_model(Settings().models_dir)
-    else:
-        from engine.tiny_model import build_tiny_model
-
-        model_dir = build_tiny_model(Path(tempfile.mkdtemp()) / "tiny")
+    model_dir = bench_model(smol=args.smol)
     conversations = args.conversations or (4 if args.smol else 20)
     runs = []
     for think_ms in args.think_ms:

@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 
 from engine.base import SamplingParams
+from bench.models import bench_model
 from nextstate.background_server import free_port, start_server
 from nextstate.settings import Settings
 from nextstate.types import Sample
@@ -181,20 +182,7 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=None)
     args = parser.parse_args()
 
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.set_verbosity_error()
-    hf_logging.disable_progress_bar()
-    if args.model:
-        model_dir = Path(args.model)
-    elif args.smol:
-        from engine.default_model import ensure_default_model
-
-        model_dir = ensure_default_model(Settings().models_dir)
-    else:
-        from engine.tiny_model import build_tiny_model
-
-        model_dir = build_tiny_model(Path(tempfile.mkdtemp()) / "tiny-peaked", init_std=0.4)
+    model_dir = bench_model(model=args.model, smol=args.smol, peaked=True)
     small = not (args.smol or args.model)
     updates = args.updates or (8 if small else 4)
     lr = args.lr or (5e-3 if small else 1e-4)

@@ -20,6 +20,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from bench.models import bench_model
+
 PROMPTS = [
     "Write a short story about a lighthouse keeper.",
     "Explain how a bicycle works to a child.",
@@ -119,21 +121,7 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=5)
     args = parser.parse_args()
 
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.set_verbosity_error()
-    hf_logging.disable_progress_bar()
-    if args.tiny:
-        from engine.tiny_model import build_tiny_model
-
-        model_dir = build_tiny_model(Path(tempfile.mkdtemp()) / "tiny")
-    elif args.model:
-        model_dir = Path(args.model)
-    else:
-        from engine.default_model import ensure_default_model
-        from nextstate.settings import Settings
-
-        model_dir = ensure_default_model(Settings().models_dir)
+    model_dir = bench_model(model=args.model, smol=not args.tiny)
 
     result = {
         "benchmark": "serve_latency",

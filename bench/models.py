@@ -1,0 +1,27 @@
+"""Which model a benchmark runs on, chosen the same way by every bench script."""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+
+def bench_model(model: str | None = None, smol: bool = False, peaked: bool = False) -> Path:
+    """A local model dir if given, else the embedded SmolLM2 with `smol`, else a fresh tiny
+    model (`peaked`: with a trained-model-like next-token distribution, for learning runs).
+    Also quiets transformers' logs and progress bars, which would drown the bench output."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    if model:
+        return Path(model)
+    if smol:
+        from engine.default_model import ensure_default_model
+        from nextstate.settings import Settings
+
+        return ensure_default_model(Settings().models_dir)
+    from engine.tiny_model import build_tiny_model
+
+    name = "tiny-peaked" if peaked else "tiny"
+    return build_tiny_model(Path(tempfile.mkdtemp()) / name, init_std=0.4 if peaked else 0.02)
