@@ -115,9 +115,6 @@ class Learner:
             except Exception:  # noqa: BLE001 - the learner must outlive a failed update
                 log.exception("learner update failed")
 
-    def scope_of(self, sample_user: str) -> str:
-        return self.policies.scope_of(sample_user)
-
     async def train_ready(self) -> bool:
         """Run one update if some scope has a full batch; True if one ran."""
         user = None

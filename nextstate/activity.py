@@ -18,10 +18,6 @@ class Activity:
         self._idle = asyncio.Event()
         self._idle.set()
 
-    @property
-    def serving(self) -> int:
-        return self._serving
-
     @contextlib.contextmanager
     def request(self) -> Iterator[None]:
         self._serving += 1

@@ -34,8 +34,5 @@ class PolicyDirectory:
     def current_scope(self, scope: str) -> PolicyRef:
         return self._current.get(scope, BASE_POLICY)
 
-    def scopes(self) -> dict[str, PolicyRef]:
-        return dict(self._current)
-
     def publish(self, scope: str, ref: PolicyRef) -> None:
         self._current = {**self._current, scope: ref}

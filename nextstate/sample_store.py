@@ -89,10 +89,6 @@ class SampleStore:
             rows = self._conn.execute("SELECT id, data FROM transitions WHERE status = 'pending' ORDER BY id").fetchall()
         return [(row[0], Transition.model_validate_json(row[1])) for row in rows]
 
-    def finish_transition(self, transition_id: int) -> None:
-        with self._lock:
-            self._conn.execute("UPDATE transitions SET status = 'done' WHERE id = ?", (transition_id,))
-
     # ---------------------------------------------------------------- samples
 
     def add_sample(self, sample: Sample, transition_id: int | None = None) -> Sample:
