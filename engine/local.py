@@ -174,7 +174,7 @@ class LocalEngine:
             adapter=adapter,
             loop=asyncio.get_running_loop(),
             out=asyncio.Queue(),
-            generator=make_generator(sampling.seed),
+            generator=make_generator(sampling.seed, self.device),
             background=background,
         )
         self._jobs.put(job)

@@ -36,9 +36,10 @@ def sample_token(
     return token, float(logprobs[token]), top
 
 
-def make_generator(seed: int | None) -> torch.Generator | None:
+def make_generator(seed: int | None, device: str = "cpu") -> torch.Generator | None:
+    """A seeded generator on the device the logits live on (torch refuses to mix them)."""
     if seed is None:
         return None
-    gen = torch.Generator()
+    gen = torch.Generator(device=device)
     gen.manual_seed(seed)
     return gen

@@ -193,3 +193,20 @@ async def test_new_versions_reuse_freed_slots_in_place(engine, tiny_model_dir, t
     finally:
         await fresh.close()
     assert max(abs(a - b) for a, b in zip(v1, v2)) > 1e-3
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+async def test_seeded_sampling_on_cuda(tiny_model_dir):
+    """A seed's generator must live on the logits' device (it once was always a CPU one,
+    which failed every seeded request on a GPU), and seeds must still reproduce there."""
+    eng = await LocalEngine.open(tiny_model_dir, device="cuda")
+    try:
+        for top_p in (1.0, 0.9):
+            params = SamplingParams(max_new_tokens=16, temperature=1.0, top_p=top_p, seed=5)
+            first, second = await collect(eng, params), await collect(eng, params)
+            assert [t.token_id for t in first] == [t.token_id for t in second]
+            scored = await eng.score(PROMPT + [t.token_id for t in first], len(PROMPT), temperature=1.0)
+            assert scored == pytest.approx([t.logprob for t in first], abs=1e-3)
+    finally:
+        await eng.close()
