@@ -26,15 +26,20 @@ from nextstate.background_server import free_port, serve_in_thread
 
 
 class FakeSGLang:
-    def __init__(self, model_dir, incremental: bool = False) -> None:
+    """`engine_factory` swaps the model for another engine (bench/proxy_overhead uses a
+    scripted one, so that only HTTP and the proxy cost time); `port` 0 picks a free one."""
+
+    def __init__(self, model_dir, incremental: bool = False, engine_factory=None, port: int = 0) -> None:
         self.model_dir = model_dir
         self.incremental = incremental
         self.mode = "ok"
         self.requests: list[tuple[str, dict]] = []
         self.engine: LocalEngine | None = None
+        open_engine = engine_factory or (lambda: LocalEngine.open(model_dir, device="cpu"))
+
         @contextlib.asynccontextmanager
         async def lifespan(_: FastAPI):
-            self.engine = await LocalEngine.open(model_dir, device="cpu")
+            self.engine = await open_engine()
             yield
             await self.engine.close()
 
@@ -98,7 +103,7 @@ class FakeSGLang:
             return {"success": True, "error_message": "", "loaded_adapters": {n: "" for n in self.engine.adapters}}
 
         self.app = app
-        self.port = free_port()
+        self.port = port or free_port()
         self.server, self.thread, self.loop = serve_in_thread(app, self.port, name="fake-sglang")
 
     @property
@@ -154,3 +159,32 @@ class FakeSGLang:
         meta = {"id": uuid.uuid4().hex, "finish_reason": {"type": "length", "length": 0}, "prompt_tokens": len(ids),
                 "completion_tokens": 0, "input_token_logprobs": entries, "output_token_logprobs": []}
         return {"text": "", "output_ids": [], "meta_info": meta}
+
+
+def main() -> None:
+    """python -m tests.fake_sglang PORT MODEL_DIR [--scripted TEXT] [--token-ms MS]: in its own process."""
+    import argparse
+    import threading
+
+    from transformers import AutoTokenizer
+
+    from tests.scripted_engine import ScriptedEngine
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("port", type=int)
+    parser.add_argument("model_dir")
+    parser.add_argument("--scripted", help="answer every request with this text instead of running the model")
+    parser.add_argument("--token-ms", type=float, default=0.0, help="scripted: delay per token")
+    args = parser.parse_args()
+    factory = None
+    if args.scripted is not None:
+        async def factory():
+            tokenizer = AutoTokenizer.from_pretrained(args.model_dir)
+            return ScriptedEngine(tokenizer, default_reply=args.scripted, delay_s=args.token_ms / 1000)
+
+    FakeSGLang(args.model_dir, incremental=True, engine_factory=factory, port=args.port)
+    threading.Event().wait()  # serve until the parent terminates this process
+
+
+if __name__ == "__main__":
+    main()

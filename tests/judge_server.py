@@ -55,18 +55,23 @@ class ScriptedJudge:
     def verdict(self, messages: list[dict]) -> str:
         system, user = messages[0]["content"], messages[-1]["content"]
         match = _NEXT_STATE.search(user)
-        role, text = (match.group(1), match.group(2).lower()) if match else ("user", user.lower())
+        role, raw = (match.group(1), match.group(2)) if match else ("user", user)
+        text = raw.lower()
         if "hindsight hint extraction" in system:
             if role == "user" and text.startswith("no"):
-                hint = HINTS[self._hint_calls % len(HINTS)]
-                self._hint_calls += 1
-                return f"The user corrected the language. \\boxed{{1}}\n[HINT_START]{hint}[HINT_END]"
+                return f"The user corrected the assistant. \\boxed{{1}}\n[HINT_START]{self.hint(raw)}[HINT_END]"
             return "Nothing to learn here. \\boxed{-1}"
         if "thank" in text or "great" in text:
             return "The user is satisfied. \\boxed{1}"
         if text.startswith("no") or "wrong" in text or "error" in text:
             return "Step 1: the user objects. \\boxed{0} was my first guess, but final: \\boxed{-1}"
         return "Unclear. \\boxed{0}"
+
+    def hint(self, next_state: str) -> str:
+        """The hint for a correction; rotates through HINTS (so "longest wins" is observable)."""
+        hint = HINTS[self._hint_calls % len(HINTS)]
+        self._hint_calls += 1
+        return hint
 
     def stop(self) -> None:
         self.server.should_exit = True

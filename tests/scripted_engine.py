@@ -15,9 +15,14 @@ from engine.base import EngineInfo, GeneratedToken, SamplingParams
 
 
 class ScriptedEngine:
-    def __init__(self, tokenizer, replies: list[str] | None = None, delay_s: float = 0.0, max_context: int = 4096):
+    def __init__(
+        self, tokenizer, replies: list[str] | None = None, delay_s: float = 0.0, max_context: int = 4096,
+        default_reply: str = "ok",
+    ):
         self.tokenizer = tokenizer
         self.replies: deque[str] = deque(replies or [])
+        self.default_reply = default_reply
+        self._default_ids = None
         self.delay_s = delay_s
         self.info = EngineInfo(model_name="scripted", max_context=max_context, device="cpu", dtype="float32")
         self.prompts: list[list[int]] = []
@@ -28,14 +33,20 @@ class ScriptedEngine:
 
     async def generate(self, input_ids: list[int], sampling: SamplingParams, adapter: str | None = None, background: bool = False) -> AsyncIterator[GeneratedToken]:
         self.prompts.append(list(input_ids))
-        text = self.replies.popleft() if self.replies else "ok"
-        ids = self.tokenizer(text, add_special_tokens=False)["input_ids"] + [self.eos]
+        if self.replies:
+            ids = self._encode(self.replies.popleft())
+        else:  # tokenised once: a bench sends thousands of requests
+            self._default_ids = self._default_ids or self._encode(self.default_reply)
+            ids = self._default_ids
         for i, token in enumerate(ids[: sampling.max_new_tokens]):
             if self.delay_s:
                 await asyncio.sleep(self.delay_s)
             last = i == len(ids) - 1 or i == sampling.max_new_tokens - 1
             reason = None if not last else ("stop" if token == self.eos else "length")
             yield GeneratedToken(token, -0.5, ((token, -0.5),) * sampling.top_logprobs, reason)
+
+    def _encode(self, text: str) -> list[int]:
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"] + [self.eos]
 
     async def score(self, input_ids, start, adapter=None, temperature=1.0, background=False):
         return [-0.5] * (len(input_ids) - start)
