@@ -22,11 +22,9 @@ from pathlib import Path
 
 from bench.learning import _replies, _sample, _train_on
 from bench.models import bench_model
+from bench.report import pyplot, save
 from nextstate.background_server import free_port, start_server
 from nextstate.settings import Settings
-
-RESULTS = Path(__file__).parent / "results"
-
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -98,7 +96,6 @@ def main() -> None:
     result = {
         "benchmark": "hot_swap",
         "model": model_dir.name,
-        "machine": "2-core x86_64 CPU, no GPU (the project's dev/CI machine)",
         "swaps": len(swaps),
         "updates_skipped_by_guard": sum(1 for s in steps if not s.get("published")),
         "requests": len(outcomes),
@@ -109,15 +106,34 @@ def main() -> None:
         "request_p50_ms": round(1000 * latencies[len(latencies) // 2], 1),
         "request_p99_ms": round(1000 * latencies[int(0.99 * (len(latencies) - 1))], 1),
         "swap_ms": {"median": round(statistics.median(swaps), 2), "max": round(max(swaps), 2), "all": [round(s, 2) for s in swaps]},
-        "update_finished_to_serving_ms": {"median": round(statistics.median(served), 2), "max": round(max(served), 2)},
-        "date": time.strftime("%Y-%m-%d"),
+        "update_finished_to_serving_ms": {"median": round(statistics.median(served), 2), "max": round(max(served), 2),
+                                          "all": [round(s, 2) for s in served]},
     }
-    RESULTS.mkdir(exist_ok=True)
-    out = RESULTS / f"hot_swap-{model_dir.name}.json"
-    out.write_text(json.dumps(result, indent=2) + "\n")
-    print(json.dumps({k: v for k, v in result.items() if k != "swap_ms"}, indent=2))
-    print(f"written to {out}")
+    print(json.dumps({k: v for k, v in result.items() if k not in ("swap_ms", "update_finished_to_serving_ms")}, indent=2))
+    save(result)
 
+
+def headline(result: dict) -> str:
+    return (f"{result['swaps']} swaps under load: {result['requests_failed']} of {result['requests']} requests failed, "
+            f"swap median {result['swap_ms']['median']} ms, update → serving median "
+            f"{result['update_finished_to_serving_ms']['median']} ms")
+
+
+def plot(result: dict):
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    swaps = result["swap_ms"]["all"]
+    ax.plot(range(1, len(swaps) + 1), swaps, "o-", label="swap (adapter load → new requests use it)")
+    served = result["update_finished_to_serving_ms"].get("all")  # older results kept only median and max
+    if served:
+        ax.plot(range(1, len(served) + 1), served, "s--", label="update finished → serving")
+    ax.set_xlabel("version")
+    ax.set_ylabel("ms")
+    ax.set_ylim(bottom=0)
+    ax.set_title(f"{result['model']}: {result['requests_failed']} of {result['requests']} requests failed during "
+                 f"{result['swaps']} swaps", fontsize=10)
+    ax.legend(fontsize=8)
+    return fig
 
 if __name__ == "__main__":
     main()

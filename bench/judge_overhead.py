@@ -26,6 +26,7 @@ from pathlib import Path
 import httpx
 
 from bench.models import bench_model
+from bench.report import percentile, pyplot, save
 from nextstate.background_server import free_port, start_server
 from nextstate.settings import Settings
 
@@ -48,11 +49,6 @@ def _wait_for(url: str, timeout: float = 30) -> None:
             pass
         time.sleep(0.1)
     raise RuntimeError(f"{url} did not come up")
-
-
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
 def run(model_dir: Path, conversations: int, max_tokens: int, judge: str, votes: int, think_s: float) -> dict:
@@ -126,19 +122,36 @@ def main() -> None:
     result = {
         "benchmark": "judge_overhead",
         "model": model_dir.name,
-        "machine": "2-core x86_64 CPU, no GPU (the project's dev/CI machine)",
         "conversations": conversations,
         "turns_per_conversation": len(USER_TURNS),
         "max_tokens": args.max_tokens,
         "votes_per_kind": args.votes,
         "runs": runs,
-        "date": time.strftime("%Y-%m-%d"),
     }
-    out = Path(__file__).parent / "results" / f"judge_overhead-{model_dir.name}.json"
-    out.write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(result, indent=2))
-    print(f"written to {out}")
+    save(result)
 
+
+def headline(result: dict) -> str:
+    return "p50 added over judging off: " + ", ".join(
+        f"{r['judge']} +{r['p50_added_ms']:.0f} ms (think {r['think_ms']} ms)" for r in result["runs"] if r["judge"] != "off")
+
+
+def plot(result: dict):
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    thinks = sorted({r["think_ms"] for r in result["runs"]})
+    width = 0.25
+    for i, judge in enumerate(("off", "remote", "in-process")):
+        rows = [next(r for r in result["runs"] if r["judge"] == judge and r["think_ms"] == t) for t in thinks]
+        xs = [k + (i - 1) * width for k in range(len(thinks))]
+        ax.bar(xs, [r["p50_ms"] for r in rows], width, label=f"judge {judge} p50")
+        ax.scatter(xs, [r["p99_ms"] for r in rows], marker="_", s=200, color="black")
+    ax.set_xticks(range(len(thinks)), [f"think {t} ms" for t in thinks])
+    ax.set_ylabel("chat latency (ms; bar p50, dash p99)")
+    ax.set_title(f"Judging beside serving: {result['model']}", fontsize=10)
+    ax.legend(fontsize=8)
+    return fig
 
 if __name__ == "__main__":
     main()

@@ -26,12 +26,10 @@ from pathlib import Path
 
 from engine.base import SamplingParams
 from bench.models import bench_model
+from bench.report import pyplot, save
 from nextstate.background_server import free_port, start_server
 from nextstate.settings import Settings
 from nextstate.types import Sample
-
-RESULTS = Path(__file__).parent / "results"
-
 
 async def _first_token_probs(engine, prompt, adapter) -> list[float]:
     import math
@@ -151,12 +149,8 @@ def latency_while_training(server, batch: int, max_new: int, requests: int) -> d
     }
 
 
-def plot(result: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+def plot(result: dict):
+    plt = pyplot()
     curve = result["learning_curve"]
     fig, ax1 = plt.subplots(figsize=(7, 4))
     updates = list(range(len(curve["p_chosen_per_update"])))
@@ -169,8 +163,7 @@ def plot(result: dict, path: Path) -> None:
     ax2.set_ylabel("mean reward", color="tab:red")
     ax1.set_title(f"nextstate learner on {result['model']}: reward +1 for the chosen first token")
     fig.legend(loc="upper left", bbox_to_anchor=(0.1, 0.88), fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    return fig
 
 
 def main() -> None:
@@ -197,7 +190,6 @@ def main() -> None:
             result = {
                 "benchmark": "learning",
                 "model": model_dir.name,
-                "machine": "2-core x86_64 CPU, no GPU (the project's dev/CI machine)",
                 "batch_size": args.batch,
                 "lr": lr,
                 "learning_curve": learning_curve(server, updates, args.batch, max_new),
@@ -206,14 +198,19 @@ def main() -> None:
                 result["latency_while_training"] = latency_while_training(server, args.batch, max_new, 30)
         finally:
             server.stop()
-    result["date"] = time.strftime("%Y-%m-%d")
-    RESULTS.mkdir(exist_ok=True)
-    out = RESULTS / f"learning-{result['model']}.json"
-    out.write_text(json.dumps(result, indent=2) + "\n")
-    plot(result, out.with_suffix(".png"))
     print(json.dumps(result, indent=2))
-    print(f"written to {out} and {out.with_suffix('.png')}")
+    save(result)
 
+
+def headline(result: dict) -> str:
+    p = result["learning_curve"]["p_chosen_per_update"]
+    text = f"P(chosen first token) {p[0]:.3f} → {p[-1]:.3f} in {len(p) - 1} updates"
+    text += f"; update → serving median {statistics.median(result['learning_curve']['update_finished_to_serving_ms']):.0f} ms"
+    if "latency_while_training" in result:
+        t = result["latency_while_training"]
+        text += (f"; chat p50/p99 idle {t['idle']['p50_ms']}/{t['idle']['p99_ms']} ms, "
+                 f"training {t['while_training']['p50_ms']}/{t['while_training']['p99_ms']} ms")
+    return text
 
 if __name__ == "__main__":
     main()

@@ -207,7 +207,14 @@ def measure(stack: Stack, renderer: ChatRenderer, clients: int, turns: int, max_
     return runs
 
 
-def plot(rows: list[dict], title: str):
+def headline(result: dict) -> str:
+    stub = [r for r in result["rows"] if r["setup"] == "stub"]
+    return "stub engine, added per reply (p50): " + ", ".join(
+        f"{r['clients']} clients +{r['total_p50']['added_ms']:.1f} ms (x{r['total_p50']['ratio']})" for r in stub)
+
+
+def plot(result: dict):
+    rows = result["rows"]
     plt = pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
     for ax, metric, label in ((axes[0], "ttft", "first token"), (axes[1], "total", "whole reply")):
@@ -225,7 +232,7 @@ def plot(rows: list[dict], title: str):
         ax.set_ylabel("ms")
         ax.set_title(label)
         ax.legend(fontsize=7)
-    fig.suptitle(title, fontsize=10)
+    fig.suptitle("nextstate vs the engine directly (streaming chat, p50/p99)", fontsize=10)
     return fig
 
 
@@ -277,12 +284,7 @@ def main() -> None:
         "/v1/chat/completions through `nextstate serve` (auth, session inference, records, stub judge on, learner off)",
         "rows": rows,
     }
-    by = {(r["setup"], r["clients"]): r for r in rows}
-    parts = [f"{c} clients +{by[('stub', c)]['total_p50']['added_ms']:.1f} ms p50 (x{by[('stub', c)]['total_p50']['ratio']})"
-             for c in args.clients]
-    headline = "stub engine, added per reply: " + ", ".join(parts)
-    save(result, headline, plot(rows, "nextstate vs the engine directly (streaming chat, p50/p99)"))
-
+    save(result)
 
 if __name__ == "__main__":
     main()

@@ -6,6 +6,7 @@ from a GPU never overwrites the one from the CPU box (its file name carries the 
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import platform
@@ -56,29 +57,36 @@ def result_stem(benchmark: str, model: str | None = None) -> str:
     return "-".join(parts)
 
 
-def save(result: dict, headline: str, figure=None) -> Path:
-    """Write <stem>.json (+ .png from a matplotlib figure) and put its row into BENCHMARKS.md.
+def save(result: dict) -> Path:
+    """Write <stem>.json, then its PNG and BENCHMARKS.md row (see `render`).
 
-    `result` needs "benchmark" and may have "model"; machine and date are added here.
+    `result` needs "benchmark" (the bench module's name) and may have "model"; machine and
+    date are added here.
     """
     result.setdefault("machine", machine())
     result.setdefault("date", time.strftime("%Y-%m-%d"))
-    stem = result_stem(result["benchmark"], result.get("model"))
     RESULTS.mkdir(parents=True, exist_ok=True)
-    out = RESULTS / f"{stem}.json"
+    out = RESULTS / f"{result_stem(result['benchmark'], result.get('model'))}.json"
     out.write_text(json.dumps(result, indent=2) + "\n")
-    links = [f"[json](bench/results/{out.name})"]
-    if figure is not None:
-        figure.tight_layout()
-        figure.savefig(out.with_suffix(".png"), dpi=110)
-        links.append(f"[png](bench/results/{stem}.png)")
+    render(out)
+    print(f"written to {out} and {out.with_suffix('.png').name}")
+    return out
+
+
+def render(path: Path) -> None:
+    """Draw a result's PNG and write its BENCHMARKS.md row with the bench module's own
+    `plot(result)` and `headline(result)`, so both can be redrawn from the JSON alone."""
+    result = json.loads(path.read_text())
+    bench = importlib.import_module(f"bench.{result['benchmark']}")
+    figure = bench.plot(result)
+    figure.tight_layout()
+    figure.savefig(path.with_suffix(".png"), dpi=110)
+    pyplot().close(figure)
     row = (
         f"| {result['date']} | {result['benchmark']} | {result.get('model', '—')} | {result['machine']} "
-        f"| {headline} | {' '.join(links)} |"
+        f"| {bench.headline(result)} | [json](bench/results/{path.name}) [png](bench/results/{path.stem}.png) |"
     )
-    upsert_row(BENCHMARKS, out.name, row)
-    print(f"written to {out}" + (f" and {out.with_suffix('.png').name}" if figure is not None else ""))
-    return out
+    upsert_row(BENCHMARKS, path.name, row)
 
 
 def upsert_row(path: Path, key: str, row: str) -> None:
@@ -115,3 +123,9 @@ def pyplot():
 def percentile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+
+if __name__ == "__main__":  # python -m bench.report: redraw every PNG and row from the JSONs
+    for found in sorted(RESULTS.glob("*.json")):
+        render(found)
+        print(f"rendered {found.name}")

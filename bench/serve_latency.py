@@ -14,13 +14,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import platform
 import statistics
 import tempfile
 import time
 from pathlib import Path
 
 from bench.models import bench_model
+from bench.report import pyplot, save
 
 PROMPTS = [
     "Write a short story about a lighthouse keeper.",
@@ -28,12 +28,6 @@ PROMPTS = [
     "List some tips for learning a new language.",
     "Describe the water cycle.",
 ]
-
-
-def _machine() -> str:
-    import torch
-
-    return f"{platform.machine()}, {torch.get_num_threads()} torch threads, {platform.processor() or 'cpu'}"
 
 
 async def engine_numbers(model_dir: Path, max_tokens: int, runs: int) -> dict:
@@ -126,20 +120,33 @@ def main() -> None:
     result = {
         "benchmark": "serve_latency",
         "model": model_dir.name,
-        "machine": _machine(),
         "dtype": "float32",
         "max_tokens": args.max_tokens,
         "runs": args.runs,
         "engine": asyncio.run(engine_numbers(model_dir, args.max_tokens, args.runs)),
         "http_stream": http_numbers(model_dir, args.max_tokens, args.runs),
-        "date": time.strftime("%Y-%m-%d"),
     }
-    out = Path(__file__).parent / "results" / f"serve_latency-{model_dir.name}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(result, indent=2))
-    print(f"written to {out}")
+    save(result)
 
+
+def headline(result: dict) -> str:
+    e, h = result["engine"], result["http_stream"]
+    return (f"first token {1000 * e['ttft_s_median']:.0f} ms in-process / {1000 * h['ttft_s_median']:.0f} ms over HTTP; "
+            f"{e['decode_tokens_per_s_median']:.1f} / {h['decode_tokens_per_s_median']:.1f} tokens/s")
+
+
+def plot(result: dict):
+    plt = pyplot()
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(8, 3.5))
+    paths = ["engine, in-process", "nextstate, HTTP stream"]
+    numbers = [result["engine"], result["http_stream"]]
+    ax.bar(paths, [1000 * n["ttft_s_median"] for n in numbers], color=["tab:gray", "tab:blue"])
+    ax.set_ylabel("first token, median (ms)")
+    bx.bar(paths, [n["decode_tokens_per_s_median"] for n in numbers], color=["tab:gray", "tab:blue"])
+    bx.set_ylabel("decoding, median (tokens/s)")
+    fig.suptitle(f"{result['model']}, {result['max_tokens']} new tokens, greedy", fontsize=10)
+    return fig
 
 if __name__ == "__main__":
     main()

@@ -12,17 +12,15 @@ bench/results/sessions_scale.json and a PNG.
 from __future__ import annotations
 
 import gc
-import json
 import random
 import statistics
 import time
 import tracemalloc
-from pathlib import Path
 
+from bench.report import pyplot, save
 from nextstate.types import Turn
 from proxy.sessions import SessionStore
 
-RESULTS = Path(__file__).parent / "results"
 USERS = 100
 TURNS = 3
 
@@ -90,23 +88,24 @@ def main() -> None:
         print(points[-1], flush=True)
     result = {
         "benchmark": "sessions_scale",
-        "machine": "2-core x86_64 CPU, no GPU (the project's dev/CI machine)",
         "users": USERS,
         "messages_per_request": 2 + 2 * TURNS,
         "note": "lookup = hashing the request's messages and probing the index (no HTTP, no model); "
         "bytes per session counts the store's own allocations (the pending Turn is tiny here).",
         "points": points,
-        "date": time.strftime("%Y-%m-%d"),
     }
-    RESULTS.mkdir(exist_ok=True)
-    out = RESULTS / "sessions_scale.json"
-    out.write_text(json.dumps(result, indent=2) + "\n")
+    save(result)
 
-    import matplotlib
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+def headline(result: dict) -> str:
+    first, last = result["points"][0], result["points"][-1]
+    return (f"lookup median {first['lookup_us_median']} µs at {first['open_sessions']} sessions, "
+            f"{last['lookup_us_median']} µs at {last['open_sessions']}; ~{last['index_bytes_per_session'] / 1000:.1f} KB/session")
 
+
+def plot(result: dict):
+    points = result["points"]
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(7, 4))
     xs = [p["open_sessions"] for p in points]
     ax.plot(xs, [p["lookup_us_median"] for p in points], "o-", label="median lookup (µs)")
@@ -117,10 +116,7 @@ def main() -> None:
     ax.set_ylim(bottom=0)
     ax.set_title("Finding a request's session without headers")
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(out.with_suffix(".png"), dpi=110)
-    print(f"written to {out}")
-
+    return fig
 
 if __name__ == "__main__":
     main()

