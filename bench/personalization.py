@@ -210,13 +210,18 @@ class ModeRun:
     steps: list[dict] = field(default_factory=list)
 
 
-def pick_marker(policy: Path, target: float) -> tuple[str, float]:
+def engine_settings(args) -> dict:
+    """The policy runs in nextstate's embedded engine, or on an SGLang server (--sglang-url)."""
+    return {"engine": "sglang", "sglang_url": args.sglang_url} if args.sglang_url else {}
+
+
+def pick_marker(policy: Path, target: float, engine: dict) -> tuple[str, float]:
     """The word-like first token whose mean probability over the tasks is nearest `target`."""
     from bench.learning import _first_token_probs
 
     with tempfile.TemporaryDirectory() as tmp:
         server = start_server(Settings(data_dir=Path(tmp), model=str(policy), port=free_port(), served_model_name="policy",
-                                       learn=False, judge_enabled=False))
+                                       learn=False, judge_enabled=False, **engine))
         try:
             chat = server.app.state.chat
             sums: list[float] = []
@@ -247,6 +252,7 @@ def run_mode(mode: str, policy: Path, tasks: list[str], args, judge: dict, user,
             data_dir=Path(tmp), model=str(policy), port=free_port(), served_model_name="policy",
             mode=mode if learning else "combined", learn=learning, judge_enabled=learning, prm_votes=args.votes,
             batch_size=args.batch, lr=args.lr, lora_r=args.lora_r, lora_alpha=2 * args.lora_r, **judge,
+            **engine_settings(args),
         )
         server = start_server(settings)
         try:
@@ -355,6 +361,7 @@ def main() -> None:
         parser.add_argument(f"--{role}-url", help=f"OpenAI-compatible endpoint for the {role} (default: rules)")
         parser.add_argument(f"--{role}-model", default="default")
     parser.add_argument("--api-key-env", default="OPENAI_API_KEY")
+    parser.add_argument("--sglang-url", help="serve the policy from this SGLang server (deploy/) instead of in-process")
     args = parser.parse_args()
 
     policy = bench_model(model=args.policy, smol=args.smol, peaked=True)
@@ -367,7 +374,7 @@ def main() -> None:
     base_p = None
     rule = args.rule if args.rule is not None else ("" if args.preference else "capital" if tiny else "marker:auto")
     if rule == "marker:auto":
-        marker, base_p = pick_marker(policy, args.target)
+        marker, base_p = pick_marker(policy, args.target, engine_settings(args))
         rule = f"marker:{marker}"
         print(f"preference marker: {marker!r} (mean base first-token probability {base_p:.3f})")
     if args.preference:

@@ -10,6 +10,8 @@ The engine is an SGLang-shaped server in its own process (tests/fake_sglang.py, 
   all (`--scripted`): nothing but HTTP and the proxy costs time, so this is the proxy's own
   cost. The reply is streamed token by token, with `--token-ms` between tokens (0 = as fast
   as the event loop goes).
+* **stub, judging off** — the stub at 1 client with NEXTSTATE_JUDGE_ENABLED=0: the proxy
+  alone, without the judge's work on the same cores.
 * **embedded** — the same engine server runs the real embedded model (tiny, or SmolLM2 with
   --smol); a third column serves it in-process inside nextstate (the default deployment).
 
@@ -164,7 +166,7 @@ def _summary(direct: dict, proxied: dict) -> dict:
 class Stack:
     """The engine server, the stub judge and `nextstate serve`, each in its own process."""
 
-    def __init__(self, model_dir: Path, engine_args: list[str], in_process: bool = False) -> None:
+    def __init__(self, model_dir: Path, engine_args: list[str], in_process: bool = False, judge: bool = True) -> None:
         self.procs: list[subprocess.Popen] = []
         self.tmp = tempfile.TemporaryDirectory()
         self.engine_url = None
@@ -177,10 +179,13 @@ class Stack:
                 self.engine_url = f"http://127.0.0.1:{port}"
                 _wait_up(f"{self.engine_url}/health", self.procs[-1])
                 env.update(NEXTSTATE_ENGINE="sglang", NEXTSTATE_SGLANG_URL=self.engine_url)
-            judge_port = free_port()
-            self.procs.append(_spawn(["-m", "tests.judge_server", str(judge_port)]))
-            _wait_up(f"http://127.0.0.1:{judge_port}/docs", self.procs[-1])
-            env.update(NEXTSTATE_JUDGE_BASE_URL=f"http://127.0.0.1:{judge_port}/v1", NEXTSTATE_JUDGE_MODEL="stub")
+            if judge:
+                judge_port = free_port()
+                self.procs.append(_spawn(["-m", "tests.judge_server", str(judge_port)]))
+                _wait_up(f"http://127.0.0.1:{judge_port}/docs", self.procs[-1])
+                env.update(NEXTSTATE_JUDGE_BASE_URL=f"http://127.0.0.1:{judge_port}/v1", NEXTSTATE_JUDGE_MODEL="stub")
+            else:
+                env.update(NEXTSTATE_JUDGE_ENABLED="0")
             store = KeyStore(Path(self.tmp.name) / "nextstate.sqlite3")
             self.keys = [store.create(f"user{i}")[1] for i in range(8)]
             store.close()
@@ -209,8 +214,12 @@ def measure(stack: Stack, renderer: ChatRenderer, clients: int, turns: int, max_
 
 def headline(result: dict) -> str:
     stub = [r for r in result["rows"] if r["setup"] == "stub"]
-    return "stub engine, added per reply (p50): " + ", ".join(
+    text = "stub engine, added per reply (p50): " + ", ".join(
         f"{r['clients']} clients +{r['total_p50']['added_ms']:.1f} ms (x{r['total_p50']['ratio']})" for r in stub)
+    off = [r for r in result["rows"] if r["setup"] == "stub, judging off"]
+    if off:
+        text += f"; judging off, 1 client +{off[0]['total_p50']['added_ms']:.1f} ms"
+    return text
 
 
 def plot(result: dict):
@@ -218,7 +227,7 @@ def plot(result: dict):
     plt = pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
     for ax, metric, label in ((axes[0], "ttft", "first token"), (axes[1], "total", "whole reply")):
-        for setup, marker in (("stub", "o"), ("embedded", "s")):
+        for setup, marker in (("stub", "o"), ("stub, judging off", "^"), ("embedded", "s")):
             pts = [r for r in rows if r["setup"] == setup]
             if not pts:
                 continue
@@ -255,6 +264,14 @@ def main() -> None:
             runs = measure(stack, renderer, clients, turns, 64, stack.engine_url)
             rows.append({"setup": "stub", "clients": clients, **_summary(runs["direct"], runs["nextstate"])})
             print(json.dumps(rows[-1]), flush=True)
+    finally:
+        stack.close()
+    # The same at 1 client with judging off: what the proxy costs without the judge's work beside it.
+    stack = Stack(tiny, ["--scripted", STUB_REPLY, "--token-ms", str(args.token_ms)], judge=False)
+    try:
+        runs = measure(stack, renderer, 1, args.turns or 201, 64, stack.engine_url)
+        rows.append({"setup": "stub, judging off", "clients": 1, **_summary(runs["direct"], runs["nextstate"])})
+        print(json.dumps(rows[-1]), flush=True)
     finally:
         stack.close()
 
