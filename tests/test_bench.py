@@ -1,0 +1,83 @@
+"""The bench harness: its results log, and the personalization experiment's rule-based roles
+against the real judge prompts and a real server (the experiment itself runs by hand)."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from bench.personalization import INSTRUCTIONS, THANKS, Preference, PreferenceJudge, RuleScorer, RuleUser, run_mode
+from bench.report import LOG_HEADING, upsert_row
+from judge.parsing import parse_hint, parse_score
+from judge.prompts import PromptLibrary
+
+
+def test_results_log_rows_are_replaced_by_file_and_stay_in_their_table(tmp_path):
+    path = tmp_path / "BENCHMARKS.md"
+    path.write_text("# Benchmarks\n\nSome prose.\n")
+    upsert_row(path, "a.json", "| 1 | a | [json](bench/results/a.json) |")
+    upsert_row(path, "b.json", "| 2 | b | [json](bench/results/b.json) |")
+    upsert_row(path, "a.json", "| 3 | a again | [json](bench/results/a.json) |")
+    text = path.read_text()
+    assert text.startswith("# Benchmarks\n\nSome prose.\n") and text.count(LOG_HEADING) == 1
+    rows = [line for line in text.splitlines() if "bench/results/" in line]
+    assert rows == ["| 3 | a again | [json](bench/results/a.json) |", "| 2 | b | [json](bench/results/b.json) |"]
+
+    path.write_text(text + "\n## Later section\n\nText.\n")
+    upsert_row(path, "c.json", "| 4 | c | [json](bench/results/c.json) |")
+    lines = path.read_text().splitlines()
+    assert lines.index("| 4 | c | [json](bench/results/c.json) |") == lines.index("| 2 | b | [json](bench/results/b.json) |") + 1
+    assert lines[-3:] == ["## Later section", "", "Text."]
+
+
+@pytest.mark.parametrize(
+    ("rule", "fits", "misses"),
+    [("capital", "  Sure thing", "sure thing"), ("digit", "about 3 cups", "a few cups"), ("marker:The", "The sea", "A sea")],
+)
+def test_rule_preferences(rule, fits, misses):
+    preference = Preference("Always do it.", rule)
+    assert preference.fits(fits) and not preference.fits(misses)
+    assert RuleScorer(preference).score("task", fits) == 1.0
+    assert RuleUser(preference).react("Name a colour.", fits) == (True, THANKS)
+    fitted, reaction = RuleUser(preference).react("Name a colour.", misses)
+    assert not fitted and reaction.startswith("No,") and "Always do it." in reaction and reaction.endswith("Name a colour.")
+
+
+def test_rule_judge_reads_the_user_from_the_real_judge_prompts():
+    """The experiment's judge must parse what nextstate actually sends it: the bundled PRM and
+    hint prompts, filled with the rule user's reactions."""
+    preference = Preference(INSTRUCTIONS["capital"], "capital")
+    _, correction = RuleUser(preference).react("Give me a tip.", "drink water")
+    judge, prompts = PreferenceJudge(serve=False), PromptLibrary()
+
+    def ask(prompt: str, next_state: str) -> str:
+        messages = prompts.render(prompt, request="Give me a tip.", response="drink water",
+                                  next_state=next_state, next_state_role="user")
+        return judge.verdict(messages)
+
+    assert parse_score(ask("prm_personal", correction)) == -1
+    assert parse_score(ask("prm_personal", THANKS)) == 1
+    hinted = ask("opd_hint", correction)
+    assert parse_score(hinted) == 1 and parse_hint(hinted) == INSTRUCTIONS["capital"]
+    assert parse_score(ask("opd_hint", THANKS)) == -1
+
+
+def test_personalization_loop_runs_over_http_and_trains(tiny_model_dir):
+    """A short binary run of the experiment on the tiny model: a stock client, the rule judge
+    over HTTP, and the learner publishing versions that later first replies are served by."""
+    preference = Preference(INSTRUCTIONS["capital"], "capital")
+    judge = PreferenceJudge()
+    args = argparse.Namespace(votes=1, batch=2, lr=5e-3, lora_r=4, max_attempts=2, max_tokens=4, temperature=1.0,
+                              seed=0, think_s=0.3, sglang_url=None)
+    try:
+        run = run_mode("binary", tiny_model_dir, ["Name a colour."] * 8, args,
+                       {"judge_base_url": judge.base_url, "judge_model": "rules"}, RuleUser(preference), RuleScorer(preference))
+    finally:
+        judge.stop()
+    assert [t.task_index for t in run.tasks] == list(range(8))
+    assert all(t.score in (0.0, 1.0) and t.version >= 0 for t in run.tasks)
+    published = [s for s in run.steps if s["published"]]
+    assert published and all(s["samples"] == 2 for s in published)
+    assert run.tasks[-1].version >= 1
+    assert any(call[0]["content"].startswith("You are a process reward model (PRM)") for call in judge.calls)
