@@ -26,6 +26,7 @@ from bench.report import pyplot, save
 from nextstate.background_server import free_port, start_server
 from nextstate.settings import Settings
 
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--smol", action="store_true")
@@ -134,6 +135,7 @@ def plot(result: dict):
                  f"{result['swaps']} swaps", fontsize=10)
     ax.legend(fontsize=8)
     return fig
+
 
 if __name__ == "__main__":
     main()

@@ -153,5 +153,6 @@ def plot(result: dict):
     ax.legend(fontsize=8)
     return fig
 
+
 if __name__ == "__main__":
     main()

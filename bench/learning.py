@@ -31,6 +31,7 @@ from nextstate.background_server import free_port, start_server
 from nextstate.settings import Settings
 from nextstate.types import Sample
 
+
 async def _first_token_probs(engine, prompt, adapter) -> list[float]:
     import math
 
@@ -211,6 +212,7 @@ def headline(result: dict) -> str:
         text += (f"; chat p50/p99 idle {t['idle']['p50_ms']}/{t['idle']['p99_ms']} ms, "
                  f"training {t['while_training']['p50_ms']}/{t['while_training']['p99_ms']} ms")
     return text
+
 
 if __name__ == "__main__":
     main()

@@ -424,5 +424,6 @@ def main() -> None:
         if rule_judge is not None:
             rule_judge.stop()
 
+
 if __name__ == "__main__":
     main()

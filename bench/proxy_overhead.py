@@ -303,5 +303,6 @@ def main() -> None:
     }
     save(result)
 
+
 if __name__ == "__main__":
     main()

@@ -148,5 +148,6 @@ def plot(result: dict):
     fig.suptitle(f"{result['model']}, {result['max_tokens']} new tokens, greedy", fontsize=10)
     return fig
 
+
 if __name__ == "__main__":
     main()

@@ -118,5 +118,6 @@ def plot(result: dict):
     ax.legend()
     return fig
 
+
 if __name__ == "__main__":
     main()
