@@ -7,7 +7,9 @@ import argparse
 
 import pytest
 
-from bench.personalization import INSTRUCTIONS, THANKS, Preference, PreferenceJudge, RuleScorer, RuleUser, run_mode
+from bench.personalization import (
+    INSTRUCTIONS, THANKS, ChatModel, ModelScorer, ModelUser, Preference, PreferenceJudge, RuleScorer, RuleUser, run_mode,
+)
 from bench.report import LOG_HEADING, upsert_row
 from judge.parsing import parse_hint, parse_score
 from judge.prompts import PromptLibrary
@@ -42,6 +44,29 @@ def test_rule_preferences(rule, fits, misses):
     assert RuleUser(preference).react("Name a colour.", fits) == (True, THANKS)
     fitted, reaction = RuleUser(preference).react("Name a colour.", misses)
     assert not fitted and reaction.startswith("No,") and "Always do it." in reaction and reaction.endswith("Name a colour.")
+
+
+def test_model_user_and_scorer_speak_openai_and_parse_their_answers():
+    """With --user-url/--scorer-url the roles are chat models: a real OpenAI-compatible HTTP
+    server here (the scripted judge's, answering by the rules it would apply)."""
+    server, answer = PreferenceJudge(), {"text": ""}
+    server.verdict = lambda messages: answer["text"]
+    try:
+        model = ChatModel(server.base_url, "any", api_key=None)
+        preference = Preference("Always begin your reply with a capital letter.")
+        answer["text"] = "Thanks, great!"
+        assert ModelUser(model, preference).react("Give me a tip.", "Drink water.") == (True, "Thanks, great!")
+        answer["text"] = "No, start with a capital letter. Try again."
+        fitted, text = ModelUser(model, preference).react("Give me a tip.", "drink water.")
+        assert not fitted and text.startswith("No,")
+        answer["text"] = "It follows it partly. \\boxed{0.5}"
+        assert ModelScorer(model, preference).score("Give me a tip.", "drink water.") == 0.5
+        sent = server.calls[-1][0]["content"]
+        assert "Always begin your reply with a capital letter." in sent and "drink water." in sent
+    finally:
+        server.stop()
+    with pytest.raises(ValueError, match="needs a model user and scorer"):
+        preference.fits("anything")
 
 
 def test_rule_judge_reads_the_user_from_the_real_judge_prompts():
