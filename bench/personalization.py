@@ -180,9 +180,10 @@ class ModelScorer:
         self.model, self.preference = model, preference
 
     def score(self, task: str, reply: str) -> float:
+        """The last \\boxed{} number, clipped to [0, 1]; an answer without one scores 0."""
         text = self.model.ask(self.PROMPT.format(instruction=self.preference.instruction, task=task, reply=reply))
-        found = re.findall(r"\\boxed\{\s*([01](?:\.\d+)?)\s*\}", text)
-        return float(found[-1]) if found else 0.0
+        found = re.findall(r"\\boxed\{\s*(\d+(?:\.\d+)?)\s*\}", text)
+        return min(1.0, float(found[-1])) if found else 0.0
 
 
 class PreferenceJudge(ScriptedJudge):
