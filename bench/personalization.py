@@ -362,6 +362,7 @@ def main() -> None:
         parser.add_argument(f"--{role}-url", help=f"OpenAI-compatible endpoint for the {role} (default: rules)")
         parser.add_argument(f"--{role}-model", default="default")
     parser.add_argument("--api-key-env", default="OPENAI_API_KEY")
+    parser.add_argument("--variant", help="a name for this run's settings: its results get their own file")
     parser.add_argument("--sglang-url", help="serve the policy from this SGLang server (deploy/) instead of in-process")
     args = parser.parse_args()
 
@@ -402,6 +403,7 @@ def main() -> None:
     result = {
         "benchmark": "personalization",
         "model": policy.name,
+        "variant": args.variant,
         "preference": asdict(preference),
         "marker_mean_base_probability": base_p,
         "user": args.user_url and f"{args.user_model} at {args.user_url}" or "rules",

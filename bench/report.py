@@ -48,9 +48,10 @@ def machine() -> str:
     return f"{os.cpu_count()} CPU cores ({cpu}){memory}, " + (f"GPU: {gpu}" if gpu else "no GPU")
 
 
-def result_stem(benchmark: str, model: str | None = None) -> str:
-    """`<benchmark>[-<model>][-<gpu>]`: CPU and GPU runs of one bench keep separate files."""
-    parts = [benchmark] + ([model] if model else [])
+def result_stem(benchmark: str, model: str | None = None, variant: str | None = None) -> str:
+    """`<benchmark>[-<model>][-<variant>][-<gpu>]`: CPU and GPU runs of one bench, and runs
+    with other settings (`variant`), keep separate files."""
+    parts = [benchmark] + [p for p in (model, variant) if p]
     gpu = _gpu_name()
     if gpu:
         parts.append(re.sub(r"[^a-z0-9]+", "-", gpu.lower()).strip("-"))
@@ -60,13 +61,13 @@ def result_stem(benchmark: str, model: str | None = None) -> str:
 def save(result: dict) -> Path:
     """Write <stem>.json, then its PNG and BENCHMARKS.md row (see `render`).
 
-    `result` needs "benchmark" (the bench module's name) and may have "model"; machine and
-    date are added here.
+    `result` needs "benchmark" (the bench module's name) and may have "model" and "variant";
+    machine and date are added here.
     """
     result.setdefault("machine", machine())
     result.setdefault("date", time.strftime("%Y-%m-%d"))
     RESULTS.mkdir(parents=True, exist_ok=True)
-    out = RESULTS / f"{result_stem(result['benchmark'], result.get('model'))}.json"
+    out = RESULTS / f"{result_stem(result['benchmark'], result.get('model'), result.get('variant'))}.json"
     out.write_text(json.dumps(result, indent=2) + "\n")
     render(out)
     print(f"written to {out} and {out.with_suffix('.png').name}")
@@ -83,7 +84,8 @@ def render(path: Path) -> None:
     figure.savefig(path.with_suffix(".png"), dpi=110)
     pyplot().close(figure)
     row = (
-        f"| {result['date']} | {result['benchmark']} | {result.get('model', '—')} | {result['machine']} "
+        f"| {result['date']} | {result['benchmark']} | {' '.join(filter(None, (result.get('model'), result.get('variant')))) or '—'} "
+        f"| {result['machine']} "
         f"| {bench.headline(result)} | [json](bench/results/{path.name}) [png](bench/results/{path.stem}.png) |"
     )
     upsert_row(BENCHMARKS, path.name, row)
