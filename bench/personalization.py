@@ -46,6 +46,7 @@ with `--preference` in words. Writes bench/results/personalization-<policy>.json
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import random
 import re
@@ -58,7 +59,7 @@ from pathlib import Path
 from openai import OpenAI
 
 from bench.models import bench_model
-from bench.report import pyplot, save
+from bench.report import pyplot, render, save
 from nextstate.background_server import free_port, start_server
 from nextstate.settings import Settings
 from tests.judge_server import ScriptedJudge
@@ -202,6 +203,7 @@ class TaskRecord:
     first_reply: str
     attempts: int  # replies until one fitted (0 = none did)
     seconds: float
+    base_nll: float | None = None  # the first reply's mean −logprob per token under the base model
 
 
 @dataclass
@@ -252,7 +254,8 @@ def run_mode(mode: str, policy: Path, tasks: list[str], args, judge: dict, user,
         settings = Settings(
             data_dir=Path(tmp), model=str(policy), port=free_port(), served_model_name="policy",
             mode=mode if learning else "combined", learn=learning, judge_enabled=learning, prm_votes=args.votes,
-            batch_size=args.batch, lr=args.lr, lora_r=args.lora_r, lora_alpha=2 * args.lora_r, **judge,
+            batch_size=args.batch, lr=args.lr, lora_r=args.lora_r, lora_alpha=2 * args.lora_r, kl_coef=args.kl_coef,
+            **judge,
             **engine_settings(args),
         )
         server = start_server(settings)
@@ -287,9 +290,51 @@ def run_mode(mode: str, policy: Path, tasks: list[str], args, judge: dict, user,
                 time.sleep(args.think_s)  # the user reads the reply; background judging and learning run
             run.steps = [{k: v for k, v in s.items() if k != "sample_ids"} | {"samples": len(s.get("sample_ids", []))}
                          for s in server.app.state.learner.steps] if learning else []
+            for record in run.tasks:
+                record.base_nll = base_nll(server, tasks[record.task_index], record.first_reply)
         finally:
             server.stop()
     return run
+
+
+def task_list(seed: int, n: int) -> list[str]:
+    order = random.Random(seed)
+    return [TASKS[order.randrange(len(TASKS))] for _ in range(n)]
+
+
+def rescore(path: Path, policy: Path) -> None:
+    """Add base_nll to a result written before it existed, in place (its machine stays)."""
+    result = json.loads(path.read_text())
+    tasks = task_list(result["settings"]["seed"], result["settings"]["tasks"])
+    with tempfile.TemporaryDirectory() as tmp:
+        server = start_server(Settings(data_dir=Path(tmp), model=str(policy), port=free_port(), served_model_name="policy",
+                                       learn=False, judge_enabled=False))
+        try:
+            for run, summary in zip(result["runs"], result["summary"]):
+                records = [TaskRecord(**t) for t in run["tasks"]]
+                for record in records:
+                    record.base_nll = base_nll(server, tasks[record.task_index], record.first_reply)
+                run["tasks"] = [asdict(r) for r in records]
+                quarter = max(1, len(records) // 4)
+                summary.update(base_nll_first_quarter=_mean_nll(records[:quarter]),
+                               base_nll_last_quarter=_mean_nll(records[-quarter:]))
+        finally:
+            server.stop()
+    path.write_text(json.dumps(result, indent=2) + "\n")
+    render(path)
+    print(f"rescored {path}")
+
+
+def base_nll(server, task: str, reply: str) -> float | None:
+    """How the base model (adapter off) rates the reply's text, per token. The scorer sees only
+    the preference; this shows what learning it cost in fluency (it rises as text degrades)."""
+    chat = server.app.state.chat
+    prompt = chat.renderer.render([{"role": "user", "content": task}]).ids
+    reply_ids = chat.renderer.tokenizer(reply, add_special_tokens=False)["input_ids"]
+    if not reply_ids:
+        return None
+    scores = server.call(chat.engine.score(prompt + reply_ids, len(prompt), adapter=None, temperature=1.0), 300)
+    return round(-statistics.fmean(scores), 4)
 
 
 def summarise(run: ModeRun) -> dict:
@@ -304,38 +349,62 @@ def summarise(run: ModeRun) -> dict:
         "tasks": len(scores),
         "score_first_quarter": round(statistics.fmean(scores[:quarter]), 3),
         "score_last_quarter": round(statistics.fmean(scores[-quarter:]), 3),
+        "base_nll_first_quarter": _mean_nll(run.tasks[:quarter]),
+        "base_nll_last_quarter": _mean_nll(run.tasks[-quarter:]),
         "updates_published": sum(1 for s in run.steps if s.get("published")),
         "updates_skipped": sum(1 for s in run.steps if not s.get("published")),
         "score_by_serving_version": {k: {"score": round(statistics.fmean(v), 3), "tasks": len(v)} for k, v in by_version.items()},
     }
 
 
+def _mean_nll(tasks: list[TaskRecord]) -> float | None:
+    values = [t.base_nll for t in tasks if t.base_nll is not None]
+    return round(statistics.fmean(values), 3) if values else None
+
+
 def headline(result: dict) -> str:
+    def nll(s: dict) -> str:
+        if s.get("base_nll_first_quarter") is None:
+            return ""
+        return f", base NLL {s['base_nll_first_quarter']:.2f}→{s['base_nll_last_quarter']:.2f}"
+
     return "first-reply score, first → last quarter of tasks: " + ", ".join(
-        f"{s['mode']} {s['score_first_quarter']:.2f}→{s['score_last_quarter']:.2f} ({s['updates_published']} upd.)"
+        f"{s['mode']} {s['score_first_quarter']:.2f}→{s['score_last_quarter']:.2f} ({s['updates_published']} upd.{nll(s)})"
         for s in result["summary"])
 
 
 def plot(result: dict, window: int = 16):
     plt = pyplot()
-    fig, (ax, bx) = plt.subplots(1, 2, figsize=(11, 4))
+    with_nll = any(t.get("base_nll") is not None for run in result["runs"] for t in run["tasks"])
+    fig, axes = plt.subplots(1, 3 if with_nll else 2, figsize=(16 if with_nll else 11, 4))
+    ax, bx = axes[0], axes[1]
+
+    def smooth(values: list[float]) -> tuple[range, list[float]]:
+        return range(window, len(values) + 1), [statistics.fmean(values[i - window + 1: i + 1])
+                                                for i in range(window - 1, len(values))]
+
     for run in result["runs"]:
-        scores = [t["score"] for t in run["tasks"]]
-        smooth = [statistics.fmean(scores[i - window + 1: i + 1]) for i in range(window - 1, len(scores))]
-        ax.plot(range(window, len(scores) + 1), smooth, label=run["mode"])
+        ax.plot(*smooth([t["score"] for t in run["tasks"]]), label=run["mode"])
         versions = sorted({t["version"] for t in run["tasks"]})
         bx.plot(versions, [statistics.fmean(t["score"] for t in run["tasks"] if t["version"] == v) for v in versions],
                 "o-", markersize=3, label=run["mode"])
+        if with_nll:
+            nll = [t["base_nll"] for t in run["tasks"] if t.get("base_nll") is not None]
+            axes[2].plot(*smooth(nll), label=run["mode"])
     ax.set_xlabel("fresh tasks (interactions)")
     ax.set_ylabel(f"score of the first reply (mean of last {window})")
     bx.set_xlabel("policy version serving the first reply (= updates)")
     bx.set_ylabel("mean score of the first replies it served")
     for axis in (ax, bx):
         axis.set_ylim(-0.02, 1.02)
+    if with_nll:
+        axes[2].set_xlabel("fresh tasks (interactions)")
+        axes[2].set_ylabel(f"base-model NLL per token of the first reply (mean of last {window})")
+    for axis in axes:
         axis.legend()
     settings = result["settings"]
     fig.suptitle(f"{result['model']}: \"{result['preference']['instruction']}\" ({settings['tasks']} tasks per mode, "
-                 f"batch {settings['batch']}, lr {settings['lr']})", fontsize=10)
+                 f"batch {settings['batch']}, lr {settings['lr']}, KL {settings.get('kl_coef', 0.0)})", fontsize=10)
     return fig
 
 
@@ -357,6 +426,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--lr", type=float, default=None)
     parser.add_argument("--lora-r", type=int, default=None)
+    parser.add_argument("--kl-coef", type=float, default=0.0, help="NEXTSTATE_KL_COEF: k3 KL to the base model")
     parser.add_argument("--votes", type=int, default=1, help="judge votes per turn (the rule judge always agrees)")
     for role in ("user", "judge", "scorer"):
         parser.add_argument(f"--{role}-url", help=f"OpenAI-compatible endpoint for the {role} (default: rules)")
@@ -364,9 +434,12 @@ def main() -> None:
     parser.add_argument("--api-key-env", default="OPENAI_API_KEY")
     parser.add_argument("--variant", help="a name for this run's settings: its results get their own file")
     parser.add_argument("--sglang-url", help="serve the policy from this SGLang server (deploy/) instead of in-process")
+    parser.add_argument("--rescore", type=Path, help="only add base-model NLLs to this earlier result (same --policy/--smol)")
     args = parser.parse_args()
 
     policy = bench_model(model=args.policy, smol=args.smol, peaked=True)
+    if args.rescore:
+        return rescore(args.rescore, policy)
     tiny = not (args.policy or args.smol)
     args.max_tokens = args.max_tokens or (8 if tiny else 48)
     args.lr = args.lr or (5e-3 if tiny else 2e-4)
@@ -398,8 +471,7 @@ def main() -> None:
         rule_judge = PreferenceJudge()
         judge = {"judge_base_url": rule_judge.base_url, "judge_model": "rules"}
 
-    order = random.Random(args.seed)
-    tasks = [TASKS[order.randrange(len(TASKS))] for _ in range(args.tasks)]
+    tasks = task_list(args.seed, args.tasks)
     result = {
         "benchmark": "personalization",
         "model": policy.name,
@@ -410,7 +482,7 @@ def main() -> None:
         "judge": args.judge_url and f"{args.judge_model} at {args.judge_url}" or "rules (PreferenceJudge)",
         "scorer": args.scorer_url and f"{args.scorer_model} at {args.scorer_url}" or "rules",
         "settings": {k: getattr(args, k) for k in ("tasks", "seed", "max_attempts", "max_tokens", "temperature", "think_s",
-                                                    "batch", "lr", "lora_r", "votes")},
+                                                    "batch", "lr", "lora_r", "kl_coef", "votes")},
         "summary": [],
         "runs": [],
     }

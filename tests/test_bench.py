@@ -93,8 +93,8 @@ def test_personalization_loop_runs_over_http_and_trains(tiny_model_dir):
     over HTTP, and the learner publishing versions that later first replies are served by."""
     preference = Preference(INSTRUCTIONS["capital"], "capital")
     judge = PreferenceJudge()
-    args = argparse.Namespace(votes=1, batch=2, lr=5e-3, lora_r=4, max_attempts=2, max_tokens=4, temperature=1.0,
-                              seed=0, think_s=0.3, sglang_url=None)
+    args = argparse.Namespace(votes=1, batch=2, lr=5e-3, lora_r=4, kl_coef=0.0, max_attempts=2, max_tokens=4,
+                              temperature=1.0, seed=0, think_s=0.3, sglang_url=None)
     try:
         run = run_mode("binary", tiny_model_dir, ["Name a colour."] * 8, args,
                        {"judge_base_url": judge.base_url, "judge_model": "rules"}, RuleUser(preference), RuleScorer(preference))
@@ -102,6 +102,7 @@ def test_personalization_loop_runs_over_http_and_trains(tiny_model_dir):
         judge.stop()
     assert [t.task_index for t in run.tasks] == list(range(8))
     assert all(t.score in (0.0, 1.0) and t.version >= 0 for t in run.tasks)
+    assert all(t.base_nll is None or t.base_nll > 0 for t in run.tasks) and any(t.base_nll for t in run.tasks)
     published = [s for s in run.steps if s["published"]]
     assert published and all(s["samples"] == 2 for s in published)
     assert run.tasks[-1].version >= 1
