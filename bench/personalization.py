@@ -46,7 +46,6 @@ with `--preference` in words. Writes bench/results/personalization-<policy>.json
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
 import re
@@ -59,7 +58,7 @@ from pathlib import Path
 from openai import OpenAI
 
 from bench.models import bench_model
-from bench.report import pyplot, render, save
+from bench.report import pyplot, save
 from nextstate.background_server import free_port, start_server
 from nextstate.settings import Settings
 from tests.judge_server import ScriptedJudge
@@ -203,7 +202,6 @@ class TaskRecord:
     first_reply: str
     attempts: int  # replies until one fitted (0 = none did)
     seconds: float
-    base_nll: float | None = None  # the first reply's mean −logprob per token under the base model
 
 
 @dataclass
@@ -290,8 +288,6 @@ def run_mode(mode: str, policy: Path, tasks: list[str], args, judge: dict, user,
                 time.sleep(args.think_s)  # the user reads the reply; background judging and learning run
             run.steps = [{k: v for k, v in s.items() if k != "sample_ids"} | {"samples": len(s.get("sample_ids", []))}
                          for s in server.app.state.learner.steps] if learning else []
-            for record in run.tasks:
-                record.base_nll = base_nll(server, tasks[record.task_index], record.first_reply)
         finally:
             server.stop()
     return run
@@ -302,39 +298,16 @@ def task_list(seed: int, n: int) -> list[str]:
     return [TASKS[order.randrange(len(TASKS))] for _ in range(n)]
 
 
-def rescore(path: Path, policy: Path) -> None:
-    """Add base_nll to a result written before it existed, in place (its machine stays)."""
-    result = json.loads(path.read_text())
-    tasks = task_list(result["settings"]["seed"], result["settings"]["tasks"])
-    with tempfile.TemporaryDirectory() as tmp:
-        server = start_server(Settings(data_dir=Path(tmp), model=str(policy), port=free_port(), served_model_name="policy",
-                                       learn=False, judge_enabled=False))
-        try:
-            for run, summary in zip(result["runs"], result["summary"]):
-                records = [TaskRecord(**t) for t in run["tasks"]]
-                for record in records:
-                    record.base_nll = base_nll(server, tasks[record.task_index], record.first_reply)
-                run["tasks"] = [asdict(r) for r in records]
-                quarter = max(1, len(records) // 4)
-                summary.update(base_nll_first_quarter=_mean_nll(records[:quarter]),
-                               base_nll_last_quarter=_mean_nll(records[-quarter:]))
-        finally:
-            server.stop()
-    path.write_text(json.dumps(result, indent=2) + "\n")
-    render(path)
-    print(f"rescored {path}")
+def repetition(text: str) -> float | None:
+    """Share of the reply's words that repeat an earlier one (None under 4 words). The scorer
+    sees only the preference; this shows what learning it cost: degenerate text repeats itself."""
+    words = [w for w in (w.strip(".,;:!?()\"'*").lower() for w in text.split()) if w]
+    return 1 - len(set(words)) / len(words) if len(words) >= 4 else None
 
 
-def base_nll(server, task: str, reply: str) -> float | None:
-    """How the base model (adapter off) rates the reply's text, per token. The scorer sees only
-    the preference; this shows what learning it cost in fluency (it rises as text degrades)."""
-    chat = server.app.state.chat
-    prompt = chat.renderer.render([{"role": "user", "content": task}]).ids
-    reply_ids = chat.renderer.tokenizer(reply, add_special_tokens=False)["input_ids"]
-    if not reply_ids:
-        return None
-    scores = server.call(chat.engine.score(prompt + reply_ids, len(prompt), adapter=None, temperature=1.0), 300)
-    return round(-statistics.fmean(scores), 4)
+def mean_repetition(tasks: list[dict]) -> float | None:
+    values = [r for r in (repetition(t["first_reply"]) for t in tasks) if r is not None]
+    return round(statistics.fmean(values), 3) if values else None
 
 
 def summarise(run: ModeRun) -> dict:
@@ -349,35 +322,30 @@ def summarise(run: ModeRun) -> dict:
         "tasks": len(scores),
         "score_first_quarter": round(statistics.fmean(scores[:quarter]), 3),
         "score_last_quarter": round(statistics.fmean(scores[-quarter:]), 3),
-        "base_nll_first_quarter": _mean_nll(run.tasks[:quarter]),
-        "base_nll_last_quarter": _mean_nll(run.tasks[-quarter:]),
+        "repetition_first_quarter": mean_repetition([asdict(t) for t in run.tasks[:quarter]]),
+        "repetition_last_quarter": mean_repetition([asdict(t) for t in run.tasks[-quarter:]]),
         "updates_published": sum(1 for s in run.steps if s.get("published")),
         "updates_skipped": sum(1 for s in run.steps if not s.get("published")),
         "score_by_serving_version": {k: {"score": round(statistics.fmean(v), 3), "tasks": len(v)} for k, v in by_version.items()},
     }
 
 
-def _mean_nll(tasks: list[TaskRecord]) -> float | None:
-    values = [t.base_nll for t in tasks if t.base_nll is not None]
-    return round(statistics.fmean(values), 3) if values else None
-
-
 def headline(result: dict) -> str:
-    def nll(s: dict) -> str:
-        if s.get("base_nll_first_quarter") is None:
-            return ""
-        return f", base NLL {s['base_nll_first_quarter']:.2f}→{s['base_nll_last_quarter']:.2f}"
+    def fmt(value: float | None) -> str:
+        return "—" if value is None else f"{value:.2f}"
 
-    return "first-reply score, first → last quarter of tasks: " + ", ".join(
-        f"{s['mode']} {s['score_first_quarter']:.2f}→{s['score_last_quarter']:.2f} ({s['updates_published']} upd.{nll(s)})"
-        for s in result["summary"])
+    parts = []
+    for run, s in zip(result["runs"], result["summary"]):
+        quarter = max(1, len(run["tasks"]) // 4)
+        parts.append(f"{s['mode']} {s['score_first_quarter']:.2f}→{s['score_last_quarter']:.2f} "
+                     f"({s['updates_published']} upd., repeated words {fmt(mean_repetition(run['tasks'][:quarter]))}→"
+                     f"{fmt(mean_repetition(run['tasks'][-quarter:]))})")
+    return "first-reply score, first → last quarter of tasks: " + ", ".join(parts)
 
 
 def plot(result: dict, window: int = 16):
     plt = pyplot()
-    with_nll = any(t.get("base_nll") is not None for run in result["runs"] for t in run["tasks"])
-    fig, axes = plt.subplots(1, 3 if with_nll else 2, figsize=(16 if with_nll else 11, 4))
-    ax, bx = axes[0], axes[1]
+    fig, (ax, bx, cx) = plt.subplots(1, 3, figsize=(16, 4))
 
     def smooth(values: list[float]) -> tuple[range, list[float]]:
         return range(window, len(values) + 1), [statistics.fmean(values[i - window + 1: i + 1])
@@ -388,19 +356,18 @@ def plot(result: dict, window: int = 16):
         versions = sorted({t["version"] for t in run["tasks"]})
         bx.plot(versions, [statistics.fmean(t["score"] for t in run["tasks"] if t["version"] == v) for v in versions],
                 "o-", markersize=3, label=run["mode"])
-        if with_nll:
-            nll = [t["base_nll"] for t in run["tasks"] if t.get("base_nll") is not None]
-            axes[2].plot(*smooth(nll), label=run["mode"])
+        repeats = [r for r in (repetition(t["first_reply"]) for t in run["tasks"]) if r is not None]
+        cx.plot(*smooth(repeats), label=run["mode"])
     ax.set_xlabel("fresh tasks (interactions)")
     ax.set_ylabel(f"score of the first reply (mean of last {window})")
     bx.set_xlabel("policy version serving the first reply (= updates)")
     bx.set_ylabel("mean score of the first replies it served")
     for axis in (ax, bx):
         axis.set_ylim(-0.02, 1.02)
-    if with_nll:
-        axes[2].set_xlabel("fresh tasks (interactions)")
-        axes[2].set_ylabel(f"base-model NLL per token of the first reply (mean of last {window})")
-    for axis in axes:
+    cx.set_xlabel("fresh tasks (interactions)")
+    cx.set_ylabel(f"repeated words in the first reply (mean of last {window})")
+    cx.set_ylim(bottom=0)
+    for axis in (ax, bx, cx):
         axis.legend()
     settings = result["settings"]
     fig.suptitle(f"{result['model']}: \"{result['preference']['instruction']}\" ({settings['tasks']} tasks per mode, "
@@ -434,12 +401,9 @@ def main() -> None:
     parser.add_argument("--api-key-env", default="OPENAI_API_KEY")
     parser.add_argument("--variant", help="a name for this run's settings: its results get their own file")
     parser.add_argument("--sglang-url", help="serve the policy from this SGLang server (deploy/) instead of in-process")
-    parser.add_argument("--rescore", type=Path, help="only add base-model NLLs to this earlier result (same --policy/--smol)")
     args = parser.parse_args()
 
     policy = bench_model(model=args.policy, smol=args.smol, peaked=True)
-    if args.rescore:
-        return rescore(args.rescore, policy)
     tiny = not (args.policy or args.smol)
     args.max_tokens = args.max_tokens or (8 if tiny else 48)
     args.lr = args.lr or (5e-3 if tiny else 2e-4)

@@ -8,7 +8,8 @@ import argparse
 import pytest
 
 from bench.personalization import (
-    INSTRUCTIONS, THANKS, ChatModel, ModelScorer, ModelUser, Preference, PreferenceJudge, RuleScorer, RuleUser, run_mode,
+    INSTRUCTIONS, THANKS, ChatModel, ModelScorer, ModelUser, Preference, PreferenceJudge, RuleScorer, RuleUser, repetition,
+    run_mode,
 )
 from bench.report import LOG_HEADING, upsert_row
 from judge.parsing import parse_hint, parse_score
@@ -44,6 +45,12 @@ def test_rule_preferences(rule, fits, misses):
     assert RuleUser(preference).react("Name a colour.", fits) == (True, THANKS)
     fitted, reaction = RuleUser(preference).react("Name a colour.", misses)
     assert not fitted and reaction.startswith("No,") and "Always do it." in reaction and reaction.endswith("Name a colour.")
+
+
+def test_repetition_sees_degenerate_text():
+    assert repetition("The sea is calm and blue tonight.") == 0
+    assert repetition("The most, most, most. The most!") == pytest.approx(1 - 2 / 6)
+    assert repetition("Too short.") is None
 
 
 def test_model_user_and_scorer_speak_openai_and_parse_their_answers():
@@ -102,7 +109,6 @@ def test_personalization_loop_runs_over_http_and_trains(tiny_model_dir):
         judge.stop()
     assert [t.task_index for t in run.tasks] == list(range(8))
     assert all(t.score in (0.0, 1.0) and t.version >= 0 for t in run.tasks)
-    assert all(t.base_nll is None or t.base_nll > 0 for t in run.tasks) and any(t.base_nll for t in run.tasks)
     published = [s for s in run.steps if s["published"]]
     assert published and all(s["samples"] == 2 for s in published)
     assert run.tasks[-1].version >= 1
