@@ -14,6 +14,9 @@ preference and asks again (at most twice), when a reply fits it says thanks. nex
 the sessions, judges each reply from the user's reaction (its next state), and learns online
 in the mode under test. A scorer, separate from the judge, rates the *first* reply to every
 fresh task against the preference; the curve of that score over the tasks is the result.
+Beside it, the share of repeated words in each first reply: a rule scorer sees only the
+preference, and a policy that learns it by degenerating (binary RL at a high learning rate
+does) repeats itself.
 
 Modes, run one after another on the same policy, tasks and seeds (every request carries
 `seed`, so until the first update all modes see the same replies): `none` (serving only: the
@@ -40,7 +43,9 @@ the hint, which it cannot understand, so opd is expected not to help there. Use 
 
 **Model mode**: `--user-url/--judge-url/--scorer-url` (+ `--*-model`, API key from
 `--api-key-env`, default OPENAI_API_KEY) make any of the three an OpenAI-compatible model,
-with `--preference` in words. Writes bench/results/personalization-<policy>.json and a PNG.
+with `--preference` in words; `--sglang-url` serves the policy from SGLang. `--lr`, `--kl-coef`
+and `--batch` set the learner; `--variant NAME` gives a run with other settings its own file.
+Writes bench/results/personalization-<policy>[-<variant>][-<gpu>].json and a PNG.
 """
 
 from __future__ import annotations
