@@ -74,7 +74,9 @@ class Settings(BaseSettings):
     learn: bool = Field(True, description="Run the co-located learner.")
     adapter_scope: Literal["shared", "user"] = Field("shared", description="One adapter for all, or one per user.")
     batch_size: int = Field(16, ge=1, description="Ready samples per update.")
-    lr: float = Field(1e-5, gt=0, description="AdamW learning rate (the paper's, for 4B-32B models; ~1e-3 for SmolLM2).")
+    lr: float = Field(
+        1e-5, gt=0, description="AdamW learning rate (the paper's, for 4B-32B models; ~1e-3 for SmolLM2)."
+    )
     kl_coef: float = Field(0.0, ge=0, description="β of the k3 KL to the base model (adapter off).")
     max_kl: float = Field(1.0, gt=0, description="An update moving the policy further than this is skipped.")
     ppo_epochs: int = Field(1, ge=1)
