@@ -15,16 +15,12 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import tempfile
 import threading
 import time
-from pathlib import Path
 
 from bench.learning import _replies, _sample, _train_on
-from bench.models import bench_model
+from bench.models import bench_model, bench_server
 from bench.report import pyplot, save
-from nextstate.background_server import free_port, start_server
-from nextstate.settings import Settings
 
 
 def main() -> None:
@@ -35,12 +31,7 @@ def main() -> None:
 
     model_dir = bench_model(smol=args.smol, peaked=True)
     batch = 4
-    with tempfile.TemporaryDirectory() as tmp:
-        settings = Settings(
-            data_dir=Path(tmp), model=str(model_dir), port=free_port(), served_model_name="m", judge_enabled=False,
-            batch_size=batch, lr=1e-4 if args.smol else 1e-3,
-        )
-        server = start_server(settings)
+    with bench_server(model_dir, judge_enabled=False, batch_size=batch, lr=1e-4 if args.smol else 1e-3) as server:
         stop = threading.Event()
         outcomes: list[tuple[int, float, int | None, str | None]] = []  # thread, latency, version, error
         lock = threading.Lock()
@@ -84,7 +75,6 @@ def main() -> None:
             for t in threads:
                 t.join(60)
             steps = list(server.app.state.learner.steps)
-            server.stop()
 
     failed = [o for o in outcomes if o[3] is not None]
     backwards = 0

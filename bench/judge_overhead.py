@@ -19,16 +19,14 @@ import json
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import httpx
 
-from bench.models import bench_model
+from bench.models import bench_model, bench_server
 from bench.report import percentile, pyplot, save
-from nextstate.background_server import free_port, start_server
-from nextstate.settings import Settings
+from nextstate.background_server import free_port
 
 USER_TURNS = [
     "Can you help me plan a dinner party?",
@@ -62,10 +60,8 @@ def run(model_dir: Path, conversations: int, max_tokens: int, judge: str, votes:
         stub = subprocess.Popen([sys.executable, "-m", "tests.judge_server", str(port)])
         _wait_for(f"http://127.0.0.1:{port}/docs")
         overrides.update(judge_base_url=f"http://127.0.0.1:{port}/v1", judge_model="stub")
-    with tempfile.TemporaryDirectory() as tmp:
-        settings = Settings(data_dir=Path(tmp), model=str(model_dir), port=free_port(), served_model_name="m", **overrides)
-        server = start_server(settings)
-        try:
+    try:
+        with bench_server(model_dir, **overrides) as server:
             client = server.client(server.key("bench"))
             latencies = []
             for c in range(conversations):
@@ -81,11 +77,10 @@ def run(model_dir: Path, conversations: int, max_tokens: int, judge: str, votes:
             server.drain_judge(timeout=600)
             drain_s = time.perf_counter() - serve_end
             samples = server.app.state.samples.samples()
-        finally:
-            server.stop()
-            if stub is not None:
-                stub.terminate()
-                stub.wait(10)
+    finally:
+        if stub is not None:
+            stub.terminate()
+            stub.wait(10)
     return {
         "judge": judge,
         "think_ms": round(think_s * 1000),

@@ -19,16 +19,12 @@ import argparse
 import asyncio
 import json
 import statistics
-import tempfile
 import threading
 import time
-from pathlib import Path
 
 from engine.base import SamplingParams
-from bench.models import bench_model
-from bench.report import pyplot, save
-from nextstate.background_server import free_port, start_server
-from nextstate.settings import Settings
+from bench.models import bench_model, bench_server
+from bench.report import percentile, pyplot, save
 from nextstate.types import Sample
 
 
@@ -140,8 +136,7 @@ def latency_while_training(server, batch: int, max_new: int, requests: int) -> d
     watcher.join()
 
     def pct(values, q):
-        ordered = sorted(values)
-        return round(1000 * ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))], 1)
+        return round(1000 * percentile(values, q), 1)
 
     return {
         "idle": {"requests": len(idle), "p50_ms": pct(idle, 0.5), "p99_ms": pct(idle, 0.99)},
@@ -181,24 +176,17 @@ def main() -> None:
     updates = args.updates or (8 if small else 4)
     lr = args.lr or (5e-3 if small else 1e-4)
     max_new = 3 if small else 8
-    with tempfile.TemporaryDirectory() as tmp:
-        settings = Settings(
-            data_dir=Path(tmp), model=str(model_dir), port=free_port(), served_model_name="m", judge_enabled=False,
-            batch_size=args.batch, lr=lr, lora_r=8 if small else 16, lora_alpha=16 if small else 32,
-        )
-        server = start_server(settings)
-        try:
-            result = {
-                "benchmark": "learning",
-                "model": model_dir.name,
-                "batch_size": args.batch,
-                "lr": lr,
-                "learning_curve": learning_curve(server, updates, args.batch, max_new),
-            }
-            if not small:
-                result["latency_while_training"] = latency_while_training(server, args.batch, max_new, 30)
-        finally:
-            server.stop()
+    with bench_server(model_dir, judge_enabled=False, batch_size=args.batch, lr=lr, lora_r=8 if small else 16,
+                      lora_alpha=16 if small else 32) as server:
+        result = {
+            "benchmark": "learning",
+            "model": model_dir.name,
+            "batch_size": args.batch,
+            "lr": lr,
+            "learning_curve": learning_curve(server, updates, args.batch, max_new),
+        }
+        if not small:
+            result["latency_while_training"] = latency_while_training(server, args.batch, max_new, 30)
     print(json.dumps(result, indent=2))
     save(result)
 

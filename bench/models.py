@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
+
+from nextstate.background_server import RunningServer, free_port, start_server
+from nextstate.settings import Settings
 
 
 def bench_model(model: str | None = None, smol: bool = False, peaked: bool = False) -> Path:
@@ -25,3 +30,16 @@ def bench_model(model: str | None = None, smol: bool = False, peaked: bool = Fal
 
     name = "tiny-peaked" if peaked else "tiny"
     return build_tiny_model(Path(tempfile.mkdtemp()) / name, init_std=0.4 if peaked else 0.02)
+
+
+@contextlib.contextmanager
+def bench_server(model_dir: Path, name: str = "m", **overrides) -> Iterator[RunningServer]:
+    """nextstate on `model_dir`, in a thread on a free loopback port, with a throwaway data dir;
+    `overrides` are Settings fields. Stopped, and its data removed, on leaving."""
+    with tempfile.TemporaryDirectory() as tmp:
+        server = start_server(Settings(data_dir=Path(tmp), model=str(model_dir), port=free_port(),
+                                       served_model_name=name, **overrides))
+        try:
+            yield server
+        finally:
+            server.stop()

@@ -55,17 +55,14 @@ import os
 import random
 import re
 import statistics
-import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from openai import OpenAI
 
-from bench.models import bench_model
+from bench.models import bench_model, bench_server
 from bench.report import pyplot, save
-from nextstate.background_server import free_port, start_server
-from nextstate.settings import Settings
 from tests.judge_server import ScriptedJudge
 
 MODES = ("none", "binary", "opd", "combined")
@@ -225,19 +222,14 @@ def pick_marker(policy: Path, target: float, engine: dict) -> tuple[str, float]:
     """The word-like first token whose mean probability over the tasks is nearest `target`."""
     from bench.learning import _first_token_probs
 
-    with tempfile.TemporaryDirectory() as tmp:
-        server = start_server(Settings(data_dir=Path(tmp), model=str(policy), port=free_port(), served_model_name="policy",
-                                       learn=False, judge_enabled=False, **engine))
-        try:
-            chat = server.app.state.chat
-            sums: list[float] = []
-            for task in TASKS:
-                prompt = chat.renderer.render([{"role": "user", "content": task}]).ids
-                probs = server.call(_first_token_probs(chat.engine, prompt, None))
-                sums = probs if not sums else [a + b for a, b in zip(sums, probs)]
-            tokenizer = chat.renderer.tokenizer
-        finally:
-            server.stop()
+    with bench_server(policy, "policy", learn=False, judge_enabled=False, **engine) as server:
+        chat = server.app.state.chat
+        sums: list[float] = []
+        for task in TASKS:
+            prompt = chat.renderer.render([{"role": "user", "content": task}]).ids
+            probs = server.call(_first_token_probs(chat.engine, prompt, None))
+            sums = probs if not sums else [a + b for a, b in zip(sums, probs)]
+        tokenizer = chat.renderer.tokenizer
     mean = [s / len(TASKS) for s in sums]
     candidates = []
     for token_id, p in enumerate(mean):
@@ -253,48 +245,41 @@ def pick_marker(policy: Path, target: float, engine: dict) -> tuple[str, float]:
 def run_mode(mode: str, policy: Path, tasks: list[str], args, judge: dict, user, scorer) -> ModeRun:
     run = ModeRun(mode)
     learning = mode != "none"
-    with tempfile.TemporaryDirectory() as tmp:
-        settings = Settings(
-            data_dir=Path(tmp), model=str(policy), port=free_port(), served_model_name="policy",
-            mode=mode if learning else "combined", learn=learning, judge_enabled=learning, prm_votes=args.votes,
-            batch_size=args.batch, lr=args.lr, lora_r=args.lora_r, lora_alpha=2 * args.lora_r, kl_coef=args.kl_coef,
-            **judge,
-            **engine_settings(args),
-        )
-        server = start_server(settings)
-        try:
-            client = OpenAI(base_url=server.base_url, api_key=server.key("simulated-user"), max_retries=0, timeout=600)
-            for i, task in enumerate(tasks):
-                started = time.perf_counter()
-                messages = [{"role": "user", "content": task}]
-                version, first, attempts = None, None, 0
-                for attempt in range(1, args.max_attempts + 1):
-                    raw = client.chat.completions.with_raw_response.create(
-                        model="policy", messages=messages, max_tokens=args.max_tokens, temperature=args.temperature,
-                        seed=args.seed * 100_003 + i * 7 + attempt,
-                    )
-                    reply = raw.parse().choices[0].message.content or ""
-                    if first is None:
-                        first, version = reply, int(raw.headers["x-policy-version"])
-                    fitted, reaction = user.react(task, reply)
-                    messages += [{"role": "assistant", "content": reply}, {"role": "user", "content": reaction}]
-                    if fitted:
-                        attempts = attempt
-                    if fitted or attempt == args.max_attempts:
-                        # The reaction is the last reply's next state; sending it is what lets that reply be judged.
-                        client.chat.completions.create(model="policy", messages=messages, max_tokens=1, seed=i)
-                        break
-                record = TaskRecord(i, version, scorer.score(task, first), first, attempts, round(time.perf_counter() - started, 3))
-                run.tasks.append(record)
-                if (i + 1) % 10 == 0 or i + 1 == len(tasks):
-                    recent = [t.score for t in run.tasks[-16:]]
-                    print(f"{mode:>8}: task {i + 1}/{len(tasks)}, serving v{version}, score (last 16) "
-                          f"{statistics.fmean(recent):.2f}", flush=True)
-                time.sleep(args.think_s)  # the user reads the reply; background judging and learning run
-            run.steps = [{k: v for k, v in s.items() if k != "sample_ids"} | {"samples": len(s.get("sample_ids", []))}
-                         for s in server.app.state.learner.steps] if learning else []
-        finally:
-            server.stop()
+    with bench_server(
+        policy, "policy", mode=mode if learning else "combined", learn=learning, judge_enabled=learning,
+        prm_votes=args.votes, batch_size=args.batch, lr=args.lr, lora_r=args.lora_r, lora_alpha=2 * args.lora_r,
+        kl_coef=args.kl_coef, **judge, **engine_settings(args),
+    ) as server:
+        client = OpenAI(base_url=server.base_url, api_key=server.key("simulated-user"), max_retries=0, timeout=600)
+        for i, task in enumerate(tasks):
+            started = time.perf_counter()
+            messages = [{"role": "user", "content": task}]
+            version, first, attempts = None, None, 0
+            for attempt in range(1, args.max_attempts + 1):
+                raw = client.chat.completions.with_raw_response.create(
+                    model="policy", messages=messages, max_tokens=args.max_tokens, temperature=args.temperature,
+                    seed=args.seed * 100_003 + i * 7 + attempt,
+                )
+                reply = raw.parse().choices[0].message.content or ""
+                if first is None:
+                    first, version = reply, int(raw.headers["x-policy-version"])
+                fitted, reaction = user.react(task, reply)
+                messages += [{"role": "assistant", "content": reply}, {"role": "user", "content": reaction}]
+                if fitted:
+                    attempts = attempt
+                if fitted or attempt == args.max_attempts:
+                    # The reaction is the last reply's next state; sending it is what lets that reply be judged.
+                    client.chat.completions.create(model="policy", messages=messages, max_tokens=1, seed=i)
+                    break
+            record = TaskRecord(i, version, scorer.score(task, first), first, attempts, round(time.perf_counter() - started, 3))
+            run.tasks.append(record)
+            if (i + 1) % 10 == 0 or i + 1 == len(tasks):
+                recent = [t.score for t in run.tasks[-16:]]
+                print(f"{mode:>8}: task {i + 1}/{len(tasks)}, serving v{version}, score (last 16) "
+                      f"{statistics.fmean(recent):.2f}", flush=True)
+            time.sleep(args.think_s)  # the user reads the reply; background judging and learning run
+        run.steps = [{k: v for k, v in s.items() if k != "sample_ids"} | {"samples": len(s.get("sample_ids", []))}
+                     for s in server.app.state.learner.steps] if learning else []
     return run
 
 

@@ -15,11 +15,10 @@ import argparse
 import asyncio
 import json
 import statistics
-import tempfile
 import time
 from pathlib import Path
 
-from bench.models import bench_model
+from bench.models import bench_model, bench_server
 from bench.report import pyplot, save
 
 PROMPTS = [
@@ -73,37 +72,30 @@ async def engine_numbers(model_dir: Path, max_tokens: int, runs: int) -> dict:
 
 
 def http_numbers(model_dir: Path, max_tokens: int, runs: int) -> dict:
-    from nextstate.settings import Settings
-    from nextstate.background_server import free_port, start_server
-
-    with tempfile.TemporaryDirectory() as tmp:
-        server = start_server(Settings(data_dir=Path(tmp), model=str(model_dir), port=free_port(), served_model_name="m"))
-        try:
-            client = server.client(server.key("bench"))
-            ttfts, rates = [], []
-            for i in range(runs + 1):
-                started = time.perf_counter()
-                first = None
-                tokens = 0
-                stream = client.chat.completions.create(
-                    model="m",
-                    messages=[{"role": "user", "content": PROMPTS[i % len(PROMPTS)]}],
-                    max_tokens=max_tokens,
-                    temperature=0,
-                    stream=True,
-                    stream_options={"include_usage": True},
-                )
-                for chunk in stream:
-                    if first is None and chunk.choices and chunk.choices[0].delta.content:
-                        first = time.perf_counter()
-                    if chunk.usage:
-                        tokens = chunk.usage.completion_tokens
-                end = time.perf_counter()
-                if i:
-                    ttfts.append(first - started)
-                    rates.append((tokens - 1) / (end - first))
-        finally:
-            server.stop()
+    with bench_server(model_dir) as server:
+        client = server.client(server.key("bench"))
+        ttfts, rates = [], []
+        for i in range(runs + 1):
+            started = time.perf_counter()
+            first = None
+            tokens = 0
+            stream = client.chat.completions.create(
+                model="m",
+                messages=[{"role": "user", "content": PROMPTS[i % len(PROMPTS)]}],
+                max_tokens=max_tokens,
+                temperature=0,
+                stream=True,
+                stream_options={"include_usage": True},
+            )
+            for chunk in stream:
+                if first is None and chunk.choices and chunk.choices[0].delta.content:
+                    first = time.perf_counter()
+                if chunk.usage:
+                    tokens = chunk.usage.completion_tokens
+            end = time.perf_counter()
+            if i:
+                ttfts.append(first - started)
+                rates.append((tokens - 1) / (end - first))
     return {"ttft_s_median": statistics.median(ttfts), "decode_tokens_per_s_median": statistics.median(rates)}
 
 
