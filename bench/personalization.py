@@ -28,7 +28,8 @@ baseline), `binary`, `opd` and `combined` (NEXTSTATE_MODE).
   already do now and then (~17% — the paper's base score is 0.17), so the preference is
   reachable but not given. Also `--rule digit` ("include a number") and `--rule marker:WORD`;
   `marker:auto` (the default for other policies) picks the word-like first token whose mean
-  base probability over the tasks is nearest `--target` (0.15).
+  base probability over the tasks is nearest `--target` (0.15). For a marker, the result also
+  records its probability with the instruction appended as the OPD teacher sees a hint.
 * user — checks the rule: "Thanks, that's exactly how I like it." or "No, that's not how I
   like it. <the instruction> Please try again: <task>".
 * judge — an OpenAI-compatible server in this process (tests/judge_server.py's rules): a next
@@ -218,28 +219,37 @@ def engine_settings(args) -> dict:
     return {"engine": "sglang", "sglang_url": args.sglang_url} if args.sglang_url else {}
 
 
-def pick_marker(policy: Path, target: float, engine: dict) -> tuple[str, float]:
-    """The word-like first token whose mean probability over the tasks is nearest `target`."""
+def probe_marker(policy: Path, engine: dict, marker: str | None, target: float) -> tuple[str, float, float]:
+    """The marker (given, or the word-like first token whose mean probability over the tasks is
+    nearest `target`), with its mean first-token probability without and with the marker
+    instruction appended as the OPD teacher sees a hint: whether the policy can read the hint."""
     from bench.learning import _first_token_probs
+    from judge.teacher import enhanced_messages
 
     with bench_server(policy, "policy", learn=False, judge_enabled=False, **engine) as server:
         chat = server.app.state.chat
-        sums: list[float] = []
-        for task in TASKS:
-            prompt = chat.renderer.render([{"role": "user", "content": task}]).ids
-            probs = server.call(_first_token_probs(chat.engine, prompt, None))
-            sums = probs if not sums else [a + b for a, b in zip(sums, probs)]
         tokenizer = chat.renderer.tokenizer
-    mean = [s / len(TASKS) for s in sums]
-    candidates = []
-    for token_id, p in enumerate(mean):
-        text = tokenizer.decode([token_id]).strip()
-        if text.isalpha() and p > 0.01:
-            candidates.append((abs(p - target), text, p))
-    if not candidates:
-        raise SystemExit("no word-like first token with probability > 1% — give --rule marker:WORD explicitly")
-    _, text, p = min(candidates)
-    return text, p
+
+        def mean_probs(hint: str | None) -> list[float]:
+            sums: list[float] = []
+            for task in TASKS:
+                messages = enhanced_messages([{"role": "user", "content": task}], hint or "")
+                probs = server.call(_first_token_probs(chat.engine, chat.renderer.render(messages).ids, None))
+                sums = probs if not sums else [a + b for a, b in zip(sums, probs)]
+            return [x / len(TASKS) for x in sums]
+
+        plain = mean_probs(None)
+        if marker is None:
+            candidates = [(abs(p - target), i) for i, p in enumerate(plain)
+                          if tokenizer.decode([i]).strip().isalpha() and p > 0.01]
+            if not candidates:
+                raise SystemExit("no word-like first token with probability > 1% — give --rule marker:WORD explicitly")
+            token = min(candidates)[1]
+            marker = tokenizer.decode([token]).strip()
+        else:
+            token = tokenizer.encode(marker, add_special_tokens=False)[0]
+        hinted = mean_probs(INSTRUCTIONS["marker"].format(marker))
+    return marker, plain[token], hinted[token]
 
 
 def run_mode(mode: str, policy: Path, tasks: list[str], args, judge: dict, user, scorer) -> ModeRun:
@@ -400,12 +410,15 @@ def main() -> None:
     args.lora_r = args.lora_r or (8 if tiny else 16)
     api_key = os.environ.get(args.api_key_env)
 
-    base_p = None
+    marker_probability = None
     rule = args.rule if args.rule is not None else ("" if args.preference else "capital" if tiny else "marker:auto")
-    if rule == "marker:auto":
-        marker, base_p = pick_marker(policy, args.target, engine_settings(args))
+    if rule.startswith("marker:"):
+        wanted = rule.removeprefix("marker:")
+        marker, plain, hinted = probe_marker(policy, engine_settings(args), None if wanted == "auto" else wanted,
+                                             args.target)
         rule = f"marker:{marker}"
-        print(f"preference marker: {marker!r} (mean base first-token probability {base_p:.3f})")
+        marker_probability = {"first_token": round(plain, 4), "first_token_with_hint": round(hinted, 4)}
+        print(f"preference marker: {marker!r}, mean first-token probability {plain:.3f}, {hinted:.3f} with the hint")
     if args.preference:
         instruction = args.preference
     elif rule.startswith("marker:"):
@@ -431,7 +444,7 @@ def main() -> None:
         "model": policy.name,
         "variant": args.variant,
         "preference": asdict(preference),
-        "marker_mean_base_probability": base_p,
+        "marker_probability": marker_probability,
         "user": args.user_url and f"{args.user_model} at {args.user_url}" or "rules",
         "judge": args.judge_url and f"{args.judge_model} at {args.judge_url}" or "rules (PreferenceJudge)",
         "scorer": args.scorer_url and f"{args.scorer_model} at {args.scorer_url}" or "rules",
