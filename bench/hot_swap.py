@@ -56,7 +56,7 @@ def main() -> None:
         try:
             for t in threads:
                 t.start()
-            chat = server.app.state.chat
+            chat = server.app.state.turns
             prompt = chat.renderer.render([{"role": "user", "content": "Pick a word."}]).ids
             version, attempt = 0, 0
             while version < args.swaps:

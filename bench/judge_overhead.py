@@ -26,7 +26,7 @@ import httpx
 
 from bench.models import bench_model, bench_server
 from bench.report import percentile, pyplot, save
-from nextstate.background_server import free_port
+from tests.background_server import free_port
 
 USER_TURNS = [
     "Can you help me plan a dinner party?",

@@ -22,10 +22,10 @@ import statistics
 import threading
 import time
 
-from engine.base import SamplingParams
+from nextstate.engine.base import SamplingParams
 from bench.models import bench_model, bench_server
 from bench.report import percentile, pyplot, save
-from nextstate.types import Sample
+from nextstate.core.types import Sample
 
 
 async def _first_token_probs(engine, prompt, adapter) -> list[float]:
@@ -75,7 +75,7 @@ def _wait_version(server, version: int, timeout: float = 1800) -> None:
 
 
 def learning_curve(server, updates: int, batch: int, max_new: int) -> dict:
-    chat, policies = server.app.state.chat, server.app.state.policies
+    chat, policies = server.app.state.turns, server.app.state.policies
     prompt = chat.renderer.render([{"role": "user", "content": "Pick a word."}]).ids
     before = server.call(_first_token_probs(chat.engine, prompt, None))
     chosen = sorted(range(len(before)), key=lambda i: -before[i])[1]  # the runner-up token
@@ -103,7 +103,7 @@ def learning_curve(server, updates: int, batch: int, max_new: int) -> dict:
 
 def latency_while_training(server, batch: int, max_new: int, requests: int) -> dict:
     """Chat latency while idle, then while one training step of `batch` samples runs."""
-    chat, policies = server.app.state.chat, server.app.state.policies
+    chat, policies = server.app.state.turns, server.app.state.policies
     client = server.client(server.key("bench-user"))
     ask = dict(model="m", messages=[{"role": "user", "content": "Name a fruit."}], max_tokens=8, temperature=0,
                extra_headers={"X-Turn-Type": "side"})

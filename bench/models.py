@@ -7,8 +7,8 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
-from nextstate.background_server import RunningServer, free_port, start_server
-from nextstate.settings import Settings
+from tests.background_server import RunningServer, free_port, start_server
+from nextstate.core.settings import Settings
 
 
 def bench_model(model: str | None = None, smol: bool = False, peaked: bool = False) -> Path:
@@ -22,11 +22,11 @@ def bench_model(model: str | None = None, smol: bool = False, peaked: bool = Fal
     if model:
         return Path(model)
     if smol:
-        from engine.default_model import ensure_default_model
-        from nextstate.settings import Settings
+        from nextstate.engine.default_model import ensure_default_model
+        from nextstate.core.settings import Settings
 
         return ensure_default_model(Settings().models_dir)
-    from engine.tiny_model import build_tiny_model
+    from tests.tiny_model import build_tiny_model
 
     name = "tiny-peaked" if peaked else "tiny"
     return build_tiny_model(Path(tempfile.mkdtemp()) / name, init_std=0.4 if peaked else 0.02)

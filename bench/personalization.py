@@ -224,10 +224,10 @@ def probe_marker(policy: Path, engine: dict, marker: str | None, target: float) 
     nearest `target`), with its mean first-token probability without and with the marker
     instruction appended as the OPD teacher sees a hint: whether the policy can read the hint."""
     from bench.learning import _first_token_probs
-    from judge.teacher import enhanced_messages
+    from nextstate.judge.teacher import enhanced_messages
 
     with bench_server(policy, "policy", learn=False, judge_enabled=False, **engine) as server:
-        chat = server.app.state.chat
+        chat = server.app.state.turns
         tokenizer = chat.renderer.tokenizer
 
         def mean_probs(hint: str | None) -> list[float]:

@@ -43,9 +43,9 @@ import httpx
 
 from bench.models import bench_model
 from bench.report import percentile, pyplot, save
-from nextstate.background_server import free_port
-from proxy.chat_template import ChatRenderer
-from proxy.keys import KeyStore
+from tests.background_server import free_port
+from nextstate.modelio.chat_template import ChatRenderer
+from nextstate.proxy.keys import KeyStore
 
 TURNS_PER_CONVERSATION = 10
 STUB_REPLY = "The quick brown fox jumps over the lazy dog, and then it naps in the warm sun all afternoon."

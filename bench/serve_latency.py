@@ -30,9 +30,9 @@ PROMPTS = [
 
 
 async def engine_numbers(model_dir: Path, max_tokens: int, runs: int) -> dict:
-    from engine.base import SamplingParams
-    from engine.local import LocalEngine
-    from proxy.chat_template import ChatRenderer
+    from nextstate.engine.base import SamplingParams
+    from nextstate.engine.local import LocalEngine
+    from nextstate.modelio.chat_template import ChatRenderer
 
     renderer = ChatRenderer.from_dir(model_dir)
     engine = await LocalEngine.open(model_dir, device="cpu")

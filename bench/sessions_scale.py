@@ -18,8 +18,8 @@ import time
 import tracemalloc
 
 from bench.report import pyplot, save
-from nextstate.types import Turn
-from proxy.sessions import SessionStore
+from nextstate.core.types import Turn
+from nextstate.proxy.sessions import SessionStore
 
 USERS = 100
 TURNS = 3

@@ -5,7 +5,7 @@ tests use. `sglang` drives an SGLang server over its native HTTP API, for GPUs. 
 out, so the tokens it records for training are exactly the tokens that were sampled.
 """
 
-from engine.base import (
+from nextstate.engine.base import (
     Engine,
     EngineBadGateway,
     EngineError,

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass
 from typing import Literal, Protocol
 
@@ -63,6 +63,9 @@ class SamplingParams:
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
     top_logprobs: int = 0
+    # Constrain the sampled text to this JSON schema (JSON text), then end of turn: a forced
+    # tool call. The logprobs reported stay the model's own, unmasked (what the learner sees).
+    json_schema: str | None = None
 
     @property
     def logprob_temperature(self) -> float:
@@ -96,12 +99,20 @@ class Engine(Protocol):
     info: EngineInfo
 
     def generate(
-        self, input_ids: list[int], sampling: SamplingParams, adapter: str | None = None, background: bool = False
+        self,
+        input_ids: list[int],
+        sampling: SamplingParams,
+        adapter: str | None = None,
+        background: bool = False,
+        on_admit: Callable[[], None] | None = None,
     ) -> AsyncIterator[GeneratedToken]:
         """Stream sampled tokens; the last one carries the finish reason.
 
         Closing the iterator early cancels the generation (client went away, stop string hit).
-        `background` work (the in-process judge) yields to user requests.
+        `background` work (the in-process judge) yields to user requests. `on_admit` is called
+        once the engine has accepted the request (queued, or its server answered), before the
+        first token: a long prompt can take a minute to prefill, and the client should hear
+        that its request is being served.
         """
         ...
 

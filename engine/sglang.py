@@ -29,13 +29,13 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
 import httpx
 
-from engine.base import (
+from nextstate.engine.base import (
     EngineBadGateway,
     EngineError,
     EngineInfo,
@@ -56,6 +56,19 @@ TARGET_SGLANG = "0.5.x (native /generate API with output_ids; checked against io
 def _model_info(model_dir: Path) -> tuple[int, int]:
     config = json.loads((model_dir / "config.json").read_text())
     return int(config.get("max_position_embeddings", 4096)), int(config.get("vocab_size", 0))
+
+
+def _once(callback: Callable[[], None] | None) -> Callable[[], None]:
+    """`callback`, called at most once however often the result is."""
+    called = False
+
+    def call() -> None:
+        nonlocal called
+        if callback is not None and not called:
+            called = True
+            callback()
+
+    return call
 
 
 class _Retryable(Exception):
@@ -112,6 +125,8 @@ class SGLangEngine:
         }
         if sampling.seed is not None:
             params["sampling_seed"] = sampling.seed
+        if sampling.json_schema is not None:
+            params["json_schema"] = sampling.json_schema  # SGLang's own grammar backend
         payload: dict[str, Any] = {
             "input_ids": list(input_ids),
             "sampling_params": params,
@@ -124,15 +139,21 @@ class SGLangEngine:
         return payload
 
     async def generate(
-        self, input_ids: list[int], sampling: SamplingParams, adapter: str | None = None, background: bool = False
+        self,
+        input_ids: list[int],
+        sampling: SamplingParams,
+        adapter: str | None = None,
+        background: bool = False,
+        on_admit: Callable[[], None] | None = None,
     ) -> AsyncIterator[GeneratedToken]:
         check_request(self._adapters, adapter, input_ids)
         payload = self._payload(input_ids, sampling, adapter, stream=True)
+        admit = _once(on_admit)
         attempt = 0
         while True:
             delivered = 0
             try:
-                async for token in self._stream(payload):
+                async for token in self._stream(payload, admit):
                     delivered += 1
                     yield token
                 return
@@ -143,7 +164,7 @@ class SGLangEngine:
             log.warning("SGLang generate failed, retrying (%d/%d)", attempt, self.retries)
             await asyncio.sleep(self.backoff_s * attempt)
 
-    async def _stream(self, payload: dict[str, Any]) -> AsyncIterator[GeneratedToken]:
+    async def _stream(self, payload: dict[str, Any], admit: Callable[[], None]) -> AsyncIterator[GeneratedToken]:
         seen = 0
         try:
             async with self._client.stream("POST", "/generate", json=payload) as response:
@@ -151,6 +172,7 @@ class SGLangEngine:
                     await response.aread()
                     error = self._http_error(response)
                     raise _Retryable(error) if isinstance(error, EngineBadGateway) else error
+                admit()
                 async for line in response.aiter_lines():
                     if not line.startswith("data:"):
                         continue

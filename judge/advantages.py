@@ -12,7 +12,29 @@ from __future__ import annotations
 import statistics
 from collections import defaultdict
 
-from nextstate.types import Sample
+from nextstate.core.types import Sample
+
+
+def step_reward(outcome: float, votes: list[int | None]) -> float:
+    """o + Σ r_i / m (paper §4.4.2); a failed vote counts as 0."""
+    return outcome + (sum(v or 0 for v in votes) / len(votes) if votes else 0.0)
+
+
+def with_outcome(sample: Sample, outcome: float) -> Sample | None:
+    """The sample once its session's outcome is known: an outcome-track sample whose reward
+    is o + mean(votes), ready to train. None for a sample that has no step reward to add o to
+    (an OPD-only sample, judged without PRM votes)."""
+    if not sample.votes:
+        return None
+    return sample.model_copy(
+        update={
+            "status": "ready",
+            "track": "outcome",
+            "outcome": outcome,
+            "reward": step_reward(outcome, sample.votes),
+            "reason": "outcome + mean votes",
+        }
+    )
 
 
 def opd_delta(teacher: list[float], old: list[float], clip: float) -> list[float]:

@@ -5,8 +5,8 @@ from __future__ import annotations
 import asyncio
 from typing import Any, Protocol
 
-from engine.base import Engine, SamplingParams
-from proxy.chat_template import ChatRenderer
+from nextstate.engine.base import Engine, SamplingParams
+from nextstate.modelio.chat_template import ChatRenderer
 
 
 class JudgeClient(Protocol):

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from importlib.resources import files
 from pathlib import Path
 from string import Template
 
-BUNDLED = Path(__file__).resolve().parents[1] / "prompts"
+# The prompts ship as package data (`nextstate.prompts`), so a wheel finds them where an
+# editable checkout does.
+BUNDLED = Path(str(files("nextstate.prompts")))
 
 
 class PromptLibrary:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import statistics
 import time
 from collections import deque
@@ -18,61 +19,29 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
-from engine.base import Engine
-from judge.advantages import opd_delta, token_advantages
-from judge.client import JudgeClient
-from judge.context import prompt_values
-from judge.parsing import majority_vote, parse_hint, parse_score, select_hint
-from judge.prompts import PromptLibrary
-from judge.teacher import teacher_logprobs
-from nextstate.activity import Activity
-from nextstate.sample_store import SampleStore, step_reward
-from nextstate.settings import Settings
-from nextstate.types import Sample, Transition
-from proxy.chat_template import ChatRenderer
-from proxy.consumers import transition_record
-from proxy.records import RecordWriter
+from nextstate.engine.base import Engine
+from nextstate.judge.advantages import opd_delta, standardize_outcome_batch, step_reward, token_advantages, with_outcome
+from nextstate.judge.client import JudgeClient
+from nextstate.judge.context import FENCE_NOTE, prompt_values
+from nextstate.judge.parsing import majority_vote, parse_hint, parse_score, select_hint
+from nextstate.judge.prompts import PromptLibrary
+from nextstate.judge.teacher import teacher_logprobs
+from nextstate.core.activity import Activity
+from nextstate.core.durable import Durable, StorageUnavailable
+from nextstate.core.sample_store import SampleStore
+from nextstate.core.settings import JudgeSettings
+from nextstate.core.types import NextState, Sample, Transition
+from nextstate.modelio.chat_template import ChatRenderer
+from nextstate.core.records import RecordWriter
 
 log = logging.getLogger(__name__)
 
 HINT_PROMPT = "opd_hint"
-
-
-@dataclass(frozen=True)
-class JudgeConfig:
-    mode: Literal["binary", "opd", "combined"] = "combined"
-    prm_votes: int = 3
-    prm_prompt: str = "prm_personal"
-    temperature: float = 0.6
-    max_tokens: int = 512
-    timeout_s: float = 120.0
-    concurrency: int = 4
-    max_chars: int = 6000
-    min_hint_chars: int = 10
-    w_binary: float = 1.0
-    w_opd: float = 1.0
-    opd_clip: float = 2.0
-    opd_teacher: Literal["base", "policy"] = "base"
-    enabled: bool = True
-    # Judging waits up to this long for no user request to be in flight before it starts.
-    quiet_wait_s: float = 2.0
-
-    @classmethod
-    def from_settings(cls, s: Settings) -> JudgeConfig:
-        return cls(
-            mode=s.mode, prm_votes=s.prm_votes, prm_prompt=s.prm_prompt, temperature=s.judge_temperature,
-            max_tokens=s.judge_max_tokens, timeout_s=s.judge_timeout_s, concurrency=s.judge_concurrency,
-            max_chars=s.judge_max_chars, min_hint_chars=s.min_hint_chars, w_binary=s.w_binary, w_opd=s.w_opd,
-            opd_clip=s.opd_clip, opd_teacher=s.opd_teacher, enabled=s.judge_enabled,
-        )
-
-    @property
-    def uses_prm(self) -> bool:
-        return self.mode in ("binary", "combined")
-
-    @property
-    def uses_opd(self) -> bool:
-        return self.mode in ("opd", "combined")
+# Judging waits up to this long for no user request to be in flight before it starts.
+QUIET_WAIT_S = 2.0
+# A vote's text is kept (records) up to this many characters; a hint up to this many.
+MAX_VOTE_TEXT = 4000
+MAX_HINT_CHARS = 1000
 
 
 @dataclass
@@ -117,7 +86,7 @@ class JudgeStats:
 class Judge:
     def __init__(
         self,
-        config: JudgeConfig,
+        settings: JudgeSettings,
         client: JudgeClient,
         prompts: PromptLibrary,
         engine: Engine,
@@ -127,7 +96,7 @@ class Judge:
         on_sample: Callable[[Sample], None] | None = None,
         activity: Activity | None = None,
     ) -> None:
-        self.config = config
+        self.settings = settings
         self.client = client
         self.prompts = prompts
         self.engine = engine
@@ -137,9 +106,13 @@ class Judge:
         self.on_sample = on_sample
         self.activity = activity or Activity()
         self.stats = JudgeStats()
-        prompts.require(config.prm_prompt)
+        prompts.require(settings.prm_prompt)
         prompts.require(HINT_PROMPT)
-        self._sem = asyncio.Semaphore(config.concurrency)
+        self._sem = asyncio.Semaphore(settings.judge_concurrency)
+        # a full or read-only disk holds transitions and samples here until it takes them again
+        self._inbox = Durable("the judge's inbox (transitions)")
+        self._samples = Durable("the sample store (judged samples)")
+        self._harness = [re.compile(p) for p in settings.harness_patterns]
         self._tasks: set[asyncio.Task] = set()
         # Accepted samples per open session, for the at-least-one guarantee.
         self._effective: dict[tuple[str, str], int] = {}
@@ -178,28 +151,56 @@ class Judge:
 
     # ---------------------------------------------------------------- TransitionConsumer
 
-    def submit(self, transition: Transition) -> None:
+    def submit(self, transition: Transition) -> asyncio.Future:
+        """Take a transition; the future resolves once it is safe on disk (the judge's inbox),
+        so that whoever handed it over may forget it. Judging follows, off the request path."""
         turn = transition.turn
-        self.records.write("transition", transition_record(transition), version=turn.policy_version)
-        if transition.next_state is None or not self.config.enabled:
+        durable = asyncio.get_running_loop().create_future()
+        self.records.write("transition", transition.record(), version=turn.policy_version)
+        if transition.next_state is None or not self.settings.judge_enabled:
             # No next state: nothing to judge, and the session is over for the guarantee too.
             if transition.reason == "session_closed":
                 self._effective.pop((turn.user, turn.session_id), None)
-            return
-        self._spawn(self._accept(transition))
+            durable.set_result(None)
+            return durable
+        self._spawn(self._accept(transition, durable))
+        return durable
 
-    async def _accept(self, transition: Transition) -> None:
+    async def _accept(self, transition: Transition, durable: asyncio.Future) -> None:
         try:
-            transition_id = await asyncio.to_thread(self.store.add_transition, transition)
-        except Exception:  # noqa: BLE001
-            log.exception("could not persist a transition; judging it anyway")
-            transition_id = None
+            transition_id = await self._inbox.write(self.store.add_transition, transition)
+            if transition_id is None:  # the inbox has this turn already: it is judged once
+                log.info("turn %d of session %s was handed over again; judged once", transition.turn.turn_index,
+                         transition.turn.session_id)
+                return
+        except StorageUnavailable:
+            transition_id = None  # judged all the same; only a crash before it is stored loses it
+        finally:
+            if not durable.done():
+                durable.set_result(None)
         await self._judge(transition_id, transition)
+
+    # ---------------------------------------------------------------- outcomes and batches
+
+    async def record_outcome(self, user: str, session_id: str, outcome: float) -> int:
+        """A session's verifiable outcome (general agents, paper §4.4): each of its judged,
+        untrained steps gets the reward o + mean(PRM votes). Returns how many changed."""
+        updated = await asyncio.to_thread(self.store.set_outcome, user, session_id, outcome, with_outcome)
+        self.records.write(
+            "outcome", {"user": user, "session_id": session_id, "reward": outcome, "samples_updated": updated}
+        )
+        return updated
+
+    def prepare_batch(self, samples: list[Sample]) -> list[Sample]:
+        """The advantages a training batch trains on: outcome rewards are standardised per
+        step index across the batch here, at batch time, because only then is the group known."""
+        s = self.settings
+        return standardize_outcome_batch(samples, s.w_binary, s.w_opd, s.opd_clip)
 
     # ---------------------------------------------------------------- judging
 
     async def _judge(self, transition_id: int | None, transition: Transition) -> None:
-        await self.activity.quiet(self.config.quiet_wait_s)
+        await self.activity.quiet(QUIET_WAIT_S)
         started = time.monotonic()
         detail: dict[str, Any] = {}
         try:
@@ -211,8 +212,8 @@ class Judge:
             self.stats.errors += 1
             sample = self._sample(transition, status="dropped", reason=f"judge error: {type(exc).__name__}: {exc}")
         try:
-            sample = await asyncio.to_thread(self.store.add_sample, sample, transition_id)
-        except Exception:  # noqa: BLE001
+            sample = await self._samples.write(self.store.add_sample, sample, transition_id, with_outcome)
+        except Exception:  # noqa: BLE001 - beyond the disk waiting room, or a bug: logged, the rest goes on
             log.exception("could not store a sample")
             return
         seconds = time.monotonic() - started
@@ -233,10 +234,23 @@ class Judge:
             self.on_sample(sample)
 
     async def evaluate(self, transition: Transition, detail: dict[str, Any] | None = None) -> Sample:
-        cfg, turn, next_state = self.config, transition.turn, transition.next_state
+        cfg, turn, next_state = self.settings, transition.turn, transition.next_state
         assert next_state is not None
         detail = {} if detail is None else detail
-        values = prompt_values(turn, next_state, cfg.max_chars)
+        if notice := self._harness_notice(next_state):
+            # The agent's own retry or notice, not its user: the turn produced nothing usable.
+            detail["harness_notice"] = notice
+            if cfg.mode == "opd":
+                return self._sample(transition, "dropped", "format failure (the agent's own notice); opd mode needs a hint")
+            n = len(turn.response_ids)
+            w_binary = 1.0 if cfg.mode == "binary" else cfg.w_binary
+            key = (turn.user, turn.session_id)
+            self._effective[key] = self._effective.get(key, 0) + 1
+            return self._sample(
+                transition, "ready", "format failure (the agent's own notice)", -1.0,
+                token_advantages(n, -1.0, None, w_binary, 0.0),
+            )
+        values = prompt_values(turn, next_state, cfg.judge_max_chars)
         outcome = await asyncio.to_thread(self.store.get_outcome, turn.user, turn.session_id)
         outcome_track = turn.track == "outcome" or outcome is not None
         want_prm = cfg.uses_prm or outcome_track
@@ -286,22 +300,31 @@ class Judge:
             return self._sample(transition, "ready", "at-least-one guarantee (neutral)", 0.0, advantages, **common)
         return self._sample(transition, "dropped", "neutral: reward 0 and no hint", 0.0, **common)
 
+    def _harness_notice(self, next_state: NextState) -> str | None:
+        """The first next-state message the agent wrote itself (a harness pattern matches)."""
+        for message in next_state.messages:
+            text = str(message.get("content") or "")
+            if message.get("role") == "user" and any(p.search(text) for p in self._harness):
+                return text[:200]
+        return None
+
     async def _votes(self, prompt: str, values: dict[str, str], allowed: tuple[int, ...]) -> list[Vote]:
         messages = self.prompts.render(prompt, **values)
-        return list(await asyncio.gather(*(self._vote(messages, allowed) for _ in range(self.config.prm_votes))))
+        messages[0] = {**messages[0], "content": f"{messages[0]['content']}\n\n{FENCE_NOTE}"}
+        return list(await asyncio.gather(*(self._vote(messages, allowed) for _ in range(self.settings.prm_votes))))
 
     async def _vote(self, messages: list[dict[str, str]], allowed: tuple[int, ...]) -> Vote:
-        cfg = self.config
+        cfg = self.settings
         async with self._sem:
             started = time.monotonic()
             error = None
             text = ""
             try:
                 text = await asyncio.wait_for(
-                    self.client.complete(messages, temperature=cfg.temperature, max_tokens=cfg.max_tokens), cfg.timeout_s
+                    self.client.complete(messages, temperature=cfg.judge_temperature, max_tokens=cfg.judge_max_tokens), cfg.judge_timeout_s
                 )
             except asyncio.TimeoutError:
-                error = f"timeout after {cfg.timeout_s:g}s"
+                error = f"timeout after {cfg.judge_timeout_s:g}s"
             except Exception as exc:  # noqa: BLE001 - a failed vote is just a missing vote
                 error = f"{type(exc).__name__}: {exc}"
             seconds = time.monotonic() - started
@@ -310,7 +333,9 @@ class Judge:
         score = parse_score(text, allowed) if error is None else None
         if score is None:
             self.stats.votes_failed += 1
-        return Vote(score, parse_hint(text) if error is None else None, text, error, round(seconds, 4))
+        hint = parse_hint(text) if error is None else None
+        # what is kept of a vote is bounded: a judge that rambles for megabytes costs a line
+        return Vote(score, hint[:MAX_HINT_CHARS] if hint else hint, text[:MAX_VOTE_TEXT], error, round(seconds, 4))
 
     def _sample(
         self,
@@ -327,7 +352,7 @@ class Judge:
         accepted = status != "dropped"
         return Sample(
             user=turn.user, session_id=turn.session_id, turn_index=turn.turn_index, policy_version=turn.policy_version,
-            adapter=turn.adapter, mode=self.config.mode, track=track or turn.track, status=status, reason=reason,
+            adapter=turn.adapter, mode=self.settings.mode, track=track or turn.track, status=status, reason=reason,
             prompt_ids=turn.prompt_ids, response_ids=turn.response_ids, old_logprobs=turn.response_logprobs,
             logprob_temperature=turn.logprob_temperature,
             advantages=advantages if advantages is not None else [0.0] * n,

@@ -13,9 +13,9 @@ from __future__ import annotations
 import asyncio
 import copy
 
-from engine.base import Engine
-from nextstate.types import Turn
-from proxy.chat_template import ChatRenderer
+from nextstate.engine.base import Engine
+from nextstate.core.types import Turn
+from nextstate.modelio.chat_template import ChatRenderer
 
 HINT_HEADER = "\n\n[user's hint / instruction]\n"
 

@@ -12,49 +12,53 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import shutil
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from engine.base import Engine
-from judge.advantages import standardize_outcome_batch
-from learner.trainer import LoraTrainer, StepResult, TrainConfig
-from learner.versions import AdapterVersions, scope_dir_name
-from nextstate.policy import PolicyDirectory, PolicyRef
-from nextstate.sample_store import SampleStore
-from nextstate.settings import Settings
-from nextstate.types import Sample
-from proxy.records import RecordWriter
+from nextstate.engine.base import Engine
+from nextstate.engine.devices import resolve_device
+from nextstate.learner.trainer import LoraTrainer, StepResult
+from nextstate.learner.versions import AdapterVersions, scope_dir_name
+from nextstate.core.policy import PolicyDirectory, PolicyRef
+from nextstate.core.sample_store import SampleStore
+from nextstate.core.settings import LearnerSettings
+from nextstate.core.types import Sample
+from nextstate.core.records import RecordWriter
 
 log = logging.getLogger(__name__)
 
 
-def train_config(s: Settings) -> TrainConfig:
-    return TrainConfig(
-        lr=s.lr, kl_coef=s.kl_coef, max_kl=s.max_kl, ppo_epochs=s.ppo_epochs,
-        minibatch_size=s.minibatch_size or s.batch_size, lora_r=s.lora_r, lora_alpha=s.lora_alpha,
-        target_modules=tuple(m.strip() for m in s.lora_target_modules.split(",") if m.strip()),
-    )
+# Gives a training batch its final advantages (the judge's `prepare_batch`: outcome rewards
+# are standardised per batch); the learner applies it without knowing the reward math.
+BatchAdvantages = Callable[[list[Sample]], list[Sample]]
 
 
 class Learner:
     def __init__(
         self,
-        settings: Settings,
+        settings: LearnerSettings,
         model_dir: Path,
+        adapters_dir: Path,
         engine: Engine,
         store: SampleStore,
         policies: PolicyDirectory,
         records: RecordWriter,
+        prepare_batch: BatchAdvantages | None = None,
+        active_users: Callable[[], int] = lambda: 1,
     ) -> None:
         self.settings = settings
+        self.prepare_batch = prepare_batch or (lambda samples: samples)
+        self.active_users = active_users  # how many users have an active key (for the share cap)
         self.model_dir = model_dir
         self.engine = engine
         self.store = store
         self.policies = policies
         self.records = records
-        self.versions = AdapterVersions(settings.adapters_dir)
+        self.versions = AdapterVersions(adapters_dir)
         self.batch_size = settings.batch_size
         self.trainer: LoraTrainer | None = None
         self.steps: list[dict[str, Any]] = []
@@ -67,7 +71,7 @@ class Learner:
 
     async def start(self) -> None:
         self.trainer = await asyncio.to_thread(
-            LoraTrainer, self.model_dir, train_config(self.settings), self.settings.learner_device_resolved
+            LoraTrainer, self.model_dir, self.settings, resolve_device(self.settings.learner_device)
         )
         await self._resume()
         self._task = asyncio.create_task(self._run(), name="learner")
@@ -87,6 +91,8 @@ class Learner:
 
     async def _resume(self) -> None:
         for scope in await asyncio.to_thread(self.versions.scopes):
+            if (adopted := await asyncio.to_thread(self.versions.adopt_latest, scope)) is not None:
+                log.warning("learner %s: version %d was published just before a stop; it serves now", scope, adopted)
             version = self.versions.current(scope)
             if version is None:
                 continue
@@ -117,38 +123,74 @@ class Learner:
 
     async def train_ready(self) -> bool:
         """Run one update if some scope has a full batch; True if one ran."""
-        user = None
-        if self.policies.per_user:
-            counts = await asyncio.to_thread(self.store.ready_counts_by_user)
-            user = next((u for u, n in counts.items() if n >= self.batch_size), None)
-            if user is None:
-                return False
-        batch = await asyncio.to_thread(self.store.ready_samples, self.batch_size, user)
-        if len(batch) < self.batch_size:
+        scope, batch = await asyncio.to_thread(self._next_batch)
+        if not batch:
             return False
-        await self.update(user if user is not None else "shared", batch)
+        await self.update(scope, batch)
         return True
 
-    async def update(self, scope: str, samples: list[Sample]) -> StepResult:
+    def _next_batch(self) -> tuple[str, list[Sample]]:
+        """The oldest ready samples of a scope that make a full batch. In the shared scope no
+        user fills more than `max_user_share` of it while others have keys: until other users'
+        samples come, one user's feedback waits rather than steering everyone's model."""
+        size = self.batch_size
+        if self.policies.per_user:
+            counts = self.store.ready_counts_by_user()
+            user = next((u for u, n in counts.items() if n >= size), None)
+            return (user, self.store.ready_samples(size, user)) if user is not None else ("", [])
+        cap = size if self.active_users() <= 1 else max(1, math.ceil(self.settings.max_user_share * size))
+        taken: dict[str, int] = {}
+        batch: list[Sample] = []
+        for sample in self.store.ready_samples(size * 50):
+            if taken.get(sample.user, 0) < cap:
+                taken[sample.user] = taken.get(sample.user, 0) + 1
+                batch.append(sample)
+                if len(batch) == size:
+                    return "shared", batch
+        return "shared", []
+
+    async def update(self, scope: str, samples: list[Sample]) -> StepResult | None:
         async with self._lock:
-            s = self.settings
-            batch = standardize_outcome_batch(samples, s.w_binary, s.w_opd, s.opd_clip)
-            result = await asyncio.to_thread(self.trainer.step, scope, batch)
-            ids = [x.id for x in samples if x.id is not None]
             current = self.policies.current_scope(scope)
             step_index = self._step_index[scope] = self._step_index.get(scope, 0) + 1
-            record = {"step": step_index, "scope": scope, "sample_ids": ids, **result.to_dict()}
+            record: dict[str, Any] = {"step": step_index, "scope": scope, "sample_ids": [x.id for x in samples]}
+            batch = self.prepare_batch(samples)
+            bad = [x.id for x in batch if not _finite(x)]
+            if bad:
+                await asyncio.to_thread(self.store.mark_dropped, bad, "not finite: dropped by the learner")
+                log.warning("learner %s: %d sample(s) with non-finite values dropped; the batch trains on", scope, len(bad))
+                batch = [x for x in batch if x.id not in bad]
+            if self.settings.kl_coef == 0 and not any(a for x in batch for a in x.advantages):
+                # nothing to learn: a step would only move the weights by momentum and weight decay
+                ids = [x.id for x in batch]
+                await asyncio.to_thread(self.store.mark_consumed, ids)
+                record.update(version=None, published=False, skipped="every advantage is zero (and no KL term)", dropped=bad)
+                self.steps.append(record)
+                self.records.write("train_step", record, version=current.version)
+                log.info("learner step %d (%s): no signal in %d samples, nothing published", step_index, scope, len(ids))
+                return None
+            result = await asyncio.to_thread(self.trainer.step, scope, batch)
+            ids = [x.id for x in batch if x.id is not None and x.id not in result.dropped]
+            if result.dropped:
+                await asyncio.to_thread(self.store.mark_dropped, result.dropped, "loss not finite: dropped by the learner")
+            record.update({**result.to_dict(), "sample_ids": ids, "dropped": bad + result.dropped})
             if result.skipped:
                 await asyncio.to_thread(self.store.mark_consumed, ids)
                 record.update(version=None, published=False)
                 log.warning("learner step %d (%s) skipped, not published: %s", step_index, scope, result.skipped)
             else:
-                version = max(current.version, self.versions.current(scope) or 0) + 1
+                version = await asyncio.to_thread(self.versions.next_version, scope)
                 finished = time.monotonic()
-                path = await asyncio.to_thread(
-                    self.versions.publish, scope, version, lambda p: self.trainer.save(scope, p),
-                    {"sample_ids": ids, "step_index": step_index, "step": result.to_dict()},
-                )
+                try:
+                    path = await asyncio.to_thread(
+                        self.versions.publish, scope, version, lambda p: self.trainer.save(scope, p),
+                        {"sample_ids": ids, "step_index": step_index, "step": result.to_dict()},
+                    )
+                except Exception:
+                    # the samples stay ready, and the weights go back to the published version
+                    self.trainer.undo(scope)
+                    self._step_index[scope] -= 1
+                    raise
                 await asyncio.to_thread(self.store.mark_consumed, ids)
                 swap_s = await self._serve(scope, version, path)
                 record.update(version=version, published=True, publish_to_serving_s=round(time.monotonic() - finished, 4), swap_s=swap_s)
@@ -184,13 +226,27 @@ class Learner:
 
     # ---------------------------------------------------------------- admin
 
+    async def forget(self, user: str) -> bool:
+        """Delete `user`'s own adapter (per-user scope): served the base model again, every
+        version deleted. In the shared scope nothing is theirs alone; returns False."""
+        if not self.policies.per_user:
+            return False
+        async with self._lock:
+            old = self.policies.forget(user)
+            if old is not None and old.adapter:
+                await self._unload(old.adapter)
+            await asyncio.to_thread(self.trainer.drop_scope, user)
+            await asyncio.to_thread(shutil.rmtree, self.versions.scope_root(user), True)
+            self._step_index.pop(user, None)
+            return True
+
     async def rollback(self, scope: str, version: int) -> int:
         """Serve (and train on from) an earlier version, published as a new version."""
         async with self._lock:
             if version not in self.versions.versions(scope):
                 raise KeyError(version)
             source = self.versions.path(scope, version)
-            new_version = max(self.policies.current_scope(scope).version, self.versions.current(scope) or 0) + 1
+            new_version = self.versions.next_version(scope)
 
             def copy(dest: Path) -> None:
                 for item in source.iterdir():
@@ -203,3 +259,7 @@ class Learner:
             self.records.write("rollback", {"scope": scope, "to": version, "version": new_version}, version=new_version)
             log.info("learner %s rolled back to v%d as v%d", scope, version, new_version)
             return new_version
+
+
+def _finite(sample: Sample) -> bool:
+    return all(map(math.isfinite, sample.advantages)) and all(map(math.isfinite, sample.old_logprobs))

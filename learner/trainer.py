@@ -14,33 +14,28 @@ import hashlib
 import json
 import math
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
 
-from learner.ppo import k3_kl, ppo_token_losses
-from nextstate.types import Sample
+from nextstate.core.settings import LearnerSettings
+from nextstate.core.types import Sample
+from nextstate.learner.ppo import k3_kl, ppo_token_losses
+from nextstate.modelio.logprobs import token_logprobs
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 OPTIMIZER_STATE = "optimizer.pt"
 
 
-@dataclass(frozen=True)
-class TrainConfig:
-    lr: float = 1e-5
-    weight_decay: float = 0.1
-    betas: tuple[float, float] = (0.9, 0.98)
-    grad_clip: float = 1.0
-    eps: float = 0.2
-    eps_high: float = 0.28
-    kl_coef: float = 0.0
-    max_kl: float = 1.0
-    ppo_epochs: int = 1
-    minibatch_size: int = 16
-    lora_r: int = 16
-    lora_alpha: int = 32
-    target_modules: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# The optimiser and clipping of OpenClaw-RL's training recipe (paper appendix A), fixed rather
+# than configurable: AdamW with weight decay 0.1 and betas (0.9, 0.98), gradient norm clipped
+# to 1, PPO's ratio clipped to [1 - 0.2, 1 + 0.28] (the asymmetric "clip-higher" bounds).
+WEIGHT_DECAY = 0.1
+BETAS = (0.9, 0.98)
+GRAD_CLIP = 1.0
+EPS = 0.2
+EPS_HIGH = 0.28
 
 
 @dataclass
@@ -58,6 +53,7 @@ class StepResult:
     grad_norm: float
     seconds: float
     skipped: str | None = None
+    dropped: list[int] = field(default_factory=list)  # ids of samples left out: their loss was not finite
 
     def to_dict(self) -> dict:
         return {k: (round(v, 6) if isinstance(v, float) else v) for k, v in asdict(self).items()}
@@ -69,24 +65,31 @@ def adapter_name(scope: str) -> str:
 
 
 class LoraTrainer:
-    def __init__(self, model_dir: str | Path, config: TrainConfig, device: str = "cpu") -> None:
+    def __init__(self, model_dir: str | Path, settings: LearnerSettings, device: str = "cpu") -> None:
         from transformers import AutoModelForCausalLM
 
-        self.config = config
+        self.settings = settings
         self.device = device
         self.model_dir = Path(model_dir)
         self._base = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=torch.float32).to(device)
         self._base.requires_grad_(False)
         self._base.config.use_cache = False
+        # Activations are recomputed in the backward pass instead of kept: memory grows with a
+        # sample's length, and agent samples run to thousands of tokens.
+        if hasattr(self._base, "activation_checkpointing_enable"):  # transformers >= 5.x names it so
+            self._base.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            self._base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.model = None  # peft.PeftModel once the first scope exists
         self._optimizers: dict[str, torch.optim.Optimizer] = {}
+        self._before: dict[str, tuple[list[torch.Tensor], dict]] = {}  # per scope: state before its last step
 
     # ---------------------------------------------------------------- scopes
 
     def _lora_config(self):
         from peft import LoraConfig
 
-        c = self.config
+        c = self.settings
         return LoraConfig(r=c.lora_r, lora_alpha=c.lora_alpha, lora_dropout=0.0, target_modules=list(c.target_modules), task_type="CAUSAL_LM")
 
     def ensure_scope(self, scope: str) -> str:
@@ -98,11 +101,24 @@ class LoraTrainer:
         elif name not in self.model.peft_config:
             self.model.add_adapter(name, self._lora_config())
         if scope not in self._optimizers:
-            c = self.config
             self._optimizers[scope] = torch.optim.AdamW(
-                self._params(name), lr=c.lr, weight_decay=c.weight_decay, betas=c.betas
+                self._params(name), lr=self.settings.lr, weight_decay=WEIGHT_DECAY, betas=BETAS
             )
         return name
+
+    def drop_scope(self, scope: str) -> None:
+        """Forget a scope's adapter and optimizer state (its user asked to be forgotten)."""
+        name = adapter_name(scope)
+        self._optimizers.pop(scope, None)
+        self._before.pop(scope, None)
+        if self.model is not None and name in self.model.peft_config and len(self.model.peft_config) > 1:
+            self.model.delete_adapter(name)
+        elif self.model is not None and name in self.model.peft_config:
+            # peft keeps at least one adapter: reset this one to zero instead of deleting it
+            with torch.no_grad():
+                for n, p in self.model.named_parameters():
+                    if f".{name}." in n and "lora_B" in n:
+                        p.zero_()
 
     def _params(self, name: str) -> list[torch.nn.Parameter]:
         params = [p for n, p in self.model.named_parameters() if "lora_" in n and f".{name}." in n]
@@ -145,19 +161,38 @@ class LoraTrainer:
     # ---------------------------------------------------------------- training
 
     def _logprobs(self, sample: Sample) -> torch.Tensor:
+        """Logprobs of the sample's response tokens. Only the response positions go through the
+        LM head (`logits_to_keep`): an agent prompt of thousands of tokens would otherwise cost
+        a [tokens × vocab] logits tensor per sample (0.9 GB at 4.4k tokens on SmolLM2)."""
         ids = torch.tensor([sample.prompt_ids + sample.response_ids], device=self.device)
-        logits = self.model(input_ids=ids[:, :-1]).logits[0, len(sample.prompt_ids) - 1 :].float()
-        logprobs = torch.log_softmax(logits / sample.logprob_temperature, dim=-1)
-        targets = torch.tensor(sample.response_ids, device=self.device).unsqueeze(-1)
-        return logprobs.gather(-1, targets).squeeze(-1)
+        n = len(sample.response_ids)
+        logits = self.model(input_ids=ids[:, :-1], logits_to_keep=n).logits[0]
+        return token_logprobs(logits, ids[0, -n:], sample.logprob_temperature)
+
+    def undo(self, scope: str) -> None:
+        """Put the scope's weights and optimizer state back to before the last step (its
+        version could not be published, so training goes on from the last one that was)."""
+        if scope in self._before:
+            self._restore(scope, *self._before.pop(scope))
+
+    def _restore(self, scope: str, weights: list[torch.Tensor], optimizer_state: dict) -> None:
+        _, params = self._activate(scope)
+        with torch.no_grad():
+            for p, before in zip(params, weights):
+                p.copy_(before)
+        self._optimizers[scope].load_state_dict(optimizer_state)
 
     def step(self, scope: str, samples: list[Sample]) -> StepResult:
+        """One PPO update on `samples`. A sample whose loss is not finite is left out (its id in
+        `dropped`) and the others train; a step whose gradients or policy KL go wrong is undone."""
         started = time.monotonic()
-        c = self.config
+        c = self.settings
         _, params = self._activate(scope)
         optimizer = self._optimizers[scope]
         weights_before = [p.detach().clone() for p in params]
         optimizer_before = copy.deepcopy(optimizer.state_dict())
+        self._before[scope] = (weights_before, optimizer_before)
+        dropped: set[int] = set()
         self.model.train()
         totals = {"loss": 0.0, "pg": 0.0, "kl": 0.0, "clipped": 0.0, "mismatch": 0.0, "grad_norm": 0.0}
         tokens = sum(sum(s.loss_mask) for s in samples)
@@ -166,21 +201,27 @@ class LoraTrainer:
         steps = 0
         try:
             for epoch in range(c.ppo_epochs):
-                for start in range(0, len(samples), c.minibatch_size):
-                    batch = samples[start : start + c.minibatch_size]
+                for start in range(0, len(samples), c.minibatch):
+                    batch = samples[start : start + c.minibatch]
                     batch_tokens = max(1, sum(sum(s.loss_mask) for s in batch))
                     optimizer.zero_grad(set_to_none=True)
-                    for s in batch:
+                    for i, s in enumerate(batch, start):
+                        if i in dropped:
+                            continue
                         logprobs = self._logprobs(s)
                         old = torch.tensor(s.old_logprobs, device=self.device)
-                        adv = torch.tensor(s.advantages, device=self.device)
+                        # a single sample must never dominate an update, whatever its reward
+                        adv = torch.tensor(s.advantages, device=self.device).clamp(-c.max_advantage, c.max_advantage)
                         mask = torch.tensor(s.loss_mask, device=self.device, dtype=torch.float32)
                         base = None
                         if c.kl_coef > 0:
                             with torch.no_grad(), self.model.disable_adapter():
                                 base = self._logprobs(s)
-                        tok_loss, clipped, kl = ppo_token_losses(logprobs, old, adv, c.eps, c.eps_high, base, c.kl_coef)
+                        tok_loss, clipped, kl = ppo_token_losses(logprobs, old, adv, EPS, EPS_HIGH, base, c.kl_coef)
                         loss = (tok_loss * mask).sum() / batch_tokens
+                        if not torch.isfinite(loss):
+                            dropped.add(i)  # this sample alone is left out; the batch trains on
+                            continue
                         loss.backward()
                         if epoch == 0:
                             totals["mismatch"] += float(((logprobs.detach() - old).abs() * mask).sum())
@@ -188,12 +229,12 @@ class LoraTrainer:
                         totals["pg"] += float(((tok_loss - c.kl_coef * kl).detach() * mask).sum()) / batch_tokens
                         totals["kl"] += float((kl * mask).sum())
                         totals["clipped"] += float((clipped * mask).sum())
-                    if not math.isfinite(totals["loss"]) or any(
+                    if len(dropped) == len(samples) or not math.isfinite(totals["loss"]) or any(
                         p.grad is not None and not torch.isfinite(p.grad).all() for p in params
                     ):
                         skipped = "non-finite loss or gradient"
                         break
-                    totals["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(params, c.grad_clip))
+                    totals["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(params, GRAD_CLIP))
                     optimizer.step()
                     steps += 1
                 if skipped:
@@ -202,23 +243,22 @@ class LoraTrainer:
             policy_kl = 0.0
             if not skipped:
                 with torch.no_grad():
-                    for s in samples:
+                    for i, s in enumerate(samples):
+                        if i in dropped:
+                            continue
                         new = self._logprobs(s)
                         old = torch.tensor(s.old_logprobs, device=self.device)
                         mask = torch.tensor(s.loss_mask, device=self.device, dtype=torch.float32)
                         # samples come from π_old, so k3 with ratio π_new/π_old estimates KL(π_old ‖ π_new)
                         policy_kl += float((k3_kl(old, new) * mask).sum())
-                policy_kl /= max(tokens, 1)
+                policy_kl /= max(1, tokens - sum(sum(samples[i].loss_mask) for i in dropped))
                 if not math.isfinite(policy_kl) or policy_kl > c.max_kl:
                     skipped = f"policy KL {policy_kl:.4g} exceeds the limit {c.max_kl:g}"
         finally:
             self.model.eval()
             optimizer.zero_grad(set_to_none=True)
         if skipped:
-            with torch.no_grad():
-                for p, before in zip(params, weights_before):
-                    p.copy_(before)
-            optimizer.load_state_dict(optimizer_before)
+            self._restore(scope, *self._before.pop(scope))
         denom = max(tokens * max(1, c.ppo_epochs), 1)
         return StepResult(
             scope=scope,
@@ -234,4 +274,5 @@ class LoraTrainer:
             grad_norm=totals["grad_norm"],
             seconds=time.monotonic() - started,
             skipped=skipped,
+            dropped=[samples[i].id for i in sorted(dropped) if samples[i].id is not None],
         )

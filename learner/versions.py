@@ -54,6 +54,20 @@ class AdapterVersions:
         versions = self.versions(scope)
         return versions[-1] if versions else None
 
+    def next_version(self, scope: str) -> int:
+        """One past the highest version on disk: a version published just before a crash, with
+        CURRENT not yet pointing at it, is never written over."""
+        return max(self.versions(scope), default=0) + 1
+
+    def adopt_latest(self, scope: str) -> int | None:
+        """Make the newest complete version current, if a crash left CURRENT behind it; returns it.
+        Version folders appear by an atomic rename of a finished one, so any vN folder is whole."""
+        versions = self.versions(scope)  # rollbacks publish new versions: the newest is meant to serve
+        if versions and self.current(scope) != versions[-1]:
+            self.set_current(scope, versions[-1])
+            return versions[-1]
+        return None
+
     def scopes(self) -> list[str]:
         """Scopes with a current version (their manifest names the scope exactly)."""
         out = []

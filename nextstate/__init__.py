@@ -1,8 +1,8 @@
 """nextstate: an OpenAI-compatible inference proxy that learns online.
 
-This package is the composition root: settings, the shared data types that cross package
-boundaries, the FastAPI app factory and the command line. The HTTP surface lives in `proxy`,
-model execution in `engine`, reward assembly in `judge` and training in `learner`.
+The top package is the composition root: `app` builds the long-lived objects and wires them,
+`cli` is the `nextstate` command. Each layer below is a subpackage over its own repository
+folder: `core`, `modelio`, `engine`, then `proxy`, `judge` and `learner` (docs/ARCHITECTURE.md).
 """
 
 __version__ = "0.1.0"

@@ -10,28 +10,36 @@ from pathlib import Path
 
 from fastapi import FastAPI
 
-from engine.base import Engine
-from engine.default_model import ensure_default_model
-from judge.client import EngineJudgeClient, JudgeClient, OpenAIJudgeClient
-from judge.prompts import PromptLibrary
-from judge.service import Judge, JudgeConfig
-from learner.service import Learner
-from nextstate.sample_store import SampleStore
+from nextstate.engine.base import Engine
+from nextstate.engine.default_model import ensure_default_model
+from nextstate.judge.client import EngineJudgeClient, JudgeClient, OpenAIJudgeClient
+from nextstate.judge.prompts import PromptLibrary
+from nextstate.judge.service import Judge
+from nextstate.learner.service import Learner
+from nextstate.core.sample_store import SampleStore
 from nextstate import __version__
-from nextstate.activity import Activity
-from nextstate.policy import PolicyDirectory
-from nextstate.settings import Settings
-from nextstate.types import Sample, Transition
-from proxy.chat_template import ChatRenderer
-from proxy.completions import ChatService
-from proxy.errors import install_error_handlers
-from proxy.keys import KeyStore
-from proxy.metrics import Metrics
-from proxy.records import RecordWriter
-from proxy.admin_routes import router as admin_router
-from proxy.routes import router
-from proxy.session_routes import router as session_router
-from proxy.sessions import SessionStore
+from nextstate.core.activity import Activity
+from nextstate.core.policy import PolicyDirectory
+from nextstate.core.private import DataDirUnusable, prepare_data_dir
+from nextstate.core.settings import Settings
+from nextstate.forget import forget_online, keep_for, mark_running, mark_stopped
+from nextstate.core.types import Sample, Transition
+from nextstate.modelio.chat_template import ChatRenderer
+from nextstate.proxy import access_log
+from nextstate.proxy.body_limit import BodyLimitMiddleware
+from nextstate.proxy.chat_completion.api_router import router as chat_router
+from nextstate.proxy.chat_completion.serving import ChatCompletionServing
+from nextstate.proxy.turns import TurnService
+from nextstate.proxy.errors import install_error_handlers
+from nextstate.proxy.keys import KeyStore
+from nextstate.core.metrics import Metrics
+from nextstate.core.records import RecordWriter
+from nextstate.proxy.admin_routes import router as admin_router
+from nextstate.proxy.info_routes import router as info_router
+from nextstate.proxy.session_routes import router as session_router
+from nextstate.proxy.session_chain import VolatileText
+from nextstate.proxy.session_db import SessionDB
+from nextstate.proxy.sessions import SessionStore
 
 log = logging.getLogger(__name__)
 
@@ -43,22 +51,26 @@ class ConfigError(RuntimeError):
 
 
 def preflight(settings: Settings) -> Path:
-    """Everything that can be checked before serving: the model folder (converting the
-    default once) and the judge prompts. Returns the model folder."""
+    """Everything that can be checked before serving: a private, writable data dir, the model
+    folder (converting the default once) and the judge prompts. Returns the model folder."""
+    try:
+        prepare_data_dir(settings.data_dir)
+    except DataDirUnusable as exc:
+        raise ConfigError(str(exc)) from exc
     model_dir = resolve_model_dir(settings)
     try:
-        PromptLibrary(settings.prompts_dir).require(settings.prm_prompt)
+        PromptLibrary(settings.judge.prompts_dir).require(settings.judge.prm_prompt)
     except FileNotFoundError as exc:
         raise ConfigError(str(exc)) from exc
     return model_dir
 
 
 def resolve_model_dir(settings: Settings) -> Path:
-    if settings.model:
-        path = Path(settings.model).expanduser()
+    if settings.engine.model:
+        path = Path(settings.engine.model).expanduser()
         if not (path / "config.json").is_file():
             raise ConfigError(
-                f"NEXTSTATE_MODEL={settings.model!r} is not a Hugging Face model directory (no config.json). "
+                f"NEXTSTATE_MODEL={settings.engine.model!r} is not a Hugging Face model directory (no config.json). "
                 "Point it at a local folder with config.json, weights and tokenizer files."
             )
         return path
@@ -67,27 +79,23 @@ def resolve_model_dir(settings: Settings) -> Path:
 
 async def open_engine(model_dir: Path, settings: Settings) -> Engine:
     """The engine NEXTSTATE_ENGINE names: in-process, or a client of an SGLang server."""
-    if settings.engine == "sglang":
-        from engine.sglang import SGLangEngine
+    es = settings.engine
+    if es.engine == "sglang":
+        from nextstate.engine.sglang import SGLangEngine
 
-        engine = SGLangEngine(
-            settings.sglang_url, model_dir, timeout_s=settings.sglang_timeout_s, retries=settings.sglang_retries
-        )
+        engine = SGLangEngine(es.sglang_url, model_dir, timeout_s=es.sglang_timeout_s, retries=es.sglang_retries)
         if not await engine.healthy():
-            log.warning("SGLang at %s is not answering yet; requests get 503 until it does", settings.sglang_url)
+            log.warning("SGLang at %s is not answering yet; requests get 503 until it does", es.sglang_url)
         return engine
-    from engine.local import LocalEngine
+    from nextstate.engine.local import LocalEngine
 
-    return await LocalEngine.open(
-        model_dir, device=settings.device, dtype=settings.dtype, max_active=settings.max_concurrent_generations
-    )
+    return await LocalEngine.open(model_dir, device=es.device, dtype=es.dtype, max_active=es.max_concurrent_generations)
 
 
 def make_judge_client(settings: Settings, engine: Engine, renderer: ChatRenderer, model_name: str) -> JudgeClient:
-    if settings.judge_base_url:
-        return OpenAIJudgeClient(
-            settings.judge_base_url, settings.judge_model or model_name, settings.judge_api_key, settings.judge_timeout_s
-        )
+    js = settings.judge
+    if js.judge_base_url:
+        return OpenAIJudgeClient(js.judge_base_url, js.judge_model or model_name, js.judge_api_key, js.judge_timeout_s)
     return EngineJudgeClient(engine, renderer)
 
 
@@ -96,20 +104,20 @@ def create_app(settings: Settings | None = None, *, engine_factory: EngineFactor
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        settings.data_dir.mkdir(parents=True, exist_ok=True)
         model_dir = await asyncio.to_thread(preflight, settings)
+        access_log.install()
         engine = await engine_factory(model_dir, settings)
         renderer = await asyncio.to_thread(ChatRenderer.from_dir, model_dir)
-        model_name = settings.served_model_name or model_dir.name
-        prompts = PromptLibrary(settings.prompts_dir)
+        model_name = settings.engine.served_model_name or model_dir.name
+        prompts = PromptLibrary(settings.judge.prompts_dir)
         keys = KeyStore(settings.keys_db)
         samples = SampleStore(settings.samples_db)
         records = RecordWriter(settings.records_dir)
         await records.start()
         metrics = Metrics()
         activity = Activity()
-        policies = PolicyDirectory(per_user=settings.adapter_scope == "user")
-        learner = Learner(settings, model_dir, engine, samples, policies, records) if settings.learn else None
+        policies = PolicyDirectory(per_user=settings.learner.adapter_scope == "user")
+        learner: Learner | None = None
 
         def on_sample(sample: Sample) -> None:
             metrics.judged.labels(sample.mode, sample.status).inc()
@@ -117,7 +125,7 @@ def create_app(settings: Settings | None = None, *, engine_factory: EngineFactor
                 learner.notify(sample)
 
         judge = Judge(
-            JudgeConfig.from_settings(settings),
+            settings.judge,
             make_judge_client(settings, engine, renderer, model_name),
             prompts,
             engine,
@@ -128,12 +136,25 @@ def create_app(settings: Settings | None = None, *, engine_factory: EngineFactor
             activity=activity,
         )
 
-        def emit(transition: Transition) -> None:
+        def emit(transition: Transition) -> asyncio.Future:
             metrics.transitions.labels(transition.reason).inc()
-            judge.submit(transition)
+            return judge.submit(transition)
 
-        sessions = SessionStore(emit, idle_s=settings.session_idle_s, max_sessions=settings.max_sessions)
-        chat = ChatService(
+        if settings.learner.learn:
+            learner = Learner(
+                settings.learner, model_dir, settings.adapters_dir, engine, samples, policies, records,
+                prepare_batch=judge.prepare_batch, active_users=keys.active_user_count,
+            )
+        session_db = SessionDB(settings.sessions_db)
+        sessions = SessionStore(
+            emit,
+            idle_s=settings.server.session_idle_s,
+            max_sessions=settings.server.max_sessions,
+            max_per_user=settings.server.max_sessions_per_user,
+            volatile=VolatileText(settings.server.session_volatile_patterns),
+            db=session_db,
+        )
+        turns = TurnService(
             engine=engine,
             renderer=renderer,
             sessions=sessions,
@@ -141,8 +162,10 @@ def create_app(settings: Settings | None = None, *, engine_factory: EngineFactor
             policies=policies,
             metrics=metrics,
             model_name=model_name,
-            default_max_tokens=settings.default_max_tokens,
+            default_max_tokens=settings.server.default_max_tokens,
             activity=activity,
+            keepalive_s=settings.server.stream_keepalive_s,
+            max_parallel_per_user=settings.server.max_parallel_per_user,
         )
         app.state.settings = settings
         app.state.keys = keys
@@ -153,19 +176,27 @@ def create_app(settings: Settings | None = None, *, engine_factory: EngineFactor
         app.state.learner = learner
         app.state.policies = policies
         app.state.samples = samples
-        app.state.chat = chat
+        app.state.turns = turns
+        app.state.chat = ChatCompletionServing(turns)
+        app.state.forget_user = lambda user: forget_online(app.state, user)
         sweeper = asyncio.create_task(_sweep(sessions, metrics), name="session-sweeper")
+        background = [sweeper]
+        if settings.server.records_retention_days > 0:
+            background.append(asyncio.create_task(keep_for(app.state, settings.server.records_retention_days), name="retention"))
+        mark_running(settings, settings.server.port)
         if learner is not None:
             await learner.start()
         await judge.start()
-        log.info("serving %s on %s (%s)", chat.model_name, engine.info.device, engine.info.dtype)
+        log.info("serving %s on %s (%s)", model_name, engine.info.device, engine.info.dtype)
         try:
             yield
         finally:
-            sweeper.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await sweeper
-            sessions.close_all()
+            for task in background:
+                task.cancel()
+            await asyncio.gather(*background, return_exceptions=True)
+            mark_stopped(settings)
+            await sessions.save()
+            session_db.close()  # open sessions stay open: a restart continues them
             if learner is not None:
                 await learner.aclose()
             await judge.aclose()
@@ -174,9 +205,16 @@ def create_app(settings: Settings | None = None, *, engine_factory: EngineFactor
             samples.close()
             keys.close()
 
-    app = FastAPI(title="nextstate", version=__version__, lifespan=lifespan)
+    docs = settings.server.docs  # off by default: the API's shape is no business of strangers
+    app = FastAPI(
+        title="nextstate", version=__version__, lifespan=lifespan,
+        docs_url="/docs" if docs else None, redoc_url="/redoc" if docs else None,
+        openapi_url="/openapi.json" if docs else None,
+    )
+    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.server.max_body_bytes)
     install_error_handlers(app)
-    app.include_router(router)
+    app.include_router(chat_router)
+    app.include_router(info_router)
     app.include_router(session_router)
     app.include_router(admin_router)
     return app
@@ -188,3 +226,4 @@ async def _sweep(sessions: SessionStore, metrics: Metrics) -> None:
         await asyncio.sleep(interval)
         if sessions.sweep():
             metrics.sessions_open.set(len(sessions))
+            await sessions.save()

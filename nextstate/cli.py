@@ -10,31 +10,61 @@ from datetime import datetime, timezone
 from pydantic import ValidationError
 
 from nextstate import __version__
-from nextstate.settings import Settings
+from nextstate.core.settings import Settings
 
 
 def _settings() -> Settings:
     try:
         return Settings()
     except ValidationError as exc:
-        problems = "; ".join(f"NEXTSTATE_{'_'.join(map(str, e['loc'])).upper()}: {e['msg']}" for e in exc.errors())
+        problems = "; ".join(f"NEXTSTATE_{str(e['loc'][0]).upper()}: {e['msg']}" for e in exc.errors())
         sys.exit(f"nextstate: invalid configuration: {problems}")
 
 
+LOOPBACK = {"127.0.0.1", "localhost", "::1"}
+
+
 def _base_url(settings: Settings) -> str:
-    host = "127.0.0.1" if settings.host in ("0.0.0.0", "::") else settings.host
-    return f"http://{host}:{settings.port}/v1"
+    """The URL clients on this machine use: loopback when bound to every interface."""
+    server = settings.server
+    host = "127.0.0.1" if server.host in ("0.0.0.0", "::") else server.host
+    return f"http://{host}:{server.port}/v1"
+
+
+def _listening(settings: Settings) -> str:
+    server = settings.server
+    if server.host in ("0.0.0.0", "::"):
+        return f"http://{server.host}:{server.port}/v1 (every network interface)"
+    return f"http://{server.host}:{server.port}/v1"
+
+
+def banner(settings: Settings) -> tuple[str, str | None]:
+    """What `serve` prints, and the warning it prints first when it listens beyond loopback."""
+    warning = None
+    if settings.server.host not in LOOPBACK:
+        warning = (
+            f"WARNING: nextstate listens on {settings.server.host}, beyond this machine. API keys and every "
+            "conversation travel in clear HTTP unless TLS is in front (deploy/README.md, 'TLS')."
+        )
+    text = (
+        f"nextstate {__version__}: starting an OpenAI-compatible API at {_listening(settings)}\n"
+        f"  model:    {settings.engine.model or 'SmolLM2-135M-Instruct (embedded default)'}\n"
+        f"  data dir: {settings.data_dir}\n"
+        f"  make a key with:  nextstate keys create --user NAME\n"
+        f"  then point any OpenAI client at base_url={_base_url(settings)} with that key."
+    )
+    return text, warning
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from engine.default_model import DefaultModelUnavailable
+    from nextstate.engine.default_model import DefaultModelUnavailable
     from nextstate.app import ConfigError, create_app, preflight
 
     overrides = {k: v for k, v in (("host", args.host), ("port", args.port)) if v is not None}
-    settings = _settings().model_copy(update=overrides)
-    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    settings = _settings().with_overrides(**overrides)
+    logging.basicConfig(level=settings.server.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()
@@ -43,34 +73,38 @@ def cmd_serve(args: argparse.Namespace) -> int:
         preflight(settings)
     except (ConfigError, DefaultModelUnavailable) as exc:
         sys.exit(f"nextstate: {exc}")
-    print(
-        f"nextstate {__version__}: starting an OpenAI-compatible API at {_base_url(settings)}\n"
-        f"  model:    {settings.model or 'SmolLM2-135M-Instruct (embedded default)'}\n"
-        f"  data dir: {settings.data_dir}\n"
-        f"  make a key with:  nextstate keys create --user NAME\n"
-        f"  then point any OpenAI client at base_url={_base_url(settings)} with that key.",
-        flush=True,
-    )
-    uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level=settings.log_level)
+    text, warning = banner(settings)
+    if warning:
+        print(warning, file=sys.stderr, flush=True)
+    print(text, flush=True)
+    server = settings.server
+    uvicorn.run(create_app(settings), host=server.host, port=server.port, log_level=server.log_level)
     return 0
 
 
 def _keys():
-    from proxy.keys import KeyStore
+    from nextstate.core.private import DataDirUnusable, prepare_data_dir
+    from nextstate.proxy.keys import KeyStore
 
     settings = _settings()
+    try:
+        prepare_data_dir(settings.data_dir)
+    except DataDirUnusable as exc:
+        sys.exit(f"nextstate: {exc}")
     return settings, KeyStore(settings.keys_db)
 
 
 def cmd_keys_create(args: argparse.Namespace) -> int:
     settings, store = _keys()
     try:
-        key, secret = store.create(args.user, admin=args.admin)
+        key, secret = store.create(args.user, admin=args.admin, rpm=args.rpm, tpm=args.tpm)
     except ValueError as exc:
         sys.exit(f"nextstate: {exc}")
     kind = "admin key" if key.admin else "key"
+    limits = ", ".join(f"{n} {what} per minute" for n, what in ((key.rpm, "requests"), (key.tpm, "tokens")) if n)
     print(
-        f"Created {kind} {key.id} for user '{key.user}'. It is shown only this once:\n\n"
+        f"Created {kind} {key.id} for user '{key.user}'{f' (at most {limits})' if limits else ''}. "
+        f"It is shown only this once:\n\n"
         f"    {secret}\n\n"
         f"Use it with any OpenAI client:\n"
         f"    from openai import OpenAI\n"
@@ -86,11 +120,12 @@ def cmd_keys_list(_: argparse.Namespace) -> int:
     if not keys:
         print("No keys yet. Create one with:  nextstate keys create --user NAME")
         return 0
-    print(f"{'ID':<18} {'USER':<20} {'KEY':<14} {'ADMIN':<6} {'CREATED (UTC)':<20} STATUS")
+    print(f"{'ID':<18} {'USER':<20} {'KEY':<14} {'ADMIN':<6} {'RPM':<7} {'TPM':<9} {'CREATED (UTC)':<20} STATUS")
     for k in keys:
         created = datetime.fromtimestamp(k.created_at, tz=timezone.utc).strftime("%Y-%m-%d %H:%M:%S")
         status = "active" if k.active else "revoked"
-        print(f"{k.id:<18} {k.user:<20} {k.hint:<14} {'yes' if k.admin else 'no':<6} {created:<20} {status}")
+        rpm, tpm = k.rpm or "-", k.tpm or "-"
+        print(f"{k.id:<18} {k.user:<20} {k.hint:<14} {'yes' if k.admin else 'no':<6} {rpm:<7} {tpm:<9} {created:<20} {status}")
     return 0
 
 
@@ -99,6 +134,31 @@ def cmd_keys_revoke(args: argparse.Namespace) -> int:
     if not store.revoke(args.key_id):
         sys.exit(f"nextstate: no active key with id {args.key_id!r} (see 'nextstate keys list')")
     print(f"Revoked {args.key_id}; requests with it are refused from now on.")
+    return 0
+
+
+def cmd_forget(args: argparse.Namespace) -> int:
+    from nextstate.forget import forget_offline, running_server
+
+    settings = _settings()
+    running = running_server(settings)
+    if running:
+        sys.exit(
+            f"nextstate: a server is running on this data dir (pid {running['pid']}, port {running['port']}). Stop it "
+            f"first, or call DELETE /v1/admin/users/{args.user} on it with an admin key."
+        )
+    if not args.yes:
+        answer = input(f"Delete every key, session, record, sample and own adapter of user '{args.user}'? [y/N] ")
+        if answer.strip().lower() not in ("y", "yes"):
+            print("Nothing deleted.")
+            return 1
+    summary = forget_offline(settings, args.user)
+    print(
+        f"Forgot user '{args.user}': {summary['keys']} key(s), {summary['sessions']} open session(s), "
+        f"{summary['records']} record(s), {summary['samples']} sample(s) and inbox entries"
+        + (", their adapter" if summary["adapter_deleted"] else "") + "."
+        + (f"\nNote: {summary['note']}." if "note" in summary else "")
+    )
     return 0
 
 
@@ -116,8 +176,15 @@ def build_parser() -> argparse.ArgumentParser:
     create = keys.add_parser("create", help="create a key for a user (printed once)")
     create.add_argument("--user", required=True, help="the user the key belongs to")
     create.add_argument("--admin", action="store_true", help="allow /v1/admin routes")
+    create.add_argument("--rpm", type=int, help="at most this many requests per minute (default: no limit)")
+    create.add_argument("--tpm", type=int, help="at most this many tokens (prompt and reply) per minute (default: no limit)")
     create.set_defaults(func=cmd_keys_create)
     keys.add_parser("list", help="list keys (never the secrets)").set_defaults(func=cmd_keys_list)
+    forget = sub.add_parser("forget", help="delete one user's keys, sessions, records, samples and own adapter")
+    forget.add_argument("--user", required=True, help="the user to forget")
+    forget.add_argument("--yes", action="store_true", help="do not ask for confirmation")
+    forget.set_defaults(func=cmd_forget)
+
     revoke = keys.add_parser("revoke", help="revoke a key by id")
     revoke.add_argument("key_id")
     revoke.set_defaults(func=cmd_keys_revoke)

@@ -7,9 +7,9 @@ import asyncio
 from fastapi import APIRouter, Depends, Request
 from pydantic import BaseModel, Field
 
-from proxy.auth import authenticate_admin
-from proxy.errors import OpenAIError
-from proxy.keys import ApiKey
+from nextstate.proxy.auth import authenticate_admin
+from nextstate.proxy.errors import OpenAIError
+from nextstate.proxy.keys import ApiKey
 
 router = APIRouter(prefix="/v1/admin")
 
@@ -22,7 +22,7 @@ async def stats(request: Request, _: ApiKey = Depends(authenticate_admin)) -> di
     learner = request.app.state.learner
     return {
         "object": "nextstate.stats",
-        "mode": judge.config.mode,
+        "mode": judge.settings.mode,
         "samples": await asyncio.to_thread(request.app.state.samples.stats),
         "judge": judge.stats.snapshot(),
         "learner": {"enabled": learner is not None, "steps": learner.steps[-20:] if learner else []},
@@ -58,3 +58,9 @@ async def rollback(body: RollbackRequest, request: Request, _: ApiKey = Depends(
     except KeyError:
         raise OpenAIError(404, f"Scope '{body.scope}' has no adapter version {body.version}.", param="version", code="version_not_found") from None
     return {"object": "adapter.rollback", "scope": body.scope, "restored": body.version, "version": new_version}
+
+
+@router.delete("/users/{user}")
+async def forget_user(user: str, request: Request, _: ApiKey = Depends(authenticate_admin)) -> dict:
+    """Delete everything of one user: keys, open sessions, records, samples, their own adapter."""
+    return await request.app.state.forget_user(user)

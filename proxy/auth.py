@@ -6,8 +6,8 @@ import asyncio
 
 from fastapi import Request
 
-from proxy.errors import OpenAIError
-from proxy.keys import ApiKey, KeyStore
+from nextstate.proxy.errors import OpenAIError
+from nextstate.proxy.keys import ApiKey, KeyStore
 
 _WWW = {"WWW-Authenticate": "Bearer"}
 
@@ -27,6 +27,7 @@ async def authenticate(request: Request) -> ApiKey:
     key = await asyncio.to_thread(store.verify, secret.strip())
     if key is None:
         raise OpenAIError(401, "Incorrect or revoked API key provided.", code="invalid_api_key", headers=_WWW)
+    request.state.user = key.user  # for the record of a request that is refused later
     return key
 
 

@@ -11,8 +11,9 @@ import logging
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 log = logging.getLogger(__name__)
 
@@ -80,22 +81,44 @@ def validation_error(errors: list) -> OpenAIError:
 _STATUS_TYPES = {401: "invalid_request_error", 403: "permission_error", 404: "invalid_request_error", 405: "invalid_request_error"}
 
 
+def refused(request: Request, error: OpenAIError) -> JSONResponse:
+    """The error response, after recording the refusal (a record and a /metrics count): a
+    request nextstate turned down must be as visible to the operator as one it served."""
+    state = request.app.state
+    if hasattr(state, "records"):
+        state.metrics.refused.labels(str(error.status), error.code or error.type).inc()
+        state.records.write(
+            "refused",
+            {
+                "method": request.method, "path": request.url.path, "user": getattr(request.state, "user", None),
+                "status": error.status, "code": error.code, "param": error.param, "message": error.message[:500],
+            },
+        )
+    return error.response()
+
+
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(OpenAIError)
-    async def _openai_error(_: Request, exc: OpenAIError) -> JSONResponse:
-        return exc.response()
+    async def _openai_error(request: Request, exc: OpenAIError) -> JSONResponse:
+        return refused(request, exc)
 
     @app.exception_handler(RequestValidationError)
-    async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
-        return validation_error(list(exc.errors())).response()
+    async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return refused(request, validation_error(list(exc.errors())))
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         kind = _STATUS_TYPES.get(exc.status_code, "server_error" if exc.status_code >= 500 else "invalid_request_error")
         code = "not_found" if exc.status_code == 404 else None
-        return OpenAIError(exc.status_code, str(exc.detail), type=kind, code=code, headers=exc.headers).response()
+        return refused(request, OpenAIError(exc.status_code, str(exc.detail), type=kind, code=code, headers=exc.headers))
+
+    @app.exception_handler(ClientDisconnect)
+    async def _gone(request: Request, exc: Exception) -> Response:
+        # The client hung up while sending its request: one line, no traceback, nobody to answer.
+        log.info("client disconnected during %s %s", request.method, request.url.path)
+        return Response(status_code=499)
 
     @app.exception_handler(Exception)
-    async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
         log.exception("unhandled error")
-        return OpenAIError(500, "The server had an error while processing your request.", type="server_error").response()
+        return refused(request, OpenAIError(500, "The server had an error while processing your request.", type="server_error"))

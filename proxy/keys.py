@@ -30,6 +30,8 @@ CREATE TABLE IF NOT EXISTS api_keys (
     revoked_at REAL
 );
 """
+# Columns added since the first release, with their type: added to an older database on open.
+_ADDED_COLUMNS = {"rpm": "INTEGER", "tpm": "INTEGER"}
 
 
 @dataclass(frozen=True)
@@ -40,6 +42,8 @@ class ApiKey:
     admin: bool
     created_at: float
     revoked_at: float | None
+    rpm: int | None = None  # requests per minute; None: no limit
+    tpm: int | None = None  # tokens per minute; None: no limit
 
     @property
     def active(self) -> bool:
@@ -57,16 +61,22 @@ class KeyStore:
         self._conn.execute("PRAGMA journal_mode=WAL")
         self._conn.execute("PRAGMA busy_timeout=5000")
         self._conn.executescript(_SCHEMA)
+        present = {row[1] for row in self._conn.execute("PRAGMA table_info(api_keys)")}
+        for column, kind in _ADDED_COLUMNS.items():
+            if column not in present:
+                self._conn.execute(f"ALTER TABLE api_keys ADD COLUMN {column} {kind}")
         self._lock = threading.Lock()
 
     def close(self) -> None:
         with self._lock:
             self._conn.close()
 
-    def create(self, user: str, admin: bool = False) -> tuple[ApiKey, str]:
+    def create(self, user: str, admin: bool = False, rpm: int | None = None, tpm: int | None = None) -> tuple[ApiKey, str]:
         user = user.strip()
         if not user or len(user) > 100 or any(c.isspace() for c in user):
             raise ValueError("a user name is 1-100 characters without spaces")
+        if any(limit is not None and limit < 1 for limit in (rpm, tpm)):
+            raise ValueError("rate limits are positive numbers (leave them out for no limit)")
         secret = KEY_PREFIX + secrets.token_urlsafe(32)
         key = ApiKey(
             id="key_" + secrets.token_hex(6),
@@ -75,11 +85,13 @@ class KeyStore:
             admin=admin,
             created_at=time.time(),
             revoked_at=None,
+            rpm=rpm,
+            tpm=tpm,
         )
         with self._lock:
             self._conn.execute(
-                "INSERT INTO api_keys (id, user, key_hash, hint, admin, created_at) VALUES (?, ?, ?, ?, ?, ?)",
-                (key.id, key.user, _hash(secret), key.hint, int(admin), key.created_at),
+                "INSERT INTO api_keys (id, user, key_hash, hint, admin, created_at, rpm, tpm) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                (key.id, key.user, _hash(secret), key.hint, int(admin), key.created_at, rpm, tpm),
             )
         return key, secret
 
@@ -88,19 +100,29 @@ class KeyStore:
         digest = _hash(secret)
         with self._lock:
             row = self._conn.execute(
-                "SELECT id, user, hint, admin, created_at, revoked_at, key_hash FROM api_keys WHERE key_hash = ?",
+                "SELECT id, user, hint, admin, created_at, revoked_at, rpm, tpm, key_hash FROM api_keys WHERE key_hash = ?",
                 (digest,),
             ).fetchone()
-        if row is None or not hmac.compare_digest(row[6], digest) or row[5] is not None:
+        if row is None or not hmac.compare_digest(row[8], digest) or row[5] is not None:
             return None
-        return ApiKey(row[0], row[1], row[2], bool(row[3]), row[4], row[5])
+        return ApiKey(row[0], row[1], row[2], bool(row[3]), row[4], row[5], row[6], row[7])
 
     def list(self) -> list[ApiKey]:
         with self._lock:
             rows = self._conn.execute(
-                "SELECT id, user, hint, admin, created_at, revoked_at FROM api_keys ORDER BY created_at"
+                "SELECT id, user, hint, admin, created_at, revoked_at, rpm, tpm FROM api_keys ORDER BY created_at"
             ).fetchall()
-        return [ApiKey(r[0], r[1], r[2], bool(r[3]), r[4], r[5]) for r in rows]
+        return [ApiKey(r[0], r[1], r[2], bool(r[3]), r[4], r[5], r[6], r[7]) for r in rows]
+
+    def active_user_count(self) -> int:
+        """How many users hold a key that is not revoked."""
+        with self._lock:
+            return int(self._conn.execute("SELECT COUNT(DISTINCT user) FROM api_keys WHERE revoked_at IS NULL").fetchone()[0])
+
+    def forget(self, user: str) -> int:
+        """Delete every key of `user` (revoked ones too); returns how many."""
+        with self._lock:
+            return self._conn.execute("DELETE FROM api_keys WHERE user = ?", (user,)).rowcount
 
     def revoke(self, key_id: str) -> bool:
         with self._lock:

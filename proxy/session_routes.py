@@ -6,17 +6,20 @@ import asyncio
 import math
 
 from fastapi import APIRouter, Depends, Request
-from pydantic import BaseModel, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from proxy.auth import authenticate
-from proxy.errors import OpenAIError
-from proxy.keys import ApiKey
+from nextstate.proxy.auth import authenticate
+from nextstate.proxy.errors import OpenAIError
+from nextstate.proxy.keys import ApiKey
+from nextstate.proxy.request_body import read_model, request_body_schema
 
 router = APIRouter()
 
 
 class OutcomeRequest(BaseModel):
-    reward: float = Field(description="The session's verifiable outcome o, e.g. 1 for success, -1 or 0 for failure.")
+    model_config = ConfigDict(strict=True)
+
+    reward: float = Field(description="The session's verifiable outcome o, e.g. 1 for success, -1 for failure.")
 
     @field_validator("reward")
     @classmethod
@@ -26,13 +29,32 @@ class OutcomeRequest(BaseModel):
         return value
 
 
-@router.post("/v1/sessions/{session_id}/outcome")
-async def post_outcome(session_id: str, body: OutcomeRequest, request: Request, key: ApiKey = Depends(authenticate)) -> dict:
-    """Step reward of each judged turn of the session becomes o + mean(PRM votes) (paper §4.4)."""
+@router.post("/v1/sessions/{session_id}/outcome", openapi_extra=request_body_schema(OutcomeRequest))
+async def post_outcome(session_id: str, request: Request, key: ApiKey = Depends(authenticate)) -> dict:
+    """Step reward of each judged turn of the session becomes o + mean(PRM votes) (paper §4.4).
+
+    Only for a session whose requests declared X-Outcome-Expected (an environment's episode),
+    and only within the configured bounds: an outcome is a reward, and an unbounded or
+    undeclared one would let any user steer the adapter."""
+    body = await read_model(request, OutcomeRequest)
+    judge = request.app.state.judge.settings
+    if not judge.outcome_min <= body.reward <= judge.outcome_max:
+        raise OpenAIError(
+            400, f"reward must be between {judge.outcome_min:g} and {judge.outcome_max:g} (NEXTSTATE_OUTCOME_MIN/MAX).",
+            param="reward", code="reward_out_of_range",
+        )
+    session = request.app.state.sessions.get(key.user, session_id)
     samples = request.app.state.samples
-    open_session = request.app.state.sessions.get(key.user, session_id) is not None
-    if not open_session and not await asyncio.to_thread(samples.session_known, key.user, session_id):
-        raise OpenAIError(404, f"No session '{session_id}' of yours is known here.", param="session_id", code="session_not_found")
-    updated = await asyncio.to_thread(samples.set_outcome, key.user, session_id, body.reward)
-    request.app.state.records.write("outcome", {"user": key.user, "session_id": session_id, "reward": body.reward, "samples_updated": updated})
+    if session is not None:
+        declared = session.outcome_expected
+    else:
+        declared = await asyncio.to_thread(samples.session_expects_outcome, key.user, session_id)
+        if not declared and not await asyncio.to_thread(samples.session_known, key.user, session_id):
+            raise OpenAIError(404, f"No session '{session_id}' of yours is known here.", param="session_id", code="session_not_found")
+    if not declared:
+        raise OpenAIError(
+            409, f"Session '{session_id}' did not declare an outcome: send X-Outcome-Expected: true with its requests.",
+            param="session_id", code="outcome_not_expected",
+        )
+    updated = await request.app.state.judge.record_outcome(key.user, session_id, body.reward)
     return {"object": "session.outcome", "session_id": session_id, "reward": body.reward, "samples_updated": updated}

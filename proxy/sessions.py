@@ -1,19 +1,41 @@
 """Sessions and turn classification, so that stock clients train without patches.
 
 A client that sends no session header still sends the whole conversation every time. Each
-session remembers a hash chain of its *main line*: the messages of its last main turn plus
-the reply we gave. A request whose messages start with a session's main line continues that
-session; the messages after the line are the next state of the previous turn. Looking a
-request up costs one dict probe per message of the request, however many sessions are open.
+session keeps its *main line* as a hash chain (`session_chain.Chain`): the messages of its
+last main turn plus the reply we gave. A request is matched on the longest prefix it shares
+with any session of its user (one dict probe per message, however many sessions are open),
+then classified against that session's line:
 
-Explicit `X-Session-Id` / `X-Turn-Type` headers override inference. Sessions are keyed by
-user, so one user's request can never land in, or read from, another user's session.
+* **extend** — it continues the whole line: the messages after it are the next state of the
+  line's last turn.
+* **edited** — it continues the line but one of our replies in it reads differently: the agent
+  merged two attempts, trimmed one, or replayed a tool call as text. Still the same
+  conversation; the messages after the request's last reply are the next state, and the
+  transition says the reply was edited.
+* **fork** — it leaves the line at a user or tool message, or stops inside it: a regenerated
+  reply, an edited question, or the real next message after a side request (a summary, a
+  memory flush) that looked like a continuation. Turns whose replies lie past the fork are
+  superseded, untrained.
+* **new** / **none** — it shares no reply of ours with any session: a new conversation (or,
+  on an explicit session, a side turn).
+
+A next state is *provisional* until a later request of the session extends past it: a side
+request that extends the line must not become the previous turn's next state for good, since
+the real reply may still come (it forks, and replaces it). Transitions therefore reach the
+judge one request later, or when the session closes.
+
+State changes only when a reply is committed, so a request that fails or is aborted leaves no
+trace. Explicit `X-Session-Id` / `X-Turn-Type` headers override inference. Sessions are keyed
+by user, so one user's request can never land in, or read from, another user's session. With a
+`SessionDB`, every change is persisted by `save()`, and a restart continues every open session:
+`save()` first waits until the transitions handed to the judge are safe in its inbox, then
+writes the sessions, so that a crash between the two can lose neither.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
+import asyncio
+import inspect
 import secrets
 import time
 from collections import OrderedDict
@@ -21,43 +43,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from nextstate.types import NextState, Transition, Turn
+from nextstate.core.types import NextState, Transition, Turn
+from nextstate.proxy.session_chain import Chain, VolatileText
 
 TurnType = Literal["main", "side"]
-Match = Literal["extend", "fork", "new", "none"]
-
-
-def _canonical_arguments(arguments: Any) -> Any:
-    if isinstance(arguments, str):
-        try:
-            return json.loads(arguments)
-        except ValueError:
-            return arguments.strip()
-    return arguments
-
-
-def message_digest(message: dict[str, Any]) -> str:
-    """What identifies a message across round trips: clients may re-id tool calls, re-serialise
-    arguments or trim whitespace, so none of those change the digest."""
-    canonical: dict[str, Any] = {"role": message["role"], "content": (message.get("content") or "").strip()}
-    if message.get("tool_calls"):
-        canonical["tool_calls"] = [
-            [c["function"]["name"], _canonical_arguments(c["function"].get("arguments"))] for c in message["tool_calls"]
-        ]
-    blob = json.dumps(canonical, sort_keys=True, ensure_ascii=False, separators=(",", ":"))
-    return hashlib.sha256(blob.encode()).hexdigest()[:32]
-
-
-def chain_step(previous: str, digest: str) -> str:
-    return hashlib.sha256((previous + digest).encode()).hexdigest()[:32]
-
-
-def hash_chain(digests: list[str]) -> list[str]:
-    out, h = [], ""
-    for d in digests:
-        h = chain_step(h, d)
-        out.append(h)
-    return out
+# Session ids come back as the X-Session-Id header: visible ASCII only (no spaces, no control
+# characters, nothing a header cannot carry), 1-200 characters.
+SESSION_ID_PATTERN = r"^[\x21-\x7e]{1,200}$"
+Match = Literal["extend", "edited", "fork", "new", "none"]
 
 
 @dataclass(eq=False)
@@ -66,15 +59,35 @@ class Session:
     user: str
     explicit: bool
     last_active: float
-    line_len: int = 0  # messages on the main line (request + our reply)
-    line_hash: str = ""
-    # The main line before the pending turn's request: lets a request that forks off there
-    # (e.g. the real reply after a side request that looked like a continuation) be recognised.
-    boundary_len: int = 0
-    boundary_hash: str = ""
+    line: Chain | None = None  # the main line: the last main turn's request and our reply
     turn_count: int = 0
-    pending: Turn | None = None
+    pending: Turn | None = None  # the last main turn; its reply ends the line
+    provisional: Transition | None = None  # the turn before, with a next state not yet confirmed
+    provisional_at: int = -1  # index of that turn's reply in the line
     closed: bool = False
+    outcome_expected: bool = False  # its requests said an environment will post an outcome
+    last_active_wall: float = field(default_factory=time.time)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "id": self.id, "user": self.user, "explicit": self.explicit, "last_active_wall": self.last_active_wall,
+            "line": self.line.to_json() if self.line else None, "turn_count": self.turn_count,
+            "pending": self.pending.model_dump(mode="json") if self.pending else None,
+            "provisional": self.provisional.model_dump(mode="json") if self.provisional else None,
+            "provisional_at": self.provisional_at, "outcome_expected": self.outcome_expected,
+        }
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any], clock_now: float) -> Session:
+        idle = max(0.0, time.time() - data["last_active_wall"])
+        return cls(
+            id=data["id"], user=data["user"], explicit=data["explicit"], last_active=clock_now - idle,
+            line=Chain.from_json(data["line"]) if data["line"] else None, turn_count=data["turn_count"],
+            pending=Turn.model_validate(data["pending"]) if data["pending"] else None,
+            provisional=Transition.model_validate(data["provisional"]) if data["provisional"] else None,
+            provisional_at=data["provisional_at"], last_active_wall=data["last_active_wall"],
+            outcome_expected=data.get("outcome_expected", False),
+        )
 
 
 @dataclass
@@ -84,8 +97,9 @@ class TurnPlan:
     session: Session | None
     turn_type: TurnType
     match: Match
+    request: Chain
+    messages: list[dict[str, Any]]
     turn_index: int | None = None
-    request_chain: list[str] = field(default_factory=list)
     close_after: bool = False
 
     @property
@@ -100,17 +114,52 @@ class SessionStore:
         idle_s: float = 1800.0,
         max_sessions: int = 10000,
         clock: Callable[[], float] = time.monotonic,
+        max_per_user: int | None = None,
+        volatile: VolatileText | None = None,
+        db: Any = None,
     ) -> None:
-        self._emit = emit
+        self._emit_to = emit
+        self._handed: list[Any] = []  # what `emit` returned: awaitables until the judge has it on disk
+        self._dirty: set[tuple[str, str]] = set()
         self.idle_s = idle_s
         self.max_sessions = max_sessions
+        self.max_per_user = max_per_user or max_sessions
         self._clock = clock
+        self.volatile = volatile if volatile is not None else VolatileText()
+        self._db = db  # a SessionDB, or None to keep sessions in memory only
         self._sessions: OrderedDict[tuple[str, str], Session] = OrderedDict()  # least recent first
-        self._by_line: dict[tuple[str, str], Session] = {}
-        self._by_boundary: dict[tuple[str, str], Session] = {}
+        self._per_user: dict[str, OrderedDict[str, Session]] = {}  # the same, by user
+        self._index: dict[str, Session] = {}  # chain hash (user-seeded) -> a session whose line has it
+        if db is not None:
+            for data in db.load():
+                self._register(Session.from_json(data, self._clock()))
 
     def __len__(self) -> int:
         return len(self._sessions)
+
+    def _emit(self, transition: Transition) -> None:
+        handed = self._emit_to(transition)
+        if inspect.isawaitable(handed):
+            self._handed.append(handed)
+
+    async def save(self, wait_s: float = 2.0) -> None:
+        """Persist every session changed since the last save, once the transitions they handed
+        over are durable (waiting at most `wait_s`: a full disk must not hold a request)."""
+        handed, self._handed = self._handed, []
+        if handed:
+            await asyncio.wait([asyncio.ensure_future(h) for h in handed], timeout=wait_s)
+        if self._db is None:
+            self._dirty.clear()
+            return
+        dirty, self._dirty = self._dirty, set()
+        for key in dirty:
+            s = self._sessions.get(key)
+            if s is None:
+                self._db.delete(*key)
+            else:
+                self._db.save(s.user, s.id, s.to_json())
+        if dirty:
+            await asyncio.to_thread(self._db.flush, wait_s)
 
     def get(self, user: str, session_id: str) -> Session | None:
         return self._sessions.get((user, session_id))
@@ -125,93 +174,155 @@ class SessionStore:
         turn_type: TurnType | None = None,
         done: bool = False,
     ) -> TurnPlan:
-        chain = hash_chain([message_digest(m) for m in messages])
+        """Classify a request; nothing changes until its reply is committed."""
+        request = Chain.of(user, messages, self.volatile)
         if session_id is not None:
-            session = self._sessions.get((user, session_id)) or self._open(user, session_id, explicit=True)
-            match = self._match_explicit(session, chain)
+            session = self._sessions.get((user, session_id)) or Session(session_id, user, True, self._clock())
+            match = self._classify(session, request)
         else:
-            session, match = self._match_inferred(user, chain)
+            session, match = self._find(request)
             if session is None and turn_type != "side":
-                session, match = self._open(user, "sess_" + secrets.token_hex(12), explicit=False), "new"
-        plan = TurnPlan(session, turn_type or ("main" if match != "none" else "side"), match, request_chain=chain)
+                session, match = Session("sess_" + secrets.token_hex(12), user, False, self._clock()), "new"
+        plan = TurnPlan(session, turn_type or ("main" if match != "none" else "side"), match, request, messages)
         plan.close_after = done
-        if session is None:
-            return plan
-        self._touch(session)
-        if plan.turn_type == "main":
-            self._begin_main(session, match, messages)
-            session.turn_count += 1
-            plan.turn_index = session.turn_count
+        if session is not None and plan.turn_type == "main":
+            plan.turn_index = session.turn_count + 1
         return plan
 
-    def _match_explicit(self, s: Session, chain: list[str]) -> Match:
-        n = len(chain)
-        if s.line_len == 0:
-            return "new" if s.turn_count == 0 else "extend"
-        if s.line_len < n and chain[s.line_len - 1] == s.line_hash:
+    @staticmethod
+    def _classify(s: Session, request: Chain) -> Match:
+        line = s.line
+        if line is None or len(line) == 0:
+            return "new"
+        m, n = len(line), len(request)
+        k = line.common_prefix(request)
+        has_next = request.last_assistant() < n - 1  # a request must end with the client's turn
+        if k == m and n > m:
             return "extend"
-        if s.pending is not None and s.boundary_len < n and (s.boundary_len == 0 or chain[s.boundary_len - 1] == s.boundary_hash):
+        if k < min(n, m) and request.roles[k] == "assistant" and line.roles[k] == "assistant" and has_next:
+            return "edited"
+        if "assistant" in request.roles[:k] and has_next:
             return "fork"
         return "none"
 
-    def _match_inferred(self, user: str, chain: list[str]) -> tuple[Session | None, Match]:
-        # The longest main line the request continues wins; a strict prefix is required, since
-        # a continuation always adds at least the user's reply or a tool result.
-        for k in range(len(chain) - 1, 0, -1):
-            key = (user, chain[k - 1])
-            if (s := self._by_line.get(key)) is not None:
-                return s, "extend"
-            if (s := self._by_boundary.get(key)) is not None and s.pending is not None:
-                return s, "fork"
+    def _find(self, request: Chain) -> tuple[Session | None, Match]:
+        """The session sharing the longest prefix with the request (hashes are user-seeded)."""
+        for k in range(len(request), 0, -1):
+            session = self._index.get(request.hashes[k - 1])
+            if session is not None:
+                match = self._classify(session, request)
+                return (session, match) if match != "none" else (None, "none")
         return None, "none"
-
-    def _begin_main(self, s: Session, match: Match, messages: list[dict[str, Any]]) -> None:
-        if match == "extend":
-            if s.pending is not None:
-                self._emit(Transition(turn=s.pending, next_state=NextState(messages=messages[s.line_len :]), reason="next_state"))
-                s.pending = None
-        elif match == "fork":
-            # The pending turn was not on the main line after all (a side request that looked
-            # like a continuation, or a regenerated reply): drop it untrained.
-            s.pending = None
-            self._set_line(s, s.boundary_len, s.boundary_hash)
-        elif match == "none" and s.pending is not None:
-            self._emit(Transition(turn=s.pending, next_state=None, reason="superseded"))
-            s.pending = None
 
     # ------------------------------------------------------------------ commit / close
 
-    def commit_main(self, plan: TurnPlan, turn: Turn, reply: dict[str, Any]) -> None:
-        """Record a finished main turn: the main line now ends with our reply."""
+    def commit_main(self, plan: TurnPlan, turn: Turn, reply: dict[str, Any]) -> Turn:
+        """Record a finished main turn (classified again, against the session as it is now):
+        the main line now ends with our reply. Returns the turn with its final index."""
         s = plan.session
         if s is None:
-            return
+            return turn
         if s.closed:
             self._emit(Transition(turn=turn, next_state=None, reason="session_closed"))
-            return
-        base_len, base_hash = s.line_len, s.line_hash
-        request_hash = plan.request_chain[-1] if plan.request_chain else ""
-        self._set_line(s, len(plan.request_chain) + 1, chain_step(request_hash, message_digest(reply)))
-        self._set_boundary(s, base_len, base_hash)
+            return turn
+        if (s.user, s.id) not in self._sessions:
+            self._register(s)
+        match = self._classify(s, plan.request)
+        old_hashes = s.line.hashes if s.line else ()
+        if match in ("extend", "edited"):
+            self._continue(s, plan, edited=match == "edited")
+        elif match == "fork":
+            self._fork(s, plan)
+        elif match == "none":  # an explicit main turn that does not continue its session's line
+            self._confirm(s)
+            self._supersede_pending(s)
+        s.turn_count += 1
+        s.outcome_expected = s.outcome_expected or turn.track == "outcome"
+        if turn.turn_index != s.turn_count or turn.session_id != s.id:
+            turn = turn.model_copy(update={"turn_index": s.turn_count, "session_id": s.id})
+        s.line = plan.request.extended(reply, len(plan.messages), self.volatile)
         s.pending = turn
+        self._reindex(s, old_hashes)
         self._touch(s)
         if plan.close_after:
             self.close(s)
+        else:
+            self._dirty.add((s.user, s.id))
+        return turn
+
+    def _continue(self, s: Session, plan: TurnPlan, edited: bool) -> None:
+        """The request goes on from the line (or from an edited reply in it): the last turn's
+        next state is what follows the request's last reply, provisionally."""
+        self._confirm(s)
+        if s.pending is None:
+            return
+        request = plan.request
+        start = len(s.line) if not edited else request.last_assistant() + 1
+        s.provisional = Transition(
+            turn=s.pending, next_state=NextState(messages=_messages_from(plan, start)), reason="next_state", edited=edited
+        )
+        s.provisional_at = len(s.line) - 1
+        s.pending = None
+
+    def _fork(self, s: Session, plan: TurnPlan) -> None:
+        """The request leaves the line at `k`: turns whose replies lie past it are superseded;
+        the provisional turn before it gets the request's messages after its reply instead."""
+        k = s.line.common_prefix(plan.request)
+        if s.pending is not None and len(s.line) - 1 >= k:
+            self._supersede_pending(s)
+        if s.provisional is None:
+            return
+        if s.provisional_at >= k:
+            self._emit(Transition(turn=s.provisional.turn, next_state=None, reason="superseded"))
+            s.provisional = None
+            return
+        replaced = _messages_from(plan, s.provisional_at + 1)
+        if replaced:
+            s.provisional = Transition(turn=s.provisional.turn, next_state=NextState(messages=replaced), reason="next_state")
+
+    def _confirm(self, s: Session) -> None:
+        if s.provisional is not None:
+            self._emit(s.provisional)
+            s.provisional = None
+
+    def _supersede_pending(self, s: Session) -> None:
+        if s.pending is not None:
+            self._emit(Transition(turn=s.pending, next_state=None, reason="superseded"))
+            s.pending = None
 
     def finish_side(self, plan: TurnPlan) -> None:
         if plan.close_after and plan.session is not None and not plan.session.closed:
-            self.close(plan.session)
+            if (plan.session.user, plan.session.id) in self._sessions:
+                self.close(plan.session)
 
     def close(self, s: Session, reason: Literal["session_closed"] = "session_closed") -> None:
         if s.closed:
             return
         s.closed = True
         self._sessions.pop((s.user, s.id), None)
-        self._set_line(s, 0, "")
-        self._set_boundary(s, 0, "")
+        own = self._per_user.get(s.user)
+        if own is not None:
+            own.pop(s.id, None)
+            if not own:
+                del self._per_user[s.user]
+        self._reindex(s, s.line.hashes if s.line else (), keep=False)
+        self._confirm(s)
         if s.pending is not None:
             self._emit(Transition(turn=s.pending, next_state=None, reason=reason))
             s.pending = None
+        self._dirty.add((s.user, s.id))
+
+    def forget(self, user: str) -> int:
+        """Drop every open session of `user` without handing anything to the judge."""
+        dropped = 0
+        for s in list(self._per_user.get(user, {}).values()):
+            s.pending = s.provisional = None
+            self.close(s)
+            self._dirty.discard((s.user, s.id))
+            dropped += 1
+        if self._db is not None:
+            self._db.forget(user)
+        return dropped
 
     def sweep(self) -> int:
         """Close sessions idle for longer than idle_s; returns how many closed."""
@@ -231,30 +342,36 @@ class SessionStore:
 
     # ------------------------------------------------------------------ bookkeeping
 
-    def _open(self, user: str, session_id: str, explicit: bool) -> Session:
-        s = Session(id=session_id, user=user, explicit=explicit, last_active=self._clock())
-        self._sessions[(user, session_id)] = s
+    def _register(self, s: Session) -> None:
+        self._sessions[(s.user, s.id)] = s
+        self._sessions.move_to_end((s.user, s.id))
+        own = self._per_user.setdefault(s.user, OrderedDict())
+        own[s.id] = s
+        own.move_to_end(s.id)
+        if s.line is not None:
+            self._reindex(s, ())
+        while len(own) > self.max_per_user:  # a user's many sessions push out their own, not others'
+            self.close(next(iter(own.values())))
         while len(self._sessions) > self.max_sessions:
             self.close(next(iter(self._sessions.values())))
-        return s
 
     def _touch(self, s: Session) -> None:
         s.last_active = self._clock()
+        s.last_active_wall = time.time()
         if (s.user, s.id) in self._sessions:
             self._sessions.move_to_end((s.user, s.id))
+            self._per_user[s.user].move_to_end(s.id)
 
-    def _set_line(self, s: Session, length: int, digest: str) -> None:
-        self._reindex(self._by_line, s, (s.line_len, s.line_hash), (length, digest))
-        s.line_len, s.line_hash = length, digest
+    def _reindex(self, s: Session, old: tuple[str, ...], keep: bool = True) -> None:
+        """Point the index at `s` for every hash of its line; drop its stale entries."""
+        new = set(s.line.hashes) if keep and s.line else set()
+        for h in old:
+            if h not in new and self._index.get(h) is s:
+                del self._index[h]
+        for h in new:
+            self._index[h] = s
 
-    def _set_boundary(self, s: Session, length: int, digest: str) -> None:
-        self._reindex(self._by_boundary, s, (s.boundary_len, s.boundary_hash), (length, digest))
-        s.boundary_len, s.boundary_hash = length, digest
 
-    @staticmethod
-    def _reindex(index: dict, s: Session, old: tuple[int, str], new: tuple[int, str]) -> None:
-        """Move `s` in a hash index from its old line to its new one (length 0 = no line)."""
-        if old[0] and index.get((s.user, old[1])) is s:
-            del index[(s.user, old[1])]
-        if new[0]:
-            index[(s.user, new[1])] = s
+def _messages_from(plan: TurnPlan, chain_index: int) -> list[dict[str, Any]]:
+    """The request's messages from chain position `chain_index` on (volatile-only ones left out)."""
+    return [plan.messages[i] for i in plan.request.positions[chain_index:]]

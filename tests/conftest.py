@@ -10,10 +10,10 @@ import httpx
 import pytest
 from openai import OpenAI
 
-from engine.tiny_model import build_tiny_model
+from tests.tiny_model import build_tiny_model
 from nextstate.app import open_engine
-from nextstate.background_server import RunningServer, free_port, start_server
-from nextstate.settings import Settings
+from tests.background_server import RunningServer, free_port, start_server
+from nextstate.core.settings import Settings
 from tests.scripted_engine import ScriptedEngine
 
 __all__ = ["RunningServer", "free_port", "make_settings", "raw_post", "start_server"]
@@ -49,17 +49,24 @@ def server(server_factory) -> RunningServer:
     return server_factory()
 
 
-@pytest.fixture
-def scripted(server_factory):
-    """A real nextstate server whose engine replies with scripted text: (server, engine)."""
+def scripted_factory(**engine_kwargs):
+    """An engine factory that makes a ScriptedEngine over the model's tokenizer, and a dict
+    whose "engine" is the latest one made (a restarted server gets a new one)."""
     holder: dict = {}
 
     async def factory(model_dir: Path, settings: Settings):
         from transformers import AutoTokenizer
 
-        holder["engine"] = ScriptedEngine(AutoTokenizer.from_pretrained(model_dir))
+        holder["engine"] = ScriptedEngine(AutoTokenizer.from_pretrained(model_dir), **engine_kwargs)
         return holder["engine"]
 
+    return factory, holder
+
+
+@pytest.fixture
+def scripted(server_factory):
+    """A real nextstate server whose engine replies with scripted text: (server, engine)."""
+    factory, holder = scripted_factory()
     srv = server_factory(engine_factory=factory)
     return srv, holder["engine"]
 

@@ -20,9 +20,9 @@ import uuid
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from engine.base import SamplingParams
-from engine.local import LocalEngine
-from nextstate.background_server import free_port, serve_in_thread
+from nextstate.engine.base import SamplingParams
+from nextstate.engine.local import LocalEngine
+from tests.background_server import free_port, serve_in_thread
 
 
 class FakeSGLang:

@@ -3,7 +3,8 @@
 PRM prompt: the next state decides — thanks/great → \\boxed{1}; no/wrong/error → \\boxed{-1};
 anything else → \\boxed{0}. Hint prompt: a user correction ("no, ...") → \\boxed{1} with a hint
 whose length depends on the vote (so "longest wins" is observable); otherwise \\boxed{-1}.
-Modes "hang", "garbage" and "error" simulate a broken judge.
+Modes "hang", "garbage" and "error" simulate a broken judge; "echo" quotes what it judged after
+its own verdict, as judges do.
 """
 
 from __future__ import annotations
@@ -15,10 +16,10 @@ import time
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
-from nextstate.background_server import free_port, serve_in_thread
+from tests.background_server import free_port, serve_in_thread
 
 HINTS = ["Use French.", "Answer in French, not English.", "Answer in French, not English, and keep it to one short sentence."]
-_NEXT_STATE = re.compile(r"\[role: (\w+)\]\n(.*?)\n\n(?:First|Now)", re.DOTALL)
+_NEXT_STATE = re.compile(r"\[role: (\w+)\]\n<data (\w+)>\n(.*?)\n</data \2>", re.DOTALL)
 
 
 class ScriptedJudge:
@@ -36,7 +37,12 @@ class ScriptedJudge:
                 await asyncio.sleep(3600)
             if self.mode == "error":
                 return JSONResponse({"error": {"message": "boom", "type": "server_error", "param": None, "code": None}}, 500)
-            text = "I am not sure what to say here." if self.mode == "garbage" else self.verdict(body["messages"])
+            if self.mode == "garbage":
+                text = "I am not sure what to say here."
+            elif self.mode == "echo":  # a judge that quotes the text it judges after its verdict
+                text = "My verdict: \\boxed{0}. For the record, the text was: " + body["messages"][-1]["content"]
+            else:
+                text = self.verdict(body["messages"])
             return {
                 "id": "judge-1", "object": "chat.completion", "created": int(time.time()), "model": body["model"],
                 "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "stop"}],
@@ -55,7 +61,7 @@ class ScriptedJudge:
     def verdict(self, messages: list[dict]) -> str:
         system, user = messages[0]["content"], messages[-1]["content"]
         match = _NEXT_STATE.search(user)
-        role, raw = (match.group(1), match.group(2)) if match else ("user", user)
+        role, raw = (match.group(1), match.group(3)) if match else ("user", user)
         text = raw.lower()
         if "hindsight hint extraction" in system:
             if role == "user" and text.startswith("no"):

@@ -11,7 +11,7 @@ import asyncio
 from collections import deque
 from collections.abc import AsyncIterator
 
-from engine.base import EngineInfo, GeneratedToken, SamplingParams
+from nextstate.engine.base import EngineInfo, GeneratedToken, SamplingParams
 
 
 class ScriptedEngine:
@@ -24,15 +24,29 @@ class ScriptedEngine:
         self.default_reply = default_reply
         self._default_ids = None
         self.delay_s = delay_s
+        self.prefill_s = 0.0  # a pause before the first token, as a long prompt's prefill
+        self.fail_after_admit: Exception | None = None  # raised once the request was admitted
+        self.generated = 0  # tokens yielded so far, over all generations
         self.info = EngineInfo(model_name="scripted", max_context=max_context, device="cpu", dtype="float32")
         self.prompts: list[list[int]] = []
+        self.samplings: list[SamplingParams] = []
         self.eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
 
     def script(self, *replies: str) -> None:
         self.replies.extend(replies)
 
-    async def generate(self, input_ids: list[int], sampling: SamplingParams, adapter: str | None = None, background: bool = False) -> AsyncIterator[GeneratedToken]:
+    async def generate(
+        self, input_ids: list[int], sampling: SamplingParams, adapter: str | None = None, background: bool = False,
+        on_admit=None,
+    ) -> AsyncIterator[GeneratedToken]:
+        if on_admit is not None:
+            on_admit()
+        if self.prefill_s:
+            await asyncio.sleep(self.prefill_s)
+        if self.fail_after_admit is not None:
+            raise self.fail_after_admit
         self.prompts.append(list(input_ids))
+        self.samplings.append(sampling)
         if self.replies:
             ids = self._encode(self.replies.popleft())
         else:  # tokenised once: a bench sends thousands of requests
@@ -43,6 +57,7 @@ class ScriptedEngine:
                 await asyncio.sleep(self.delay_s)
             last = i == len(ids) - 1 or i == sampling.max_new_tokens - 1
             reason = None if not last else ("stop" if token == self.eos else "length")
+            self.generated += 1
             yield GeneratedToken(token, -0.5, ((token, -0.5),) * sampling.top_logprobs, reason)
 
     def _encode(self, text: str) -> list[int]:

@@ -12,8 +12,9 @@ from bench.personalization import (
     run_mode,
 )
 from bench.report import LOG_HEADING, upsert_row
-from judge.parsing import parse_hint, parse_score
-from judge.prompts import PromptLibrary
+from nextstate.judge.parsing import parse_hint, parse_score
+from nextstate.judge.context import fence
+from nextstate.judge.prompts import PromptLibrary
 
 
 def test_results_log_rows_are_replaced_by_file_and_stay_in_their_table(tmp_path):
@@ -83,9 +84,9 @@ def test_rule_judge_reads_the_user_from_the_real_judge_prompts():
     _, correction = RuleUser(preference).react("Give me a tip.", "drink water")
     judge, prompts = PreferenceJudge(serve=False), PromptLibrary()
 
-    def ask(prompt: str, next_state: str) -> str:
-        messages = prompts.render(prompt, request="Give me a tip.", response="drink water",
-                                  next_state=next_state, next_state_role="user")
+    def ask(prompt: str, next_state: str) -> str:  # fenced, as nextstate sends it
+        messages = prompts.render(prompt, request=fence("Give me a tip.", "k1"), response=fence("drink water", "k1"),
+                                  next_state=fence(next_state, "k1"), next_state_role="user")
         return judge.verdict(messages)
 
     assert parse_score(ask("prm_personal", correction)) == -1

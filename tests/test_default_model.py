@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine.default_model import DEFAULT_MODEL_NAME, ensure_default_model, find_gguf
+from nextstate.engine.default_model import DEFAULT_MODEL_NAME, ensure_default_model, find_gguf
 
 pytestmark = pytest.mark.slow
 

@@ -7,8 +7,8 @@ import asyncio
 import pytest
 import torch
 
-from engine.base import EngineError, SamplingParams, UnknownAdapterError
-from engine.local import LocalEngine
+from nextstate.engine.base import EngineError, SamplingParams, UnknownAdapterError
+from nextstate.engine.local import LocalEngine
 
 PROMPT = list(range(5, 40))
 
@@ -157,7 +157,7 @@ async def test_background_scoring_waits_for_user_requests(engine):
 
 
 async def test_chunked_background_work_matches_foreground(engine):
-    from engine.local import BACKGROUND_CHUNK
+    from nextstate.engine.local import BACKGROUND_CHUNK
 
     long_prompt = list(range(5, 5 + 3 * BACKGROUND_CHUNK + 7))
     foreground = await engine.score(long_prompt, 10)
@@ -184,7 +184,7 @@ async def test_new_versions_reuse_freed_slots_in_place(engine, tiny_model_dir, t
     v1 = await engine.score(PROMPT, 1, adapter="v1")
     await engine.unload_adapter("v1")
     await engine.load_adapter("v2", str(tmp_path / "v2"))
-    assert engine._adapters["v2"].slot == "slot0", "v2 was copied into v1's slot"
+    assert engine.runner.adapters.slot_of("v2") == "slot0", "v2 was copied into v1's slot"
     v2 = await engine.score(PROMPT, 1, adapter="v2")
     fresh = await LocalEngine.open(tiny_model_dir, device="cpu")
     try:

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import pytest
 
-from engine.base import SamplingParams
-from engine.local import LocalEngine
-from judge.advantages import opd_delta, standardize_outcome_batch, token_advantages
-from judge.parsing import majority_vote, parse_hint, parse_score, select_hint
-from judge.prompts import PromptLibrary
-from judge.teacher import HINT_HEADER, enhanced_messages, teacher_logprobs, teacher_prompt_ids
-from nextstate.types import Sample, Turn
-from proxy.chat_template import ChatRenderer
+from nextstate.engine.base import SamplingParams
+from nextstate.engine.local import LocalEngine
+from nextstate.judge.advantages import opd_delta, standardize_outcome_batch, token_advantages
+from nextstate.judge.parsing import majority_vote, parse_hint, parse_score, select_hint
+from nextstate.judge.prompts import PromptLibrary
+from nextstate.judge.teacher import HINT_HEADER, enhanced_messages, teacher_logprobs, teacher_prompt_ids
+from nextstate.core.types import Sample, Turn
+from nextstate.modelio.chat_template import ChatRenderer
 
 
 @pytest.mark.parametrize(

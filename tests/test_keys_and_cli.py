@@ -13,8 +13,8 @@ import openai
 import pytest
 from openai import OpenAI
 
-from proxy.keys import KeyStore
-from tests.conftest import free_port
+from nextstate.proxy.keys import KeyStore
+from tests.background_server import free_port, wait_for_health
 
 
 def run_cli(*args: str, env: dict) -> subprocess.CompletedProcess:
@@ -48,7 +48,7 @@ def test_key_user_names_are_validated(tmp_path):
 
 
 def test_cli_create_list_revoke_against_a_live_server(server, cli_env):
-    env = {**cli_env, "NEXTSTATE_DATA_DIR": str(server.settings.data_dir), "NEXTSTATE_PORT": str(server.settings.port)}
+    env = {**cli_env, "NEXTSTATE_DATA_DIR": str(server.settings.data_dir), "NEXTSTATE_PORT": str(server.settings.server.port)}
     created = run_cli("keys", "create", "--user", "carol", env=env)
     assert created.returncode == 0, created.stderr
     secret = re.search(r"ns-[A-Za-z0-9_\-]+", created.stdout).group(0)
@@ -88,16 +88,7 @@ def test_serve_command_starts_and_answers(cli_env):
         [sys.executable, "-m", "nextstate.cli", "serve"], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )
     try:
-        deadline = time.monotonic() + 90
-        while True:
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert proc.poll() is None, proc.stdout.read()
-            assert time.monotonic() < deadline, "server did not come up"
-            time.sleep(0.2)
+        wait_for_health(f"http://127.0.0.1:{port}", proc)
         client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=secret, max_retries=0)
         reply = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=4)
         assert reply.usage.completion_tokens == 4

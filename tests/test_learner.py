@@ -10,10 +10,11 @@ import httpx
 import pytest
 import torch
 
-from engine.base import SamplingParams
-from learner.ppo import k3_kl, ppo_token_losses
-from learner.trainer import LoraTrainer, TrainConfig
-from nextstate.types import Sample
+from nextstate.engine.base import SamplingParams
+from nextstate.learner.ppo import k3_kl, ppo_token_losses
+from nextstate.core.settings import LearnerSettings
+from nextstate.learner.trainer import LoraTrainer
+from nextstate.core.types import Sample
 
 PROMPT = list(range(5, 30))
 
@@ -51,12 +52,12 @@ def make_sample(engine_tokens, prompt=PROMPT, advantage=1.0, temperature=1.0, us
 
 @pytest.fixture
 def trainer(tiny_model_dir):
-    return LoraTrainer(tiny_model_dir, TrainConfig(lr=5e-3, lora_r=4, lora_alpha=8))
+    return LoraTrainer(tiny_model_dir, LearnerSettings(lr=5e-3, lora_r=4, lora_alpha=8))
 
 
 @pytest.fixture
 async def engine(tiny_model_dir):
-    from engine.local import LocalEngine
+    from nextstate.engine.local import LocalEngine
 
     eng = await LocalEngine.open(tiny_model_dir, device="cpu")
     yield eng
@@ -90,7 +91,12 @@ async def test_bad_steps_are_skipped_and_rolled_back(trainer, engine):
     result = trainer.step("shared", nan)
     assert result.skipped == "non-finite loss or gradient"
     assert all(torch.equal(a, b) for a, b in zip(before, trainer._params(name)))
-    strict = LoraTrainer(trainer.model_dir, TrainConfig(lr=0.5, max_kl=1e-6, lora_r=4, lora_alpha=8))
+    # one bad sample is left out alone: the rest of its batch trains
+    mixed = [nan[0].model_copy(update={"id": 7}), samples[1].model_copy(update={"id": 8})]
+    result = trainer.step("shared", mixed)
+    assert result.skipped is None and result.dropped == [7]
+    assert any(not torch.equal(a, b) for a, b in zip(before, trainer._params(name)))
+    strict = LoraTrainer(trainer.model_dir, LearnerSettings(lr=0.5, max_kl=1e-6, lora_r=4, lora_alpha=8))
     result = strict.step("shared", samples)
     assert result.skipped and "policy KL" in result.skipped
 
@@ -108,7 +114,7 @@ async def test_saved_adapter_serves_what_was_trained(trainer, engine, tmp_path):
             trained = trainer._logprobs(s).tolist()
         assert served == pytest.approx(trained, abs=1e-4)
     # and the optimizer state resumes
-    fresh = LoraTrainer(trainer.model_dir, trainer.config)
+    fresh = LoraTrainer(trainer.model_dir, trainer.settings)
     fresh.load("shared", tmp_path)
     assert fresh._optimizers["shared"].state_dict()["state"], "AdamW moments restored"
 
@@ -141,7 +147,7 @@ def wait_for(predicate, timeout=60.0):
 
 
 def served_samples(server, n, user="alice", advantage=1.0, seed0=0):
-    chat = server.app.state.chat
+    chat = server.app.state.turns
     ref = server.app.state.policies.current(user)
     runs = server.call(generate(chat.engine, n, ref.adapter, seed0))
     return [make_sample(toks, advantage=advantage, user=user, policy_version=ref.version) for toks in runs]
@@ -201,8 +207,8 @@ def test_no_request_fails_or_stalls_across_swaps(server_factory):
     assert set(versions) >= {0, 4} and max(versions) == 4
     assert len(results) >= 20
     assert max(latency for latency, _ in results) < 5, "no request stalled during a swap"
-    assert server.app.state.chat.engine.adapters == ["shared-v4"] or wait_for(
-        lambda: server.app.state.chat.engine.adapters == ["shared-v4"]
+    assert server.app.state.turns.engine.adapters == ["shared-v4"] or wait_for(
+        lambda: server.app.state.turns.engine.adapters == ["shared-v4"]
     ) is None, "old versions are unloaded"
 
 
@@ -275,15 +281,15 @@ def test_crash_between_publish_and_bookkeeping_trains_nothing_twice(server_facto
     stored = [samples.add_sample(s) for s in served_samples(server, 4)]
     settings = server.settings
     server.stop()
-    from learner.trainer import LoraTrainer as Trainer
-    from learner.versions import AdapterVersions
+    from nextstate.learner.trainer import LoraTrainer as Trainer
+    from nextstate.learner.versions import AdapterVersions
 
-    trainer = Trainer(settings.model, TrainConfig(lr=5e-3, lora_r=4, lora_alpha=8))
+    trainer = Trainer(settings.engine.model, LearnerSettings(lr=5e-3, lora_r=4, lora_alpha=8))
     trainer.step("shared", stored)
     AdapterVersions(settings.adapters_dir).publish(
         "shared", 1, lambda p: trainer.save("shared", p), {"sample_ids": [s.id for s in stored]}
     )  # ... and the process "dies" here
-    restarted = start_server(settings.model_copy(update={"learn": True}))
+    restarted = start_server(settings.with_overrides(learn=True))
     try:
         assert restarted.app.state.samples.samples("ready") == []
         assert restarted.app.state.policies.current("alice").version == 1
@@ -294,7 +300,7 @@ def test_crash_between_publish_and_bookkeeping_trains_nothing_twice(server_facto
 @pytest.fixture(scope="module")
 def peaked_model_dir(tmp_path_factory):
     """A tiny model whose next-token distribution is peaked like a trained model's."""
-    from engine.tiny_model import build_tiny_model
+    from tests.tiny_model import build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("models") / "peaked", init_std=0.4)
 
@@ -303,7 +309,7 @@ def test_a_consistent_reward_moves_the_policy(server_factory, peaked_model_dir):
     """Reward +1 for replies that start with a chosen token, −1 otherwise: after a few
     updates the served adapter gives that token markedly more probability."""
     server = learning_server(server_factory, model=str(peaked_model_dir), batch_size=16, lr=5e-3, lora_r=8, lora_alpha=16)
-    chat, policies = server.app.state.chat, server.app.state.policies
+    chat, policies = server.app.state.turns, server.app.state.policies
     prompt = chat.renderer.render([{"role": "user", "content": "Pick a word."}]).ids
 
     def first_token_distribution():
@@ -351,8 +357,8 @@ def test_killed_mid_batch_the_server_loses_nothing(tmp_path, tiny_model_dir):
     import subprocess
     import sys
 
-    from nextstate.background_server import free_port
-    from nextstate.sample_store import SampleStore
+    from tests.background_server import free_port
+    from nextstate.core.sample_store import SampleStore
 
     port = free_port()
     env = {**os.environ, "NEXTSTATE_DATA_DIR": str(tmp_path / "data"), "NEXTSTATE_MODEL": str(tiny_model_dir),

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import time
 
 import httpx
 import openai
 import pytest
 
-from tests.conftest import raw_post
+from tests.conftest import raw_post, scripted_factory
 from tests.openai_schema import assert_valid
 
 HELLO = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Say hello."}]
@@ -129,6 +130,8 @@ def test_models_list(server, alice):
     body = httpx.get(f"{server.base_url}/models", headers={"Authorization": f"Bearer {key}"}).json()
     assert_valid("ListModelsResponse", body)
     assert alice.models.retrieve("tiny").id == "tiny"
+    (card,) = body["data"]
+    assert card["max_model_len"] == card["context_length"] == card["context_window"] == 4096  # the tiny model's
 
 
 def test_stop_strings_cut_the_reply(scripted):
@@ -146,8 +149,11 @@ def test_stop_strings_cut_the_reply(scripted):
     assert streamed == "alpha beta "
 
 
-def test_concurrent_requests_do_not_interfere(server, alice):
+def test_concurrent_requests_do_not_interfere(server_factory):
     import concurrent.futures
+
+    server = server_factory(max_parallel_per_user=8)
+    alice = server.client(server.key("alice"))
 
     def ask(seed: int) -> str:
         return alice.chat.completions.create(
@@ -247,6 +253,86 @@ def test_unknown_route_is_404_in_openai_shape(server):
 def test_health_and_metrics(server, alice):
     assert httpx.get(f"{server.root}/healthz").json()["status"] == "ok"
     alice.chat.completions.create(model="tiny", messages=HELLO, max_tokens=3)
-    text = httpx.get(f"{server.root}/metrics").text
+    assert httpx.get(f"{server.root}/metrics").status_code == 401, "metrics tell who uses the server: they need a key"
+    user_key = server.key("bob")
+    assert httpx.get(f"{server.root}/metrics", headers={"Authorization": f"Bearer {user_key}"}).status_code == 403
+    text = server.metrics()
     assert 'nextstate_requests_total{status="200",stream="false"} 1.0' in text
     assert "nextstate_completion_tokens_total 3.0" in text
+
+
+# ---------------------------------------------------------------------------- streams that take long, fail or are abandoned
+
+
+def stream_lines(server, key, body, read_lines: int | None = None) -> list[tuple[float, str]]:
+    """(seconds since the request, line) for each SSE line, stopping after `read_lines`."""
+    started = time.monotonic()
+    out = []
+    with httpx.stream("POST", f"{server.base_url}/chat/completions", json={**body, "stream": True},
+                      headers={"Authorization": f"Bearer {key}"}, timeout=30) as resp:
+        assert resp.status_code == 200
+        for line in resp.iter_lines():
+            if line:
+                out.append((time.monotonic() - started, line))
+            if read_lines is not None and len(out) >= read_lines:
+                break
+    return out
+
+
+def test_a_stream_starts_at_once_and_stays_alive_through_a_long_prefill(server_factory):
+    factory, holder = scripted_factory()
+    server = server_factory(engine_factory=factory, stream_keepalive_s=0.25)
+    engine = holder["engine"]
+    engine.prefill_s = 1.5
+    engine.script("finally here")
+    lines = stream_lines(server, server.key("alice"), {"model": "tiny", "messages": HELLO})
+    first_at, first = lines[0]
+    assert first.startswith("data: ") and '"role":"assistant"' in first.replace(" ", "") and first_at < 1.0
+    content_at = next(t for t, line in lines[1:] if line.startswith("data: {") and '"content":"' in line)
+    comments = [t for t, line in lines if line.startswith(":")]
+    assert len(comments) >= 3 and all(t < content_at for t in comments)
+    assert lines[-1][1] == "data: [DONE]"
+    engine.prefill_s = 1.0
+    engine.script("parsed fine")
+    client = server.client(server.key("bob"))
+    text = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(model="tiny", messages=HELLO, stream=True) if c.choices)
+    assert text == "parsed fine", "the OpenAI SDK reads past the keep-alive comments"
+
+
+def test_an_engine_failure_after_the_stream_started_is_an_error_event(scripted):
+    from nextstate.engine.base import EngineBadGateway
+
+    server, engine = scripted
+    engine.fail_after_admit = EngineBadGateway("the model server crashed")
+    lines = [line for _, line in stream_lines(server, server.key("alice"), {"model": "tiny", "messages": HELLO})]
+    assert '"role":"assistant"' in lines[0].replace(" ", "")
+    error = json.loads(lines[-1].removeprefix("data: "))
+    assert error["error"]["code"] == "engine_error" and "crashed" in error["error"]["message"]
+    assert "data: [DONE]" not in lines
+
+
+def test_an_abandoned_stream_is_recorded_and_never_trained(scripted):
+    server, engine = scripted
+    engine.delay_s = 0.05
+    engine.script(" ".join(f"word{i}" for i in range(200)))
+    key = server.key("alice")
+    stream_lines(server, key, {"model": "tiny", "messages": HELLO, "max_tokens": 400}, read_lines=4)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and not [r for r in server.records() if r["kind"] == "aborted"]:
+        time.sleep(0.05)
+    (aborted,) = [r for r in server.records() if r["kind"] == "aborted"]
+    assert aborted["user"] == "alice" and aborted["turn_type"] == "main"
+    assert not [r for r in server.records() if r["kind"] == "request"], "an abandoned reply is not a turn"
+    assert len(server.app.state.sessions) == 0, "and it opened no session"
+    metrics = server.metrics()
+    assert 'nextstate_requests_aborted_total{turn_type="main"} 1.0' in metrics
+
+
+def test_refused_requests_are_recorded_and_counted(server):
+    key = server.key("alice")
+    assert raw_post(server, {"model": "gpt-4o", "messages": HELLO}, key).status_code == 404
+    assert raw_post(server, {"model": "tiny", "messages": HELLO}, "ns-wrong").status_code == 401
+    refused = [r for r in server.records() if r["kind"] == "refused"]
+    assert [(r["status"], r["code"], r["user"]) for r in refused] == [(404, "model_not_found", "alice"), (401, "invalid_api_key", None)]
+    metrics = server.metrics()
+    assert 'nextstate_requests_refused_total{code="model_not_found",status="404"} 1.0' in metrics

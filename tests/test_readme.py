@@ -5,17 +5,17 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from nextstate.settings import Settings
+from nextstate.core.settings import Settings
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 
 
 def test_every_setting_is_in_the_readme_table():
     rows = dict(re.findall(r"^\| `(NEXTSTATE_[A-Z_]+)` \| ([^|]+) \|", README.read_text(), re.MULTILINE))
-    expected = {f"NEXTSTATE_{name.upper()}" for name in Settings.model_fields}
+    expected = {f"NEXTSTATE_{name.upper()}" for name, _ in Settings.fields()}
     assert expected - rows.keys() == set(), "settings missing from the README"
     assert rows.keys() - expected == set(), "README rows for settings that do not exist"
-    for name, field in Settings.model_fields.items():
+    for name, field in Settings.fields():
         default = field.default
         if isinstance(default, (bool, int, float)) and not isinstance(default, bool):
             shown = rows[f"NEXTSTATE_{name.upper()}"].strip().strip("`")

@@ -7,9 +7,9 @@ import json
 
 import pytest
 
-from engine.local import LocalEngine
-from proxy.chat_template import ChatRenderer
-from proxy.records import RecordWriter
+from nextstate.engine.local import LocalEngine
+from nextstate.modelio.chat_template import ChatRenderer
+from nextstate.core.records import RecordWriter
 
 
 def test_main_turn_records_hold_exactly_the_sampled_tokens(server, alice, tiny_model_dir):

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 import httpx
 import pytest
 
-from nextstate.types import Transition, Turn
-from proxy.sessions import SessionStore
+from nextstate.core.types import Transition, Turn
+from nextstate.proxy.sessions import SessionStore
 
 SYS = {"role": "system", "content": "You are helpful."}
 
@@ -35,6 +36,11 @@ class Harness:
         self.emitted: list[Transition] = []
         self.store = SessionStore(self.emitted.append, clock=lambda: self.now, **kwargs)
 
+    def flush(self) -> list[Transition]:
+        """Close every session, so provisional next states are confirmed; all emitted so far."""
+        self.store.close_all()
+        return self.emitted
+
     def turn(self, who, messages, answer, **kwargs):
         plan = self.store.resolve(who, messages, **kwargs)
         if plan.turn_type == "main":
@@ -52,9 +58,11 @@ def test_continuation_is_found_without_headers_and_yields_the_next_state():
     m2 = m1 + [reply("roses are red"), user("no, make it about the sea")]
     p2 = h.turn("alice", m2, "the sea is blue")
     assert p2.session is p1.session and (p2.match, p2.turn_type, p2.turn_index) == ("extend", "main", 2)
-    (t,) = h.emitted
+    assert h.emitted == [], "a next state is provisional until the session goes on past it"
+    t, last = h.flush()
     assert t.reason == "next_state" and t.turn.turn_index == 1
     assert t.next_state.messages == [user("no, make it about the sea")]
+    assert (last.reason, last.turn.turn_index, last.next_state) == ("session_closed", 2, None)
 
 
 def test_tool_results_are_the_next_state():
@@ -68,8 +76,9 @@ def test_tool_results_are_the_next_state():
     results = [{"role": "tool", "tool_call_id": "y", "content": "sunny"}, {"role": "tool", "tool_call_id": "z", "content": "21C"}]
     p2 = h.turn("alice", m1 + [echoed] + results, "sunny, 21C")
     assert p2.match == "extend"
-    assert [m["content"] for m in h.emitted[0].next_state.messages] == ["sunny", "21C"]
-    assert h.emitted[0].next_state.role == "tool"
+    first = h.flush()[0]
+    assert [m["content"] for m in first.next_state.messages] == ["sunny", "21C"]
+    assert first.next_state.role == "tool"
 
 
 def test_whitespace_trimmed_by_the_client_still_matches():
@@ -103,21 +112,27 @@ def test_users_never_share_sessions():
 
 def test_side_request_that_looked_like_a_continuation_is_forked_away():
     """A summarisation request extends the main line; the real next message then continues the
-    line from before it. The summary turn must not be trained, the real turn must be."""
+    line from before it. The summary turn must not be trained, and the first turn's next state
+    must be the real message, not the summary instruction."""
     h = Harness()
     m1 = [SYS, user("plan my trip")]
     p1 = h.turn("alice", m1, "go to Rome")
     summary = m1 + [reply("go to Rome"), user("Summarise the conversation so far.")]
-    h.turn("alice", summary, "We planned a trip.")
+    p2 = h.turn("alice", summary, "We planned a trip.")
     real = m1 + [reply("go to Rome"), user("what about Paris?")]
     p3 = h.turn("alice", real, "Paris is nice")
     assert p3.session is p1.session and p3.match == "fork" and p3.turn_type == "main"
-    assert [t.turn.turn_index for t in h.emitted] == [1]  # only the first turn got a next state
+    assert [(t.turn.turn_index, t.reason) for t in h.emitted] == [(p2.turn_index, "superseded")]
     m4 = real + [reply("Paris is nice"), user("thanks!")]
     p4 = h.turn("alice", m4, "welcome")
     assert p4.match == "extend"
-    assert h.emitted[-1].turn.turn_index == p3.turn_index
-    assert h.emitted[-1].next_state.messages == [user("thanks!")]
+    first = h.emitted[-1]
+    assert (first.turn.turn_index, first.reason) == (1, "next_state")
+    assert first.next_state.messages == [user("what about Paris?")]
+    confirmed = [t for t in h.flush() if t.reason == "next_state"]
+    assert [(t.turn.turn_index, t.next_state.messages) for t in confirmed] == [
+        (1, [user("what about Paris?")]), (p3.turn_index, [user("thanks!")])
+    ]
 
 
 def test_explicit_headers_override_inference():
@@ -128,9 +143,10 @@ def test_explicit_headers_override_inference():
     side = h.turn("alice", m1 + [reply("a"), user("title?")], "T", session_id="s1", turn_type="side")
     assert side.turn_type == "side" and h.emitted == []
     p3 = h.turn("alice", m1 + [reply("a"), user("next")], "b", session_id="s1")
-    assert p3.turn_type == "main" and p3.match == "extend" and h.emitted[0].next_state.messages == [user("next")]
+    assert p3.turn_type == "main" and p3.match == "extend" and h.emitted == []
     # a request on the session that does not continue its line is a side turn
     assert h.turn("alice", [user("something else")], "c", session_id="s1").turn_type == "side"
+    assert h.flush()[0].next_state.messages == [user("next")]
 
 
 def test_session_done_closes_and_flushes_the_last_turn():
@@ -160,7 +176,7 @@ def test_memory_is_bounded_by_max_sessions():
         h.turn("alice", [user(f"conversation {i}")], "ok")
     assert len(h.store) == 3
     assert len(h.emitted) == 7 and all(t.reason == "session_closed" for t in h.emitted)
-    assert len(h.store._by_line) == 3 and len(h.store._by_boundary) <= 3
+    assert len(h.store._index) == 3 * 2  # each open session's line: the request and our reply
 
 
 def test_lookup_cost_does_not_grow_with_sessions():
@@ -188,12 +204,15 @@ def test_stock_client_conversation_trains_without_headers(server, alice):
     r2 = alice.chat.completions.with_raw_response.create(model="tiny", messages=m, max_tokens=8)
     assert r1.headers["x-session-id"] == r2.headers["x-session-id"]
     assert r1.headers["x-turn-type"] == r2.headers["x-turn-type"] == "main"
+    second = r2.parse().choices[0].message
+    m += [{"role": "assistant", "content": second.content}, {"role": "user", "content": "Another one."}]
+    alice.chat.completions.create(model="tiny", messages=m, max_tokens=8)  # confirms turn 1's next state
     records = server.records()
     (transition,) = [r for r in records if r["kind"] == "transition"]
     assert transition["reason"] == "next_state" and transition["turn_index"] == 1
     assert transition["next_state"] == [{"role": "user", "content": "That was not funny."}]
     requests = [r for r in records if r["kind"] == "request"]
-    assert [r["turn_index"] for r in requests] == [1, 2]
+    assert [r["turn_index"] for r in requests] == [1, 2, 3]
     assert transition["response_tokens"] == len(requests[0]["response_ids"])
 
 
@@ -259,3 +278,113 @@ def test_idle_timeout_closes_sessions_in_the_server(server_factory, idle):
     (t,) = [r for r in server.records() if r["kind"] == "transition"]
     assert t["reason"] == "session_closed"
     assert len(server.app.state.sessions) == 0
+
+
+# ---------------------------------------------------------------------------- agents that rewrite history
+
+
+def test_an_edited_reply_continues_the_session():
+    """Agents trim, merge or re-render the replies they got; the conversation is the same."""
+    h = Harness()
+    m1 = [SYS, user("read notes.txt")]
+    p1 = h.turn("alice", m1, "I will read it.\n<tool_call>{broken")
+    m2 = m1 + [reply("I will read it."), user("well?")]
+    p2 = h.turn("alice", m2, "done")
+    assert p2.session is p1.session and p2.match == "edited" and p2.turn_index == 2
+    (t, _) = h.flush()
+    assert t.edited and t.turn.turn_index == 1 and t.next_state.messages == [user("well?")]
+
+
+def test_merged_attempts_and_a_deleted_retry_notice_stay_one_session():
+    """OpenClaw, after a retry: its notice becomes the failed turn's next state; then it merges
+    both attempts into one message and deletes the notice, and the user's next message is the
+    next state of the second attempt."""
+    h = Harness()
+    base = [SYS, user("hi"), reply("hello"), user("read notes.txt")]
+    h.turn("alice", base[:2], "hello")
+    p = h.turn("alice", base, "attempt one")
+    retry = user("The previous attempt did not produce a user-visible answer. Continue.")
+    h.turn("alice", base + [reply("attempt one"), retry], "attempt two")
+    rewritten = base + [reply("attempt one\nattempt two"), user("Use the read tool.")]
+    p4 = h.turn("alice", rewritten, "ok")
+    assert p4.session is p.session and p4.match == "edited"
+    got = [(t.turn.turn_index, t.next_state.messages if t.next_state else None) for t in h.flush()]
+    assert got == [(1, [user("read notes.txt")]), (2, [retry]), (3, [user("Use the read tool.")]), (4, None)]
+
+
+def test_volatile_text_does_not_split_a_conversation():
+    """Timestamps, a date line that changes at midnight, runtime lines and runtime-context
+    blocks differ between requests of one OpenClaw conversation."""
+    h = Harness()
+    system = {"role": "system", "content": "You are OpenClaw.\nCurrent date: 2026-11-23\nTime zone: UTC"}
+    first = user("[Mon 2026-11-23 23:59 UTC] hi\n\nRuntime: agent=main | session=s | model=a")
+    context = user("<<<BEGIN_OPENCLAW_INTERNAL_CONTEXT>>>\nActive exec sessions: none\n<<<END_OPENCLAW_INTERNAL_CONTEXT>>>")
+    p1 = h.turn("alice", [system, first, context], "hello")
+    next_day = {"role": "system", "content": "You are OpenClaw.\nCurrent date: 2026-11-24\nTime zone: UTC"}
+    later = [next_day, user("[Tue 2026-11-24 00:01 UTC] hi\n\nRuntime: agent=main | session=s | model=b"),
+             reply("hello"), user("[Tue 2026-11-24 00:02 UTC] and now?"), context]
+    p2 = h.turn("alice", later, "now")
+    assert p2.session is p1.session and p2.match == "extend"
+    (t, _) = h.flush()
+    assert t.next_state.messages == [user("[Tue 2026-11-24 00:02 UTC] and now?")], "the context block is not the user"
+
+
+def test_a_shared_system_prompt_alone_is_not_the_same_conversation():
+    h = Harness()
+    p1 = h.turn("alice", [SYS, user("first topic")], "a")
+    p2 = h.turn("alice", [SYS, user("second topic")], "b")
+    assert p2.session is not p1.session and p2.match == "new"
+    p3 = h.turn("alice", [SYS, user("first topic"), reply("a"), user("more")], "c")
+    assert p3.session is p1.session
+
+
+def test_a_request_that_is_never_committed_changes_nothing():
+    """An aborted or failed request: classified, never committed, leaves no trace."""
+    h = Harness()
+    m1 = [SYS, user("q")]
+    p1 = h.turn("alice", m1, "a")
+    h.store.resolve("alice", m1 + [reply("a"), user("aborted follow-up")])
+    assert len(h.store) == 1 and h.emitted == [] and p1.session.turn_count == 1
+    p3 = h.turn("alice", m1 + [reply("a"), user("real follow-up")], "b")
+    assert p3.match == "extend" and p3.turn_index == 2
+    assert h.flush()[0].next_state.messages == [user("real follow-up")]
+
+
+def test_open_sessions_survive_a_restart(tmp_path):
+    from nextstate.proxy.session_db import SessionDB
+
+    emitted: list[Transition] = []
+    db = SessionDB(tmp_path / "sessions.sqlite3")
+    store = SessionStore(emitted.append, db=db)
+    m1 = [SYS, user("q1")]
+    plan = store.resolve("alice", m1)
+    store.commit_main(plan, make_turn(plan, m1), reply("a1"))
+    m2 = m1 + [reply("a1"), user("q2")]
+    plan = store.resolve("alice", m2)
+    store.commit_main(plan, make_turn(plan, m2), reply("a2"))
+    asyncio.run(store.save())
+    db.close()
+
+    db = SessionDB(tmp_path / "sessions.sqlite3")
+    restarted = SessionStore(emitted.append, db=db)
+    assert len(restarted) == 1
+    m3 = m2 + [reply("a2"), user("q3")]
+    plan = restarted.resolve("alice", m3)
+    assert plan.match == "extend" and plan.turn_index == 3 and plan.session.id == store.get("alice", plan.session.id).id
+    restarted.commit_main(plan, make_turn(plan, m3), reply("a3"))
+    restarted.close_all()
+    asyncio.run(restarted.save())
+    got = [(t.turn.turn_index, t.next_state.messages if t.next_state else None) for t in emitted]
+    assert got == [(1, [user("q2")]), (2, [user("q3")]), (3, None)]
+    db.close()
+    assert list(SessionDB(tmp_path / "sessions.sqlite3").load()) == [], "closed sessions are gone from disk"
+
+
+def test_a_rewritten_system_prompt_keeps_the_session():
+    """OpenClaw retries an overflowing request with fewer tools in its system prompt."""
+    h = Harness()
+    m1 = [{"role": "system", "content": "Tools: read, exec, search."}, user("read notes.txt")]
+    p1 = h.turn("alice", m1, "reading")
+    fewer = [{"role": "system", "content": "Tools: read."}, user("read notes.txt"), reply("reading"), user("and?")]
+    p2 = h.turn("alice", fewer, "done")
+    assert p2.session is p1.session and p2.match == "extend"

@@ -14,9 +14,9 @@ import shutil
 import httpx
 import pytest
 
-from engine.base import EngineBadGateway, EngineTimeout, EngineUnavailable, SamplingParams, UnknownAdapterError
-from engine.local import LocalEngine
-from engine.sglang import SGLangEngine
+from nextstate.engine.base import EngineBadGateway, EngineTimeout, EngineUnavailable, SamplingParams, UnknownAdapterError
+from nextstate.engine.local import LocalEngine
+from nextstate.engine.sglang import SGLangEngine
 from tests.fake_sglang import FakeSGLang
 
 PROMPT = list(range(5, 40))
@@ -129,7 +129,7 @@ async def test_no_retry_once_tokens_reached_the_caller(client, sglang):
 
 
 async def test_unreachable_server_is_unavailable(tiny_model_dir):
-    from nextstate.background_server import free_port
+    from tests.background_server import free_port
 
     engine = SGLangEngine(f"http://127.0.0.1:{free_port()}", tiny_model_dir, retries=1, backoff_s=0.01)
     try:

@@ -52,6 +52,21 @@ class Transition(BaseModel):
     turn: Turn
     next_state: NextState | None
     reason: Literal["next_state", "session_closed", "superseded"]
+    edited: bool = Field(False, description="The client went on from an edited copy of the turn's reply.")
+
+    def record(self) -> dict[str, Any]:
+        """The `transition` record: who, which turn, why, and the next state itself."""
+        turn = self.turn
+        return {
+            "user": turn.user,
+            "session_id": turn.session_id,
+            "turn_index": turn.turn_index,
+            "policy_version": turn.policy_version,
+            "reason": self.reason,
+            "next_state": self.next_state.messages if self.next_state else None,
+            "edited": self.edited,
+            "response_tokens": len(turn.response_ids),
+        }
 
 
 SampleStatus = Literal["ready", "dropped", "awaiting_outcome", "consumed"]

@@ -13,10 +13,11 @@ import json
 import sqlite3
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from nextstate.types import Sample, Transition
+from nextstate.core.types import Sample, Transition
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS transitions (
@@ -56,9 +57,17 @@ _DATA_FIELDS = ("adapter", "prompt_ids", "response_ids", "old_logprobs", "logpro
                 "loss_mask", "votes", "hint", "teacher_logprobs", "outcome")
 
 
-def step_reward(outcome: float, votes: list[int | None]) -> float:
-    """o + Σ r_i / m (paper §4.4.2); a failed vote counts as 0."""
-    return outcome + (sum(v or 0 for v in votes) / len(votes) if votes else 0.0)
+# How a stored sample changes once its session's outcome is known (the judge's reward math;
+# None leaves the sample as it is).
+Rescore = Callable[[Sample, float], "Sample | None"]
+
+
+def _data(sample: Sample) -> str:
+    return json.dumps({k: getattr(sample, k) for k in _DATA_FIELDS})
+
+
+def _sample_from_row(row: tuple) -> Sample:
+    return Sample(**dict(zip(_COLUMNS, row[:-1])), **json.loads(row[-1]))
 
 
 class SampleStore:
@@ -68,6 +77,12 @@ class SampleStore:
         self._conn.execute("PRAGMA journal_mode=WAL")
         self._conn.execute("PRAGMA synchronous=NORMAL")
         self._conn.executescript(_SCHEMA)
+        # Since 0.1: one transition per turn. A turn handed over again (a crash after the judge
+        # took it, before its session was saved) is recognised and not judged twice.
+        columns = {row[1] for row in self._conn.execute("PRAGMA table_info(transitions)")}
+        if "turn_key" not in columns:
+            self._conn.execute("ALTER TABLE transitions ADD COLUMN turn_key TEXT")
+        self._conn.execute("CREATE UNIQUE INDEX IF NOT EXISTS transitions_turn ON transitions (turn_key)")
         self._lock = threading.Lock()
 
     def close(self) -> None:
@@ -76,13 +91,16 @@ class SampleStore:
 
     # ---------------------------------------------------------------- transitions (judge inbox)
 
-    def add_transition(self, transition: Transition) -> int:
+    def add_transition(self, transition: Transition) -> int | None:
+        """Put a transition in the inbox; None if its turn is there already (pending or judged)."""
+        turn = transition.turn
+        key = f"{turn.user}\x1f{turn.session_id}\x1f{turn.turn_index}"
         with self._lock:
             cur = self._conn.execute(
-                "INSERT INTO transitions (created_at, status, data) VALUES (?, 'pending', ?)",
-                (time.time(), transition.model_dump_json()),
+                "INSERT OR IGNORE INTO transitions (created_at, status, data, turn_key) VALUES (?, 'pending', ?, ?)",
+                (time.time(), transition.model_dump_json(), key),
             )
-        return int(cur.lastrowid)
+        return int(cur.lastrowid) if cur.rowcount else None
 
     def pending_transitions(self) -> list[tuple[int, Transition]]:
         with self._lock:
@@ -91,25 +109,23 @@ class SampleStore:
 
     # ---------------------------------------------------------------- samples
 
-    def add_sample(self, sample: Sample, transition_id: int | None = None) -> Sample:
+    def add_sample(self, sample: Sample, transition_id: int | None = None, rescore: Rescore | None = None) -> Sample:
         """Store a judged sample and close its transition, atomically.
 
-        A sample waiting for its session's outcome picks the outcome up here if it was posted
-        while the sample was being judged, so it cannot wait forever for an outcome that came.
+        A sample waiting for its session's outcome is passed through `rescore` here if the
+        outcome was posted while it was being judged, so it cannot wait forever for an outcome
+        that came.
         """
         with self._lock:
             self._conn.execute("BEGIN IMMEDIATE")
             try:
-                if sample.status == "awaiting_outcome":
+                if sample.status == "awaiting_outcome" and rescore is not None:
                     row = self._conn.execute(
                         "SELECT reward FROM outcomes WHERE user = ? AND session_id = ?", (sample.user, sample.session_id)
                     ).fetchone()
                     if row is not None:
-                        sample = sample.model_copy(
-                            update={"status": "ready", "outcome": row[0], "reward": step_reward(row[0], sample.votes),
-                                    "reason": "outcome + mean votes"}
-                        )
-                data = json.dumps({k: getattr(sample, k) for k in _DATA_FIELDS})
+                        sample = rescore(sample, float(row[0])) or sample
+                data = _data(sample)
                 cur = self._conn.execute(
                     "INSERT INTO samples (created_at, user, session_id, turn_index, policy_version, mode, track, "
                     "status, reason, reward, data) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
@@ -130,7 +146,7 @@ class SampleStore:
             sql += f" LIMIT {int(limit)}"
         with self._lock:
             rows = self._conn.execute(sql, params).fetchall()
-        return [Sample(**dict(zip(_COLUMNS, row[:-1])), **json.loads(row[-1])) for row in rows]
+        return [_sample_from_row(row) for row in rows]
 
     def samples(self, status: str | None = None, limit: int | None = None) -> list[Sample]:
         if status is None:
@@ -155,6 +171,13 @@ class SampleStore:
         with self._lock:
             self._conn.executemany("UPDATE samples SET status = 'consumed' WHERE id = ?", [(i,) for i in ids])
 
+    def mark_dropped(self, ids: list[int], reason: str) -> None:
+        """Samples the learner will not train on (not finite, no signal), with the reason."""
+        with self._lock:
+            self._conn.executemany(
+                "UPDATE samples SET status = 'dropped', reason = ? WHERE id = ? AND status = 'ready'", [(reason, i) for i in ids]
+            )
+
     # ---------------------------------------------------------------- outcomes (general agents)
 
     def get_outcome(self, user: str, session_id: str) -> float | None:
@@ -164,12 +187,9 @@ class SampleStore:
             ).fetchone()
         return None if row is None else float(row[0])
 
-    def set_outcome(self, user: str, session_id: str, outcome: float) -> int:
-        """Record a session's outcome and fold it into its not-yet-trained samples.
-
-        Returns how many samples were updated; they become outcome-track samples whose reward
-        is o + mean(votes), released to the learner if they were waiting for it.
-        """
+    def set_outcome(self, user: str, session_id: str, outcome: float, rescore: Rescore) -> int:
+        """Record a session's outcome and pass its not-yet-trained samples through `rescore`,
+        atomically. Returns how many samples changed."""
         with self._lock:
             self._conn.execute("BEGIN IMMEDIATE")
             try:
@@ -179,20 +199,19 @@ class SampleStore:
                     (user, session_id, outcome, time.time()),
                 )
                 rows = self._conn.execute(
-                    "SELECT id, status, data FROM samples WHERE user = ? AND session_id = ? "
-                    "AND status IN ('ready', 'awaiting_outcome')",
+                    f"SELECT {', '.join(_COLUMNS)}, data FROM samples WHERE user = ? AND session_id = ? "
+                    "AND status IN ('ready', 'awaiting_outcome') ORDER BY id",
                     (user, session_id),
                 ).fetchall()
                 updated = 0
-                for sample_id, _status, raw in rows:
-                    data = json.loads(raw)
-                    if not data["votes"]:  # an OPD-only sample has no step reward to add o to
+                for sample in map(_sample_from_row, rows):
+                    changed = rescore(sample, outcome)
+                    if changed is None:
                         continue
                     updated += 1
-                    data["outcome"] = outcome
                     self._conn.execute(
-                        "UPDATE samples SET status = 'ready', track = 'outcome', reward = ?, data = ? WHERE id = ?",
-                        (step_reward(outcome, data["votes"]), json.dumps(data), sample_id),
+                        "UPDATE samples SET status = ?, track = ?, reason = ?, reward = ?, data = ? WHERE id = ?",
+                        (changed.status, changed.track, changed.reason, changed.reward, _data(changed), sample.id),
                     )
                 self._conn.execute("COMMIT")
             except BaseException:
@@ -200,12 +219,51 @@ class SampleStore:
                 raise
         return updated
 
+    def session_expects_outcome(self, user: str, session_id: str) -> bool:
+        """Whether a session's turns were served with X-Outcome-Expected (their samples are on
+        the outcome track)."""
+        with self._lock:
+            row = self._conn.execute(
+                "SELECT 1 FROM samples WHERE user = ? AND session_id = ? AND track = 'outcome' LIMIT 1", (user, session_id)
+            ).fetchone()
+        return row is not None
+
     def session_known(self, user: str, session_id: str) -> bool:
         with self._lock:
             row = self._conn.execute(
                 "SELECT 1 FROM samples WHERE user = ? AND session_id = ? LIMIT 1", (user, session_id)
             ).fetchone()
         return row is not None
+
+    # ---------------------------------------------------------------- privacy
+
+    def forget(self, user: str) -> int:
+        """Delete everything of `user`: samples, outcomes, the judge's inbox. Returns the count."""
+        with self._lock:
+            self._conn.execute("BEGIN IMMEDIATE")
+            try:
+                count = self._conn.execute("DELETE FROM samples WHERE user = ?", (user,)).rowcount
+                count += self._conn.execute("DELETE FROM outcomes WHERE user = ?", (user,)).rowcount
+                count += self._conn.execute(
+                    "DELETE FROM transitions WHERE json_extract(data, '$.turn.user') = ?", (user,)
+                ).rowcount
+                self._conn.execute("COMMIT")
+            except BaseException:
+                self._conn.execute("ROLLBACK")
+                raise
+        return count
+
+    def expire(self, before: float) -> int:
+        """Delete what is done with and older than `before` (a timestamp): trained or dropped
+        samples, judged transitions. Samples still waiting to train are kept."""
+        with self._lock:
+            count = self._conn.execute(
+                "DELETE FROM samples WHERE status IN ('consumed', 'dropped') AND created_at < ?", (before,)
+            ).rowcount
+            count += self._conn.execute(
+                "DELETE FROM transitions WHERE status = 'done' AND created_at < ?", (before,)
+            ).rowcount
+        return count
 
     # ---------------------------------------------------------------- stats
 

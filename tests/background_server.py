@@ -9,22 +9,41 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
+import subprocess
 import threading
 import time
 from dataclasses import dataclass, field
 
+import httpx
 import uvicorn
 from openai import OpenAI
 
 from nextstate.app import EngineFactory, create_app, open_engine
-from nextstate.settings import Settings
-from proxy.keys import KeyStore
+from nextstate.core.settings import Settings
+from nextstate.proxy.keys import KeyStore
 
 
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def wait_for_health(root: str, proc: subprocess.Popen, timeout: float = 90) -> None:
+    """Wait until a server started as a subprocess answers /healthz; fail with its output if
+    it exits first or takes longer than `timeout`."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            if httpx.get(f"{root}/healthz", timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        if proc.poll() is not None:
+            raise RuntimeError(f"the server exited with {proc.returncode}:\n{proc.stdout.read() if proc.stdout else ''}")
+        if time.monotonic() > deadline:
+            raise RuntimeError("the server did not come up")
+        time.sleep(0.2)
 
 
 @dataclass
@@ -53,6 +72,19 @@ class RunningServer:
     def call(self, coro, timeout: float = 60):
         """Run a coroutine on the server's event loop (to inspect or wait on its state)."""
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def metrics(self) -> str:
+        """/metrics, read with an admin key (it needs one)."""
+        return httpx.get(f"{self.root}/metrics", headers={"Authorization": f"Bearer {self.key('metrics-reader', admin=True)}"}).text
+
+    def end_conversations(self) -> None:
+        """Close every open session, as the idle timeout would: provisional next states are
+        confirmed and handed to the judge, last turns get none."""
+
+        async def close_all() -> None:
+            self.app.state.sessions.close_all()
+
+        self.call(close_all())
 
     def drain_judge(self, timeout: float = 60) -> None:
         """Wait until every transition handed to the judge has been judged and stored."""
@@ -99,5 +131,5 @@ def serve_in_thread(app, port: int, name: str = "nextstate-server") -> tuple[uvi
 
 def start_server(settings: Settings, engine_factory: EngineFactory = open_engine) -> RunningServer:
     app = create_app(settings, engine_factory=engine_factory)
-    server, thread, loop = serve_in_thread(app, settings.port)
-    return RunningServer(app, f"http://127.0.0.1:{settings.port}/v1", settings, server, thread, loop)
+    server, thread, loop = serve_in_thread(app, settings.server.port)
+    return RunningServer(app, f"http://127.0.0.1:{settings.server.port}/v1", settings, server, thread, loop)

@@ -36,3 +36,9 @@ class PolicyDirectory:
 
     def publish(self, scope: str, ref: PolicyRef) -> None:
         self._current = {**self._current, scope: ref}
+
+    def forget(self, scope: str) -> PolicyRef | None:
+        """The scope is served the base model again; returns what served it."""
+        old = self._current.get(scope)
+        self._current = {k: v for k, v in self._current.items() if k != scope}
+        return old

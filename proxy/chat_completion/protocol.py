@@ -1,19 +1,25 @@
-"""Request models for the OpenAI chat completions API, as far as nextstate serves it.
+"""OpenAI chat completions: the request nextstate accepts and the responses it sends.
 
 Unknown top-level fields are ignored (clients add vendor extras), but a known field with a
 value nextstate cannot honour is rejected with a 400 that says so: silently ignoring `n=3` or a
-JSON schema would hand the client something other than what it asked for.
+JSON schema would hand the client something other than what it asked for. The response models
+mirror OpenAI's `CreateChatCompletionResponse` and `CreateChatCompletionStreamResponse` (the
+tests validate them against OpenAI's own OpenAPI schemas).
 """
 
 from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer, model_validator
+
+from nextstate.modelio.chat_template import parse_arguments
+from nextstate.proxy.sessions import SESSION_ID_PATTERN
 
 
 class _Open(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    # Strict like OpenAI's API: "stream": "yes" or "max_tokens": "5" is an error, not a guess.
+    model_config = ConfigDict(extra="allow", strict=True)
 
 
 class ContentPart(_Open):
@@ -43,12 +49,14 @@ class ToolCall(_Open):
 class ChatMessage(_Open):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
-    name: str | None = None
+    name: str | None = Field(None, max_length=256)
     tool_calls: list[ToolCall] | None = None
     tool_call_id: str | None = None
 
     @model_validator(mode="after")
     def _content_present(self) -> ChatMessage:
+        if isinstance(self.content, list) and not self.content:
+            raise ValueError("content must be a string or a non-empty list of content parts")
         if self.content is None and self.role != "assistant":
             raise ValueError(f"a '{self.role}' message needs 'content'")
         if self.content is None and not self.tool_calls:
@@ -61,6 +69,25 @@ class ChatMessage(_Open):
         if isinstance(self.content, str):
             return self.content
         return "".join(part.text or "" for part in self.content)
+
+    def to_plain(self) -> dict[str, Any]:
+        """The plain dict every chat template can render: text content, developer→system,
+        tool-call arguments as objects (as HF templates expect)."""
+        out: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role, "content": self.text()}
+        if self.name:
+            out["name"] = self.name
+        if self.tool_calls:
+            out["tool_calls"] = [
+                {
+                    "id": call.id,
+                    "type": "function",
+                    "function": {"name": call.function.name, "arguments": parse_arguments(call.function.arguments)},
+                }
+                for call in self.tool_calls
+            ]
+        if self.tool_call_id:
+            out["tool_call_id"] = self.tool_call_id
+        return out
 
 
 class FunctionDefinition(_Open):
@@ -110,7 +137,7 @@ class ChatCompletionRequest(_Open):
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: int | None = Field(None, ge=-(2**63), le=2**63 - 1)
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     logprobs: bool | None = False
@@ -123,7 +150,7 @@ class ChatCompletionRequest(_Open):
     user: str | None = None
     # nextstate extensions, also accepted as X-Session-Id / X-Turn-Type / X-Session-Done /
     # X-Outcome-Expected headers.
-    session_id: str | None = Field(None, min_length=1, max_length=200)
+    session_id: str | None = Field(None, pattern=SESSION_ID_PATTERN)
     turn_type: Literal["main", "side"] | None = None
     session_done: bool | None = None
     outcome_expected: bool | None = None
@@ -180,3 +207,108 @@ class ChatCompletionRequest(_Open):
     @property
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
+
+    def tool_dicts(self) -> list[dict[str, Any]] | None:
+        return [t.model_dump(exclude_none=True) for t in self.tools] if self.tools else None
+
+    def tool_choice_plain(self) -> str | dict[str, Any] | None:
+        return self.tool_choice.model_dump() if isinstance(self.tool_choice, BaseModel) else self.tool_choice
+
+
+# ---------------------------------------------------------------------------- responses
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChoiceLogprobs(BaseModel):
+    content: list[TokenLogprob] | None
+    refusal: None = None
+
+
+class FunctionCallOut(BaseModel):
+    name: str
+    arguments: str
+
+
+class ToolCallOut(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCallOut
+
+
+class ToolCallDelta(ToolCallOut):
+    index: int
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str | None
+    refusal: None = None
+    tool_calls: list[ToolCallOut] | None = Field(None, description="Left out of the JSON when there are none.")
+
+    @model_serializer(mode="wrap")
+    def _omit_no_tool_calls(self, handler: Any) -> dict[str, Any]:
+        out = handler(self)
+        if out.get("tool_calls") is None:
+            out.pop("tool_calls", None)
+        return out
+
+
+class Choice(BaseModel):
+    index: int = 0
+    message: AssistantMessage
+    logprobs: ChoiceLogprobs | None
+    finish_reason: str
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    system_fingerprint: str
+    choices: list[Choice]
+    usage: Usage
+
+
+class Delta(BaseModel):
+    """Only the fields a chunk carries appear in it: the role first, then text or tool calls."""
+
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
+
+    @model_serializer(mode="wrap")
+    def _only_set(self, handler: Any) -> dict[str, Any]:
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
+class ChunkChoice(BaseModel):
+    index: int = 0
+    delta: Delta
+    logprobs: ChoiceLogprobs | None
+    finish_reason: str | None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    system_fingerprint: str
+    choices: list[ChunkChoice]
+    usage: Usage | None = Field(None, description="Only with stream_options.include_usage: null, then the usage chunk.")

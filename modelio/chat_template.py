@@ -13,8 +13,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from proxy.schemas import ChatMessage, NamedToolChoice, Tool
-
 TOOL_CALL_OPEN = "<tool_call>"
 TOOL_CALL_CLOSE = "</tool_call>"
 
@@ -29,7 +27,9 @@ _TOOLS_PREAMBLE = (
 _END_OF_TURN_TOKENS = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|end|>", "<end_of_turn>")
 
 
-def _parse_arguments(arguments: str | dict[str, Any]) -> dict[str, Any] | str:
+def parse_arguments(arguments: str | dict[str, Any]) -> dict[str, Any] | str:
+    """Tool-call arguments as an object, the way HF chat templates expect them; text that is
+    not a JSON object stays text."""
     if isinstance(arguments, dict):
         return arguments
     try:
@@ -37,26 +37,6 @@ def _parse_arguments(arguments: str | dict[str, Any]) -> dict[str, Any] | str:
     except (TypeError, ValueError):
         return arguments
     return parsed if isinstance(parsed, dict) else arguments
-
-
-def normalize_message(message: ChatMessage) -> dict[str, Any]:
-    """A plain dict that every chat template can render: text content, developer→system,
-    tool-call arguments as objects (as HF templates expect)."""
-    out: dict[str, Any] = {"role": "system" if message.role == "developer" else message.role, "content": message.text()}
-    if message.name:
-        out["name"] = message.name
-    if message.tool_calls:
-        out["tool_calls"] = [
-            {
-                "id": call.id,
-                "type": "function",
-                "function": {"name": call.function.name, "arguments": _parse_arguments(call.function.arguments)},
-            }
-            for call in message.tool_calls
-        ]
-    if message.tool_call_id:
-        out["tool_call_id"] = message.tool_call_id
-    return out
 
 
 def tool_call_text(name: str, arguments: dict[str, Any] | str) -> str:
@@ -121,16 +101,12 @@ class ChatRenderer:
     def render(
         self,
         messages: list[dict[str, Any]],
-        tools: list[Tool] | list[dict[str, Any]] | None = None,
-        tool_choice: str | NamedToolChoice | dict[str, Any] | None = None,
+        tools: list[dict[str, Any]] | None = None,
+        tool_choice: str | dict[str, Any] | None = None,
     ) -> RenderedPrompt:
-        """Prompt ids for `messages`. Takes the request's models or their JSON dumps (as a
-        recorded Turn keeps them), so a turn can be re-rendered exactly, e.g. for the teacher."""
-        tool_dicts = None
-        if tools and tool_choice != "none":
-            tool_dicts = [t.model_dump(exclude_none=True) if isinstance(t, Tool) else t for t in tools]
-        if isinstance(tool_choice, dict):
-            tool_choice = NamedToolChoice.model_validate(tool_choice)
+        """Prompt ids for plain-dict `messages` and `tools` (OpenAI's shapes), as a recorded Turn
+        keeps them, so a turn can be re-rendered exactly, e.g. for the teacher."""
+        tool_dicts = list(tools) if tools and tool_choice != "none" else None
         if self.template_knows_tools:
             text = self.tokenizer.apply_chat_template(
                 messages, tools=tool_dicts, add_generation_prompt=True, tokenize=False
@@ -139,11 +115,10 @@ class ChatRenderer:
             text = self.tokenizer.apply_chat_template(
                 _inline_tools(messages, tool_dicts), add_generation_prompt=True, tokenize=False
             )
-        prefill = ""
-        if tool_dicts and isinstance(tool_choice, NamedToolChoice):
-            prefill = f'{TOOL_CALL_OPEN}\n{{"name": {json.dumps(tool_choice.function.name)}, "arguments": '
-        elif tool_dicts and tool_choice == "required":
-            prefill = f"{TOOL_CALL_OPEN}\n"
+        # A forced call (required, or a named function) starts the reply with the tag; the
+        # engine then decodes the call's JSON under its schema (modelio.tool_calls).
+        forced = tool_choice == "required" or isinstance(tool_choice, dict)
+        prefill = f"{TOOL_CALL_OPEN}\n" if tool_dicts and forced else ""
         ids = self.tokenizer(text + prefill, add_special_tokens=False)["input_ids"]
         return RenderedPrompt(ids=list(ids), prefill=prefill)
 

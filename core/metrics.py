@@ -12,6 +12,15 @@ class Metrics:
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter("nextstate_requests", "Chat completion requests by outcome.", ["status", "stream"], registry=r)
+        self.refused = Counter(
+            "nextstate_requests_refused", "Requests answered with an error, by status and error code.", ["status", "code"], registry=r
+        )
+        self.failed = Counter(
+            "nextstate_turns_failed", "Replies that failed after the engine took the request, by error code.", ["code"], registry=r
+        )
+        self.aborted = Counter(
+            "nextstate_requests_aborted", "Replies whose client went away before the end (never trained).", ["turn_type"], registry=r
+        )
         self.turns = Counter("nextstate_turns", "Served turns by type and how their session was found.", ["turn_type", "match"], registry=r)
         self.transitions = Counter("nextstate_transitions", "Turns handed to the judge, by reason.", ["reason"], registry=r)
         self.judged = Counter("nextstate_judged_samples", "Judged turns by mode and outcome.", ["mode", "status"], registry=r)

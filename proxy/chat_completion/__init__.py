@@ -1,0 +1,1 @@
+"""`POST /v1/chat/completions`: routes (api_router), wire models (protocol), serving."""

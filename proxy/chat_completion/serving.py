@@ -1,0 +1,155 @@
+"""Chat completions on top of the API-neutral turn path.
+
+`ChatCompletionServing` converts an OpenAI request into a `TurnRequest`, and the turn's events
+back into OpenAI's JSON response or its server-sent-event stream. Every envelope (id, model,
+created, fingerprint) comes from one `ChatCompletionBuilder`, so a response and its chunks can
+never disagree on them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Mapping
+
+from nextstate.proxy.chat_completion.protocol import (
+    AssistantMessage,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    Choice,
+    ChoiceLogprobs,
+    ChunkChoice,
+    Delta,
+    FunctionCallOut,
+    TokenLogprob,
+    ToolCallDelta,
+    ToolCallOut,
+    TopLogprob,
+    Usage,
+)
+from nextstate.proxy.decode import Admitted, Finished, StillWorking
+from nextstate.proxy.decode import Delta as TurnDelta
+from nextstate.proxy.decode import TokenLogprob as TurnLogprob
+from nextstate.proxy.errors import OpenAIError
+from nextstate.proxy.keys import ApiKey
+from nextstate.proxy.sse import sse_comment, sse_data, sse_done
+from nextstate.proxy.turns import PreparedTurn, TurnHints, TurnRequest, TurnService
+
+
+def turn_request(body: ChatCompletionRequest, headers: Mapping[str, str]) -> TurnRequest:
+    return TurnRequest(
+        model=body.model,
+        messages=[m.to_plain() for m in body.messages],
+        hints=TurnHints.from_request(headers, body),
+        tools=body.tool_dicts(),
+        tool_choice=body.tool_choice_plain(),
+        max_tokens=body.requested_max_tokens,
+        temperature=body.temperature,
+        top_p=body.top_p,
+        seed=body.seed,
+        stop=body.stop_strings,
+        top_logprobs=(body.top_logprobs or 0) if body.logprobs else None,
+        parallel_tool_calls=body.parallel_tool_calls is not False,
+    )
+
+
+def _logprobs(entries: list[TurnLogprob]) -> list[TokenLogprob]:
+    def one(token: str, logprob: float) -> TopLogprob:
+        return TopLogprob(token=token, logprob=logprob, bytes=list(token.encode("utf-8")))
+
+    return [
+        TokenLogprob(**one(e.token, e.logprob).model_dump(), top_logprobs=[one(t, lp) for t, lp in e.top]) for e in entries
+    ]
+
+
+class ChatCompletionBuilder:
+    """OpenAI's response and chunk objects for one completion."""
+
+    def __init__(self, prep: PreparedTurn, model: str, include_usage: bool, want_logprobs: bool) -> None:
+        self.envelope = {
+            "id": prep.id,
+            "created": prep.created,
+            "model": model,
+            "system_fingerprint": f"nextstate-v{prep.policy.version}",
+        }
+        self.include_usage = include_usage
+        self.want_logprobs = want_logprobs
+
+    def response(self, done: Finished) -> ChatCompletionResponse:
+        message = AssistantMessage(
+            content=done.message()["content"],
+            tool_calls=[_tool_call(c) for c in done.tool_calls] or None,
+        )
+        logprobs = ChoiceLogprobs(content=_logprobs(done.logprobs)) if self.want_logprobs else None
+        choice = Choice(message=message, logprobs=logprobs, finish_reason=done.finish_reason)
+        return ChatCompletionResponse(**self.envelope, choices=[choice], usage=Usage(**done.usage))
+
+    def chunk(self, delta: Delta, finish_reason: str | None = None, logprobs: list[TurnLogprob] | None = None) -> str:
+        lp = ChoiceLogprobs(content=_logprobs(logprobs or [])) if self.want_logprobs else None
+        body = ChatCompletionChunk(
+            **self.envelope, choices=[ChunkChoice(delta=delta, logprobs=lp, finish_reason=finish_reason)]
+        )
+        return sse_data(body.model_dump_json(exclude=None if self.include_usage else {"usage"}))
+
+    def delta_chunks(self, event: TurnDelta) -> list[str]:
+        out = []
+        if event.content or (event.logprobs and not event.tool_calls):
+            out.append(self.chunk(Delta(content=event.content), logprobs=event.logprobs))
+        for call in event.tool_calls:
+            out.append(self.chunk(Delta(tool_calls=[ToolCallDelta(index=call.index, **_tool_call(call).model_dump())])))
+        return out
+
+    def usage_chunk(self, done: Finished) -> str:
+        body = ChatCompletionChunk(**self.envelope, choices=[], usage=Usage(**done.usage))
+        return sse_data(body.model_dump_json())
+
+
+def _tool_call(call) -> ToolCallOut:
+    return ToolCallOut(id=call.id, function=FunctionCallOut(name=call.name, arguments=call.arguments))
+
+
+class ChatCompletionServing:
+    def __init__(self, turns: TurnService) -> None:
+        self.turns = turns
+
+    @property
+    def model_name(self) -> str:
+        return self.turns.model_name
+
+    async def prepare(self, body: ChatCompletionRequest, headers: Mapping[str, str], key: ApiKey) -> PreparedTurn:
+        return await self.turns.prepare(turn_request(body, headers), key)
+
+    def _builder(self, prep: PreparedTurn, body: ChatCompletionRequest) -> ChatCompletionBuilder:
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        return ChatCompletionBuilder(prep, self.model_name, include_usage, bool(body.logprobs))
+
+    async def complete(self, prep: PreparedTurn, body: ChatCompletionRequest) -> dict:
+        done = await self.turns.complete(prep)
+        return self._builder(prep, body).response(done).model_dump()
+
+    async def stream(self, prep: PreparedTurn, body: ChatCompletionRequest) -> AsyncIterator[str]:
+        """SSE lines. The first (the role chunk) is yielded once the engine has admitted the
+        request, so a caller that awaits it still sees an engine that is down as an exception
+        with its status; after that, errors arrive as an error event, and a long prefill sends
+        keep-alive comments."""
+        build = self._builder(prep, body)
+        started = False
+        try:
+            async for event in self.turns.run(prep):
+                if isinstance(event, Admitted):
+                    started = True
+                    yield build.chunk(Delta(role="assistant", content=""))
+                elif isinstance(event, StillWorking):
+                    yield sse_comment()
+                elif isinstance(event, TurnDelta):
+                    for line in build.delta_chunks(event):
+                        yield line
+                else:
+                    yield build.chunk(Delta(), finish_reason=event.finish_reason)
+                    if build.include_usage:
+                        yield build.usage_chunk(event)
+        except OpenAIError as exc:
+            if not started:
+                raise
+            yield sse_data(exc.body())
+            return
+        yield sse_done()

@@ -1,0 +1,132 @@
+"""What identifies a conversation across requests: normalised message digests in a hash chain.
+
+A client sends the whole conversation on every request, and the same conversation should
+produce the same chain however the client re-serialises it. Digests therefore ignore what
+clients change without changing the conversation: tool-call ids, the JSON formatting of
+arguments, surrounding whitespace, and volatile text such as the timestamp an agent puts in
+front of each user message (`VolatileText`, configurable, OpenClaw's patterns by default). A
+message that is nothing but volatile text (a runtime-context block an agent appends to every
+request) is left out of the chain altogether, and so are system messages: agents rewrite
+their system prompt within one conversation (a new date; OpenClaw drops tools from it after a
+context overflow), while the turns of the conversation stay what they were.
+
+The chain is seeded with the user, so equal conversations of two users never share a hash.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from nextstate.core.settings import OPENCLAW_VOLATILE_PATTERNS
+
+class VolatileText:
+    """Removes text that changes between requests of one conversation, for matching only."""
+
+    def __init__(self, patterns: Iterable[str] = OPENCLAW_VOLATILE_PATTERNS) -> None:
+        self.patterns = [re.compile(p) for p in patterns]
+
+    def __call__(self, text: str) -> str:
+        for pattern in self.patterns:
+            text = pattern.sub("", text)
+        return text.strip()
+
+
+def _canonical_arguments(arguments: Any) -> Any:
+    if isinstance(arguments, str):
+        try:
+            return json.loads(arguments)
+        except ValueError:
+            return arguments.strip()
+    return arguments
+
+
+def message_digest(message: dict[str, Any], volatile: VolatileText | None = None) -> str | None:
+    """The message's identity across round trips; None for a message with nothing but volatile
+    text in it (it does not count as part of the conversation)."""
+    content = (message.get("content") or "").strip()
+    if volatile is not None:
+        content = volatile(content)
+    calls = message.get("tool_calls")
+    if not content and not calls and message["role"] != "assistant" and volatile is not None and message.get("content"):
+        return None
+    canonical: dict[str, Any] = {"role": message["role"], "content": content}
+    if calls:
+        canonical["tool_calls"] = [[c["function"]["name"], _canonical_arguments(c["function"].get("arguments"))] for c in calls]
+    blob = json.dumps(canonical, sort_keys=True, ensure_ascii=False, separators=(",", ":"))
+    return hashlib.sha256(blob.encode()).hexdigest()[:32]
+
+
+def chain_step(previous: str, digest: str) -> str:
+    return hashlib.sha256((previous + digest).encode()).hexdigest()[:32]
+
+
+def chain_seed(user: str) -> str:
+    return hashlib.sha256(b"nextstate-session\0" + user.encode()).hexdigest()[:32]
+
+
+@dataclass(frozen=True)
+class Chain:
+    """A conversation as a session sees it: for each counted message, its index in the
+    request, its role, and the chain hash of everything up to and including it."""
+
+    seed: str
+    hashes: tuple[str, ...]
+    roles: tuple[str, ...]
+    positions: tuple[int, ...]  # index in the request's message list
+
+    def __len__(self) -> int:
+        return len(self.hashes)
+
+    @classmethod
+    def of(cls, user: str, messages: Sequence[dict[str, Any]], volatile: VolatileText | None = None) -> Chain:
+        hashes, roles, positions = [], [], []
+        h = seed = chain_seed(user)
+        for i, message in enumerate(messages):
+            if message["role"] == "system":
+                continue
+            digest = message_digest(message, volatile)
+            if digest is None:
+                continue
+            h = chain_step(h, digest)
+            hashes.append(h)
+            roles.append(message["role"])
+            positions.append(i)
+        return cls(seed, tuple(hashes), tuple(roles), tuple(positions))
+
+    def extended(self, message: dict[str, Any], position: int, volatile: VolatileText | None = None) -> Chain:
+        """This chain with one more message (our reply, at `position`) at the end."""
+        digest = message_digest(message, volatile) or message_digest(message)
+        last = self.hashes[-1] if self.hashes else self.seed
+        return Chain(
+            self.seed, self.hashes + (chain_step(last, digest),), self.roles + (message["role"],), self.positions + (position,)
+        )
+
+    def last_assistant(self) -> int:
+        """Index of the last assistant message, -1 if there is none."""
+        for i in range(len(self.roles) - 1, -1, -1):
+            if self.roles[i] == "assistant":
+                return i
+        return -1
+
+    def to_json(self) -> dict[str, Any]:
+        return {"seed": self.seed, "hashes": list(self.hashes), "roles": list(self.roles), "positions": list(self.positions)}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> Chain:
+        return cls(data["seed"], tuple(data["hashes"]), tuple(data["roles"]), tuple(data["positions"]))
+
+    def common_prefix(self, other: Chain) -> int:
+        """How many leading messages the two chains share (equal hashes mean equal prefixes)."""
+        lo, hi = 0, min(len(self), len(other))
+        while lo < hi:  # hashes are prefix-closed: binary search for the last equal one
+            mid = (lo + hi + 1) // 2
+            if self.hashes[mid - 1] == other.hashes[mid - 1]:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo

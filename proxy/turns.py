@@ -1,0 +1,389 @@
+"""One reply, whatever API asked for it: prepare → generate → commit.
+
+Every API front end (chat completions today) converts its request into a `TurnRequest`, the
+one internal form of "a conversation that wants the next assistant message". `TurnService`
+then does the API-neutral work: it checks the model and the context budget, renders the prompt
+to token ids, classifies the request into a session (main or side turn), picks the policy that
+serves the user, runs the decode loop against the engine, and on the last token commits the
+turn: exactly the prompt ids, sampled ids and sampling logprobs, handed to the session, where
+the next request of that session turns them into a transition for the judge.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import re
+import secrets
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from nextstate.core.activity import Activity
+from nextstate.core.metrics import Metrics
+from nextstate.core.policy import PolicyDirectory, PolicyRef
+from nextstate.core.records import RecordWriter
+from nextstate.core.types import Turn
+from nextstate.engine.base import Engine, EngineError, SamplingParams
+from nextstate.modelio.chat_template import ChatRenderer, RenderedPrompt
+from nextstate.modelio.tool_calls import forced_call_schema
+from nextstate.proxy.decode import Admitted, Decoder, Delta, Finished, StillWorking
+from nextstate.proxy.errors import OpenAIError, invalid_request
+from nextstate.proxy.keys import ApiKey
+from nextstate.proxy.rate_limits import RateLimiter
+from nextstate.proxy.sessions import SESSION_ID_PATTERN
+from nextstate.proxy.sessions import SessionStore, TurnPlan
+
+log = logging.getLogger(__name__)
+
+_TRUE = {"1", "true", "yes", "on"}
+_ADMITTED = object()  # in a turn's token queue: the engine took the request
+_END = object()  # in a turn's token queue: the engine finished
+
+
+def engine_error(exc: EngineError) -> OpenAIError:
+    """The engine's failure as the client should see it: 502/503/504 for an engine that is
+    down, slow or broken (retry later), 400 for a request it refused."""
+    status = exc.http_status
+    if status >= 500:
+        return OpenAIError(status, f"The model server failed: {exc}", type="server_error", code="engine_error")
+    return OpenAIError(status, f"The model server refused the request: {exc}", code="engine_rejected")
+
+
+@dataclass(frozen=True)
+class TurnHints:
+    """What the client said about the session, via headers or body fields."""
+
+    session_id: str | None = None
+    turn_type: str | None = None
+    done: bool = False
+    outcome_expected: bool = False
+
+    @classmethod
+    def from_request(cls, headers: Any, body: Any) -> TurnHints:
+        """Headers win over the body's nextstate extension fields (`session_id`, ...)."""
+        turn_type = headers.get("x-turn-type") or getattr(body, "turn_type", None)
+        if turn_type is not None:
+            turn_type = turn_type.strip().lower()
+            if turn_type not in ("main", "side"):
+                raise invalid_request("X-Turn-Type must be 'main' or 'side'.", param="X-Turn-Type")
+        session_id = headers.get("x-session-id") or getattr(body, "session_id", None)
+        if session_id is not None:
+            session_id = session_id.strip()
+            if not re.fullmatch(SESSION_ID_PATTERN, session_id):
+                raise invalid_request(
+                    "X-Session-Id must be 1-200 visible ASCII characters (no spaces or control characters).",
+                    param="X-Session-Id",
+                )
+        done = _flag(headers.get("x-session-done"), getattr(body, "session_done", None))
+        outcome = _flag(headers.get("x-outcome-expected"), getattr(body, "outcome_expected", None))
+        return cls(session_id or None, turn_type, done, outcome)
+
+
+def _flag(header: str | None, field_value: bool | None) -> bool:
+    return header.strip().lower() in _TRUE if header is not None else bool(field_value)
+
+
+@dataclass(frozen=True)
+class TurnRequest:
+    """A conversation that wants the next assistant message, in OpenAI chat's plain-dict shapes."""
+
+    model: str
+    messages: list[dict[str, Any]]
+    hints: TurnHints
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    top_logprobs: int | None = None  # None: no logprobs; 0: the sampled token's only
+    parallel_tool_calls: bool = True
+
+    @property
+    def parse_tools(self) -> bool:
+        return bool(self.tools) and self.tool_choice != "none"
+
+    @property
+    def forced_tool_call(self) -> bool:
+        return bool(self.tools) and (self.tool_choice == "required" or isinstance(self.tool_choice, dict))
+
+
+@dataclass
+class PreparedTurn:
+    request: TurnRequest
+    key: ApiKey
+    prompt: RenderedPrompt
+    sampling: SamplingParams
+    plan: TurnPlan
+    policy: PolicyRef
+    id: str = field(default_factory=lambda: "chatcmpl-" + secrets.token_hex(12))
+    created: int = field(default_factory=lambda: int(time.time()))
+    started: float = field(default_factory=time.monotonic)
+    extra_headers: dict[str, str] = field(default_factory=dict)  # the key's rate-limit standing
+
+    @property
+    def headers(self) -> dict[str, str]:
+        out = {"X-Turn-Type": self.plan.turn_type, "X-Policy-Version": str(self.policy.version), **self.extra_headers}
+        if self.plan.session_id:
+            out["X-Session-Id"] = self.plan.session_id
+        return out
+
+
+class TurnService:
+    def __init__(
+        self,
+        engine: Engine,
+        renderer: ChatRenderer,
+        sessions: SessionStore,
+        records: RecordWriter,
+        policies: PolicyDirectory,
+        metrics: Metrics,
+        model_name: str,
+        default_max_tokens: int,
+        activity: Activity | None = None,
+        keepalive_s: float = 5.0,
+        limiter: RateLimiter | None = None,
+        max_parallel_per_user: int = 4,
+    ) -> None:
+        self.engine = engine
+        self.renderer = renderer
+        self.sessions = sessions
+        self.records = records
+        self.policies = policies
+        self.metrics = metrics
+        self.model_name = model_name
+        self.default_max_tokens = default_max_tokens
+        self.activity = activity or Activity()
+        self.keepalive_s = keepalive_s
+        self.limiter = limiter or RateLimiter()
+        self.max_parallel_per_user = max_parallel_per_user
+        self._running: dict[str, int] = {}  # replies being generated, per user
+
+    # ------------------------------------------------------------------ preparation
+
+    async def prepare(self, request: TurnRequest, key: ApiKey) -> PreparedTurn:
+        if request.model != self.model_name:
+            raise OpenAIError(
+                404,
+                f"The model '{request.model}' does not exist here; this server serves '{self.model_name}'.",
+                param="model",
+                code="model_not_found",
+            )
+        prompt = await asyncio.to_thread(self.renderer.render, request.messages, request.tools, request.tool_choice)
+        sampling = self._sampling(request, len(prompt.ids))
+        quota = await self.limiter.admit(key, len(prompt.ids))
+        hints = request.hints
+        plan = self.sessions.resolve(
+            key.user, request.messages, session_id=hints.session_id, turn_type=hints.turn_type, done=hints.done
+        )
+        self.metrics.turns.labels(plan.turn_type, plan.match).inc()
+        self.metrics.sessions_open.set(len(self.sessions))
+        prep = PreparedTurn(request, key, prompt, sampling, plan, self.policies.current(key.user))
+        prep.extra_headers.update(quota.headers)
+        return prep
+
+    def _sampling(self, request: TurnRequest, prompt_len: int) -> SamplingParams:
+        limit = self.engine.info.max_context
+        room = limit - prompt_len
+        requested = request.max_tokens
+        if room < 1 or (requested is not None and requested > room):
+            raise invalid_request(
+                f"This model's maximum context length is {limit} tokens. However, you requested "
+                f"{prompt_len + (requested or 1)} tokens ({prompt_len} in the messages, "
+                f"{requested or 1} in the completion). Please reduce the length of the messages or completion.",
+                param="messages",
+                code="context_length_exceeded",
+            )
+        return SamplingParams(
+            max_new_tokens=requested or min(self.default_max_tokens, room),
+            temperature=1.0 if request.temperature is None else request.temperature,
+            top_p=1.0 if request.top_p is None else request.top_p,
+            seed=request.seed,
+            stop_token_ids=self.renderer.stop_token_ids,
+            top_logprobs=request.top_logprobs or 0,
+            json_schema=forced_call_schema(request.tools or [], request.tool_choice) if request.forced_tool_call else None,
+        )
+
+    # ------------------------------------------------------------------ generation
+
+    async def run(self, prep: PreparedTurn) -> AsyncIterator[Admitted | StillWorking | Delta | Finished]:
+        """The decode loop: `Admitted` once the engine took the request, deltas as tokens
+        arrive (`StillWorking` after `keepalive_s` without one), then the finished reply,
+        committed. An engine failure before admission raises before anything is yielded; a
+        failure after it is recorded (a 'failed' record and count) and raised."""
+        user = prep.key.user
+        if self._running.get(user, 0) >= self.max_parallel_per_user:
+            raise OpenAIError(
+                429, f"You have {self.max_parallel_per_user} replies being generated; wait for one to finish "
+                "(NEXTSTATE_MAX_PARALLEL_PER_USER).", type="requests", code="too_many_parallel_requests",
+                headers={"retry-after": "1"},
+            )
+        self._running[user] = self._running.get(user, 0) + 1
+        admitted = False
+        try:
+            async for event in self._run(prep):
+                admitted = admitted or isinstance(event, Admitted)
+                yield event
+        except OpenAIError as exc:
+            if admitted:
+                self.metrics.failed.labels(exc.code or exc.type).inc()
+                self.records.write(
+                    "failed",
+                    {"id": prep.id, "user": prep.key.user, "session_id": prep.plan.session_id, "turn_type": prep.plan.turn_type,
+                     "status": exc.status, "code": exc.code, "message": exc.message[:500]},
+                    version=prep.policy.version,
+                )
+                log.warning("reply %s of %s failed: %s", prep.id, prep.key.user, exc.message)
+            raise
+        finally:
+            self._running[user] -= 1
+            if not self._running[user]:
+                del self._running[user]
+
+    async def _run(self, prep: PreparedTurn) -> AsyncIterator[Admitted | StillWorking | Delta | Finished]:
+        request = prep.request
+        decoder = Decoder(
+            self.renderer.tokenizer,
+            stop_token_ids=prep.sampling.stop_token_ids,
+            stop_strings=request.stop,
+            parse_tools=request.parse_tools,
+            parallel_calls=request.parallel_tool_calls,
+            prefill=prep.prompt.prefill,
+            token_text=self.renderer.token_text if request.top_logprobs is not None else None,
+        )
+        response_ids: list[int] = []
+        sampled_logprobs: list[float] = []
+        tokens: asyncio.Queue = asyncio.Queue()
+        pump = asyncio.create_task(self._pump(prep, tokens), name=f"generate-{prep.id}")
+        self.metrics.in_flight.inc()
+        with self.activity.request():
+            try:
+                while True:
+                    try:
+                        item = await asyncio.wait_for(tokens.get(), self.keepalive_s)
+                    except asyncio.TimeoutError:
+                        yield StillWorking()
+                        continue
+                    if item is _END:
+                        break
+                    if isinstance(item, BaseException):
+                        raise (engine_error(item) if isinstance(item, EngineError) else item) from item
+                    if item is _ADMITTED:
+                        yield Admitted()
+                        continue
+                    if not response_ids:
+                        self.metrics.ttft.observe(time.monotonic() - prep.started)
+                    response_ids.append(item.token_id)
+                    sampled_logprobs.append(item.logprob)
+                    delta = decoder.push(item)
+                    if delta.content or delta.tool_calls:
+                        yield delta
+                    if decoder.stopped:
+                        break
+            finally:
+                pump.cancel()  # stop generating (the client left, or a stop was reached)
+                self.metrics.in_flight.dec()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await pump
+        tail = decoder.flush()
+        done = decoder.finished(len(prep.prompt.ids), len(response_ids))
+        if request.forced_tool_call and not done.tool_calls:
+            raise OpenAIError(
+                400,
+                f"The model did not complete the tool call it was made to write within {prep.sampling.max_new_tokens} "
+                f"tokens (finish reason '{done.finish_reason}'). Raise max_tokens, or let it answer without a forced call.",
+                param="max_tokens" if done.finish_reason == "length" else "tool_choice",
+                code="tool_call_incomplete",
+            )
+        if tail:
+            yield tail
+        self._commit(prep, done, response_ids, sampled_logprobs)
+        await self.sessions.save()  # the turn, and the next state it confirmed, survive a crash now
+        await self.limiter.spend(prep.key, done.prompt_tokens + done.completion_tokens)
+        yield done
+
+    async def _pump(self, prep: PreparedTurn, tokens: asyncio.Queue) -> None:
+        """Engine tokens into `tokens`, with the admission marker first and `_END` last."""
+        stream = self.engine.generate(
+            prep.prompt.ids, prep.sampling, prep.policy.adapter, on_admit=lambda: tokens.put_nowait(_ADMITTED)
+        )
+        try:
+            async for token in stream:
+                tokens.put_nowait(token)
+            tokens.put_nowait(_END)
+        except Exception as exc:  # noqa: BLE001 - handed to the decode loop, which raises it
+            tokens.put_nowait(exc)
+        finally:
+            await stream.aclose()
+
+    async def complete(self, prep: PreparedTurn) -> Finished:
+        events = self.run(prep)
+        try:
+            async for event in events:
+                if isinstance(event, Finished):
+                    return event
+        finally:
+            await events.aclose()
+        raise AssertionError("the decode loop ended without a finished reply")
+
+    def _commit(self, prep: PreparedTurn, done: Finished, response_ids: list[int], logprobs: list[float]) -> None:
+        """Record the request and, for a main turn, hand its tokens to the session."""
+        plan, message, request = prep.plan, done.message(), prep.request
+        self.metrics.prompt_tokens.inc(done.prompt_tokens)
+        self.metrics.completion_tokens.inc(done.completion_tokens)
+        self.metrics.latency.observe(time.monotonic() - prep.started)
+        record: dict[str, Any] = {
+            "id": prep.id,
+            "user": prep.key.user,
+            "session_id": plan.session_id,
+            "turn_type": plan.turn_type,
+            "session_match": plan.match,
+            "turn_index": plan.turn_index,
+            "policy_version": prep.policy.version,
+            "adapter": prep.policy.adapter,
+            "messages": request.messages,
+            "tools": request.tools,
+            "tool_choice": request.tool_choice,
+            "response": message,
+            "finish_reason": done.finish_reason,
+            "usage": done.usage,
+            "latency_s": round(time.monotonic() - prep.started, 4),
+        }
+        if plan.turn_type == "main" and plan.session is not None:
+            turn = Turn(
+                session_id=plan.session.id,
+                user=prep.key.user,
+                turn_index=plan.turn_index or 0,
+                messages=request.messages,
+                tools=request.tools,
+                tool_choice=request.tool_choice,
+                prompt_ids=prep.prompt.ids,
+                response_ids=response_ids,
+                response_logprobs=logprobs,
+                logprob_temperature=prep.sampling.logprob_temperature,
+                sampling={
+                    "temperature": prep.sampling.temperature,
+                    "top_p": prep.sampling.top_p,
+                    "max_new_tokens": prep.sampling.max_new_tokens,
+                    "seed": prep.sampling.seed,
+                },
+                policy_version=prep.policy.version,
+                adapter=prep.policy.adapter,
+                response_message=message,
+                finish_reason=done.finish_reason,
+                created_at=time.time(),
+                track="outcome" if request.hints.outcome_expected else "personal",
+            )
+            turn = self.sessions.commit_main(plan, turn, message)
+            record.update(
+                session_id=turn.session_id, turn_index=turn.turn_index,
+                prompt_ids=prep.prompt.ids, response_ids=response_ids, response_logprobs=logprobs,
+            )
+        else:
+            self.sessions.finish_side(plan)
+        self.records.write("request", record, version=prep.policy.version)
+        self.metrics.sessions_open.set(len(self.sessions))

@@ -1,0 +1,123 @@
+"""Hostile or broken requests: each is a 4xx in OpenAI's shape, and the server stays up.
+
+Every probe here once made the server answer 500, drop the connection, stop writing records
+for everyone, or hold gigabytes of memory.
+"""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+
+from nextstate.core.records import RecordWriter
+from tests.conftest import raw_post
+
+HELLO = [{"role": "user", "content": "hi"}]
+
+
+def body(**extra) -> dict:
+    return {"model": "tiny", "messages": HELLO, "max_tokens": 3, **extra}
+
+
+def assert_refused(resp: httpx.Response, status: int = 400) -> dict:
+    assert resp.status_code == status, resp.text
+    error = resp.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    return error
+
+
+@pytest.mark.parametrize("session_id", ["sess\u0000nul", "a\r\nSet-Cookie: x", "€uro", "with space", "x" * 201, ""])
+def test_session_ids_that_cannot_be_a_header_are_refused_before_any_work(scripted, session_id):
+    server, engine = scripted
+    error = assert_refused(raw_post(server, body(session_id=session_id), server.key("alice")))
+    assert "session_id" in (error["param"] or "").lower() or "session" in error["message"].lower()
+    assert engine.prompts == [], "nothing was generated"
+    assert not [r for r in server.records() if r["kind"] == "request"]
+
+
+def test_bounded_seed(scripted):
+    server, _ = scripted
+    key = server.key("alice")
+    assert_refused(raw_post(server, body(seed=2**64), key))
+    assert raw_post(server, body(seed=2**63 - 1), key).status_code == 200
+    assert raw_post(server, body(seed=-(2**63)), key).status_code == 200
+
+
+@pytest.mark.parametrize("where", ["content", "name", "tool"])
+def test_lone_surrogates_are_refused_and_records_keep_flowing(scripted, where):
+    server, _ = scripted
+    key = server.key("alice")
+    message = {"role": "user", "content": "a\\ud800b" if where == "content" else "hi"}
+    if where == "name":
+        message["name"] = "x\\udfffy"
+    extra = ""
+    if where == "tool":
+        extra = ', "tools": [{"type": "function", "function": {"name": "f", "description": "\\udc00"}}]'
+    text = '{"model": "tiny", "max_tokens": 3, "messages": [' + json.dumps(message).replace("\\\\u", "\\u") + "]" + extra + "}"
+    error = assert_refused(raw_post(server, text, key))
+    assert "surrogate" in error["message"]
+    assert raw_post(server, body(), key).status_code == 200
+    assert [r["kind"] for r in server.records()].count("request") == 1, "the record writer is alive"
+
+
+def nested(depth: int) -> str:
+    return "[" * depth + "]" * depth
+
+
+@pytest.mark.parametrize("place", ["top", "extra_field", "tool_parameters"])
+def test_deep_nesting_is_refused(scripted, place):
+    server, _ = scripted
+    key = server.key("alice")
+    if place == "top":
+        text = nested(1000)
+    elif place == "extra_field":
+        text = '{"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "junk": ' + nested(1000) + "}"
+    else:
+        text = ('{"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function", '
+                '"function": {"name": "f", "parameters": {"x": ' + nested(1000) + "}}}]}")
+    assert_refused(raw_post(server, text, key))
+    resp = httpx.post(f"{server.base_url}/sessions/s/outcome", content='{"reward": ' + nested(1000) + "}",
+                      headers={"Authorization": f"Bearer {key}"})
+    assert_refused(resp)
+
+
+def test_big_bodies_are_refused_before_they_are_read(server_factory):
+    from tests.conftest import scripted_factory
+
+    factory, _ = scripted_factory()
+    server = server_factory(engine_factory=factory, max_body_bytes=64 * 1024)
+    key = server.key("alice")
+    big = json.dumps(body(messages=[{"role": "user", "content": "x" * 5_000_000}]))
+    error = assert_refused(raw_post(server, big, key), 413)
+    assert error["code"] == "request_too_large"
+
+    def chunks():  # no Content-Length: counted as it arrives
+        yield b'{"model": "tiny", "messages": [{"role": "user", "content": "'
+        for _ in range(200):
+            yield b"x" * 32_768
+        yield b'"}]}'
+
+    resp = httpx.post(f"{server.base_url}/chat/completions", content=chunks(),
+                      headers={"Authorization": f"Bearer {key}", "Content-Type": "application/json"}, timeout=30)
+    assert_refused(resp, 413)
+    assert raw_post(server, body(), key).status_code == 200
+
+
+@pytest.mark.parametrize("extra", [{"stream": "yes"}, {"stream": 1}, {"max_tokens": "3"}, {"temperature": "0.5"},
+                                   {"messages": [{"role": "user", "content": []}]}, {"logprobs": "true"}])
+def test_openai_strict_types(scripted, extra):
+    server, _ = scripted
+    assert_refused(raw_post(server, body(**extra), server.key("alice")))
+
+
+async def test_the_record_writer_survives_any_value(tmp_path):
+    writer = RecordWriter(tmp_path)
+    await writer.start()
+    writer.write("odd", {"text": "a\ud800b", "obj": object(), "deep": None})
+    writer.write("fine", {"text": "ok"})
+    await writer.flush()
+    await writer.aclose()
+    lines = [json.loads(line) for line in (tmp_path / "policy-v0000.jsonl").read_text(encoding="utf-8").splitlines()]
+    assert [r["kind"] for r in lines] == ["odd", "fine"] and lines[0]["text"] == "a\ud800b"

@@ -1,0 +1,144 @@
+"""Real traffic: an unmodified OpenClaw's requests, replayed in order against nextstate.
+
+tests/data/openclaw-2026.9.6/ is a capture of OpenClaw 2026.9.6 talking to nextstate (see its
+README). Its requests are sent again as captured, to a server whose engine "generates" what
+the model generated then (a scripted engine: the recorded reply text, and for the requests
+that force the `read` tool, the valid call that constrained decoding produces). Two things
+differ from the capture: the key, and `max_completion_tokens`, lifted because the test's tiny
+tokenizer needs about twice SmolLM2's tokens for the same text (cut short, every recorded
+reply would read differently from what OpenClaw echoed back).
+The client's requests do not depend on the replies here, so what nextstate must make of them
+is fixed: one session for the conversation, its main turns in order, and as each turn's next
+state exactly the messages OpenClaw added after it, the user's words, while OpenClaw's own
+retry notice is a format failure and never user feedback.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.background_server import start_server
+from tests.conftest import scripted_factory
+from tests.judge_server import ScriptedJudge
+from tests.scripted_engine import ScriptedEngine
+
+CAPTURE = Path(__file__).parent / "data" / "openclaw-2026.9.6" / "traffic.jsonl"
+CONVERSATION = range(4, 17)  # rows of the one trimmed-setup conversation; row 3 is a probe of its own
+FORCED_CALL = '{"name": "read", "arguments": {"path": "notes.txt"}}'
+KEEP_HEADERS = {"content-type", "user-agent", "accept", "traceparent"}
+
+
+def rows() -> list[dict]:
+    return [json.loads(line) for line in CAPTURE.read_text().splitlines()]
+
+
+def recorded_reply(row: dict) -> str:
+    """What the model wrote: the streamed content, with any tool call as the text it came from."""
+    text = ""
+    for line in row["resp_body"].splitlines():
+        if not line.startswith("data: {"):
+            continue
+        for choice in json.loads(line[6:]).get("choices", []):
+            delta = choice["delta"]
+            text += delta.get("content") or ""
+            for call in delta.get("tool_calls") or []:
+                fn = call["function"]
+                text += f'<tool_call>\n{{"name": "{fn["name"]}", "arguments": {fn["arguments"]}}}\n</tool_call>\n'
+    return text
+
+
+def new_messages(body: dict) -> list[dict]:
+    """The messages a request adds after its last assistant message."""
+    messages = body["messages"]
+    last = max(i for i, m in enumerate(messages) if m["role"] == "assistant")
+    return messages[last + 1 :]
+
+
+class Replay:
+    """A nextstate server with a scripted engine, that can be restarted on the same data."""
+
+    def __init__(self, server_factory) -> None:
+        self.judge = ScriptedJudge()
+        self.engine_factory, self._engines = scripted_factory(max_context=65536)
+        self.server = server_factory(
+            engine_factory=self.engine_factory, served_model_name="SmolLM2-135M-Instruct",
+            judge_base_url=self.judge.base_url, prm_votes=1, learn=False,
+        )
+        self.key = self.server.key("sam")
+
+    @property
+    def engine(self) -> ScriptedEngine:
+        return self._engines["engine"]
+
+    def restart(self) -> None:
+        self.server.stop()
+        self.server = start_server(self.server.settings, self.engine_factory)
+
+    def send(self, row: dict) -> tuple[int, str | None, str | None]:
+        body = {**row["req_body"], "max_completion_tokens": 1024}
+        self.engine.script(FORCED_CALL if isinstance(body.get("tool_choice"), dict) else recorded_reply(row))
+        headers = {k: v for k, v in row["req_headers"].items() if k in KEEP_HEADERS}
+        with httpx.stream("POST", f"{self.server.base_url}/chat/completions", json=body, timeout=60,
+                          headers={**headers, "Authorization": f"Bearer {self.key}"}) as response:
+            response.read()
+        return response.status_code, response.headers.get("x-session-id"), response.headers.get("x-turn-type")
+
+
+@pytest.fixture
+def replay(server_factory):
+    r = Replay(server_factory)
+    yield r
+    r.server.stop()
+    r.judge.stop()
+
+
+def test_an_openclaw_conversation_is_one_session_with_the_users_next_states(replay):
+    """...and a restart of nextstate in the middle of it loses nothing."""
+    captured = rows()
+    answered = []
+    for i in [3, *CONVERSATION]:
+        if i == 10:
+            replay.restart()
+        answered.append((i, *replay.send(captured[i])))
+    server = replay.server
+    # rows 5-8 echo our replies: the line goes on. From row 9 on, OpenClaw shows the replies to
+    # its forced tool calls as the text it got when it was captured, not as our calls; row 10
+    # also merged two attempts and dropped the retry notice. All edits of our replies.
+    matches = [r["session_match"] for r in server.records() if r["kind"] == "request"]
+    assert matches[:6] == ["new", "new", "extend", "extend", "extend", "extend"], matches
+    assert set(matches[6:]) == {"edited"}, matches
+    assert [status for _, status, _, _ in answered] == [200] * len(answered), answered
+    probe, *conversation = answered
+    sessions = {session for _, _, session, _ in conversation}
+    assert len(sessions) == 1 and probe[2] not in sessions, "one conversation, one session (and the probe its own)"
+    assert {turn_type for _, _, _, turn_type in answered} == {"main"}
+    (session,) = sessions
+
+    server.end_conversations()
+    server.drain_judge()
+    records = server.records()
+    requests = [r for r in records if r["kind"] == "request" and r["session_id"] == session]
+    assert [r["turn_index"] for r in requests] == list(range(1, len(CONVERSATION) + 1))
+    transitions = sorted(
+        (r for r in records if r["kind"] == "transition" and r["session_id"] == session), key=lambda r: r["turn_index"]
+    )
+    assert [t["turn_index"] for t in transitions] == list(range(1, len(CONVERSATION) + 1))
+    *with_next, last = transitions
+    assert last["reason"] == "session_closed" and last["next_state"] is None
+    expected = [new_messages(captured[i]["req_body"]) for i in list(CONVERSATION)[1:]]
+    assert [t["next_state"] for t in with_next] == expected
+    assert all(t["reason"] == "next_state" for t in with_next)
+    assert any(t["edited"] for t in with_next), "OpenClaw rewrote our replies; those turns say so"
+
+    samples = {s.turn_index: s for s in server.app.state.samples.samples() if s.session_id == session}
+    retry_turns = [t["turn_index"] for t in with_next if "did not produce a user-visible answer" in json.dumps(t["next_state"])]
+    assert len(retry_turns) == 1
+    for index, sample in samples.items():
+        if index in retry_turns:
+            assert "format failure" in sample.reason and sample.reward == -1 and sample.votes == []
+        else:
+            assert "format failure" not in sample.reason and sample.votes, f"turn {index} was judged as user feedback"

@@ -1,0 +1,113 @@
+"""No user can stall or evict another: parallel caps, session caps, per-key rate limits, and
+replies whose client has gone are stopped."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import socket
+import time
+
+import httpx
+import pytest
+
+from tests.conftest import raw_post, scripted_factory
+from tests.test_sessions import Harness, user
+
+HELLO = [{"role": "user", "content": "hi"}]
+LONG = " ".join(f"word{i}" for i in range(300))
+
+
+@pytest.fixture
+def slow(server_factory):
+    """A server whose engine takes 50 ms per token."""
+
+    def make(**overrides):
+        factory, holder = scripted_factory(delay_s=0.05)
+        server = server_factory(engine_factory=factory, **overrides)
+        return server, holder["engine"]
+
+    return make
+
+
+def test_a_non_streaming_reply_stops_when_its_client_leaves(slow):
+    server, engine = slow()
+    engine.script(LONG)
+    key = server.key("alice")
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{server.base_url}/chat/completions", json={"model": "tiny", "messages": HELLO, "max_tokens": 400},
+                   headers={"Authorization": f"Bearer {key}"}, timeout=0.6)
+    deadline = time.monotonic() + 10
+    while not [r for r in server.records() if r["kind"] == "aborted"] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    (record,) = [r for r in server.records() if r["kind"] == "aborted"]
+    assert "disconnected" in record["reason"]
+    assert not [r for r in server.records() if r["kind"] == "request"], "the abandoned reply was not committed"
+    time.sleep(0.5)
+    assert engine.generated < 100, "the engine stopped generating for nobody"
+    assert raw_post(server, {"model": "tiny", "messages": HELLO, "max_tokens": 2}, key).status_code == 200
+
+
+def test_a_client_that_hangs_up_mid_body_costs_one_log_line(server, caplog):
+    caplog.set_level(logging.INFO)
+    with socket.create_connection(("127.0.0.1", server.settings.server.port)) as sock:
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + server.key("a").encode()
+                     + b"\r\nContent-Type: application/json\r\nContent-Length: 1000\r\n\r\n{\"model\": ")
+        time.sleep(0.3)
+    time.sleep(0.5)
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], [r.getMessage() for r in caplog.records]
+    assert any("client disconnected" in r.getMessage() for r in caplog.records)
+
+
+def test_one_user_cannot_take_every_decoding_slot(slow):
+    server, engine = slow(max_parallel_per_user=2)
+    alice, bob = server.key("alice"), server.key("bob")
+    body = {"model": "tiny", "messages": HELLO, "max_tokens": 30}
+    engine.default_reply = " ".join(["tok"] * 40)
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        busy = [pool.submit(raw_post, server, body, alice) for _ in range(2)]
+        time.sleep(0.3)
+        third = raw_post(server, body, alice)
+        started = time.monotonic()
+        other = raw_post(server, body, bob)
+        assert other.status_code == 200 and time.monotonic() - started < 5
+        assert [f.result().status_code for f in busy] == [200, 200]
+    assert third.status_code == 429 and third.json()["error"]["code"] == "too_many_parallel_requests"
+    assert third.headers["retry-after"]
+
+
+def test_one_users_sessions_never_push_out_anothers():
+    h = Harness(max_sessions=1000, max_per_user=50)
+    h.turn("alice", [user("my conversation")], "reply")
+    for i in range(60):
+        h.turn("bob", [user(f"spam {i}")], "ok")
+    assert h.store.get("alice", next(iter(h.store._per_user["alice"]))) is not None
+    assert len(h.store._per_user["bob"]) == 50
+    assert not [t for t in h.emitted if t.turn.user == "alice"], "alice's pending turn is still pending"
+
+
+def test_per_key_request_and_token_limits(scripted):
+    server, engine = scripted
+    from nextstate.proxy.keys import KeyStore
+
+    body = {"model": "tiny", "messages": HELLO, "max_tokens": 5}
+    usage = raw_post(server, body, server.key("probe")).json()["usage"]
+    store = KeyStore(server.settings.keys_db)
+    try:
+        _, limited = store.create("carol", rpm=2)
+        # room for one reply, and then less than the next prompt
+        _, frugal = store.create("dave", tpm=usage["total_tokens"] + usage["prompt_tokens"] - 1)
+    finally:
+        store.close()
+    first = raw_post(server, body, limited)
+    assert first.status_code == 200
+    assert first.headers["x-ratelimit-limit-requests"] == "2" and first.headers["x-ratelimit-remaining-requests"] == "1"
+    assert raw_post(server, body, limited).status_code == 200
+    third = raw_post(server, body, limited)
+    assert third.status_code == 429 and third.json()["error"]["type"] == "requests"
+    assert third.headers["x-ratelimit-remaining-requests"] == "0" and int(third.headers["retry-after"]) >= 1
+    assert raw_post(server, body, server.key("erin")).status_code == 200, "other keys are unaffected"
+    spent = raw_post(server, body, frugal)
+    assert spent.status_code == 200 and spent.headers["x-ratelimit-limit-tokens"] == str(usage["total_tokens"] + usage["prompt_tokens"] - 1)
+    over = raw_post(server, body, frugal)
+    assert over.status_code == 429 and over.json()["error"]["type"] == "tokens"
