@@ -64,6 +64,7 @@ from openai import OpenAI
 
 from bench.models import bench_model, bench_server
 from bench.report import pyplot, save
+from nextstate.core.settings import JudgeSettings, LearnerSettings
 from tests.judge_server import ScriptedJudge
 
 MODES = ("none", "binary", "opd", "combined")
@@ -255,10 +256,13 @@ def probe_marker(policy: Path, engine: dict, marker: str | None, target: float) 
 def run_mode(mode: str, policy: Path, tasks: list[str], args, judge: dict, user, scorer) -> ModeRun:
     run = ModeRun(mode)
     learning = mode != "none"
+    tuned = {} if args.defaults else dict(
+        prm_votes=args.votes, batch_size=args.batch, lr=args.lr, lora_r=args.lora_r, lora_alpha=2 * args.lora_r,
+        kl_coef=args.kl_coef,
+    )
     with bench_server(
         policy, "policy", mode=mode if learning else "combined", learn=learning, judge_enabled=learning,
-        prm_votes=args.votes, batch_size=args.batch, lr=args.lr, lora_r=args.lora_r, lora_alpha=2 * args.lora_r,
-        kl_coef=args.kl_coef, **judge, **engine_settings(args),
+        **tuned, **judge, **engine_settings(args),
     ) as server:
         client = OpenAI(base_url=server.base_url, api_key=server.key("simulated-user"), max_retries=0, timeout=600)
         for i, task in enumerate(tasks):
@@ -390,6 +394,8 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=None)
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--think-s", type=float, default=0.3, help="pause after each task")
+    parser.add_argument("--defaults", action="store_true",
+                        help="every server setting at its default (batch, lr, LoRA, KL, votes): what a newcomer gets")
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--lr", type=float, default=None)
     parser.add_argument("--lora-r", type=int, default=None)
@@ -406,6 +412,10 @@ def main() -> None:
     policy = bench_model(model=args.policy, smol=args.smol, peaked=True)
     tiny = not (args.policy or args.smol)
     args.max_tokens = args.max_tokens or (8 if tiny else 48)
+    if args.defaults:  # what the server does with no NEXTSTATE_* variable set, for the record
+        defaults = LearnerSettings()
+        args.batch, args.lr, args.lora_r, args.kl_coef = defaults.batch_size, defaults.lr, defaults.lora_r, defaults.kl_coef
+        args.votes = JudgeSettings().prm_votes
     args.lr = args.lr or (5e-3 if tiny else 2e-4)
     args.lora_r = args.lora_r or (8 if tiny else 16)
     api_key = os.environ.get(args.api_key_env)

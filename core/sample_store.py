@@ -43,6 +43,17 @@ CREATE TABLE IF NOT EXISTS samples (
 );
 CREATE INDEX IF NOT EXISTS samples_status ON samples (status, id);
 CREATE INDEX IF NOT EXISTS samples_session ON samples (user, session_id);
+CREATE TABLE IF NOT EXISTS feedback (
+    response_id TEXT PRIMARY KEY,
+    user TEXT NOT NULL,
+    rating INTEGER NOT NULL,
+    correction TEXT,
+    created_at REAL NOT NULL
+);
+CREATE TABLE IF NOT EXISTS meta (
+    key TEXT PRIMARY KEY,
+    value TEXT NOT NULL
+);
 CREATE TABLE IF NOT EXISTS outcomes (
     user TEXT NOT NULL,
     session_id TEXT NOT NULL,
@@ -52,9 +63,10 @@ CREATE TABLE IF NOT EXISTS outcomes (
 );
 """
 
-_COLUMNS = ("id", "created_at", "user", "session_id", "turn_index", "policy_version", "mode", "track", "status", "reason", "reward")
+_COLUMNS = ("id", "created_at", "user", "session_id", "turn_index", "policy_version", "mode", "track", "status", "reason",
+            "reward", "response_id")
 _DATA_FIELDS = ("adapter", "prompt_ids", "response_ids", "old_logprobs", "logprob_temperature", "advantages",
-                "loss_mask", "votes", "hint", "teacher_logprobs", "outcome")
+                "loss_mask", "votes", "hint", "teacher_logprobs", "outcome", "feedback")
 
 
 # How a stored sample changes once its session's outcome is known (the judge's reward math;
@@ -79,11 +91,18 @@ class SampleStore:
         self._conn.executescript(_SCHEMA)
         # Since 0.1: one transition per turn. A turn handed over again (a crash after the judge
         # took it, before its session was saved) is recognised and not judged twice.
-        columns = {row[1] for row in self._conn.execute("PRAGMA table_info(transitions)")}
-        if "turn_key" not in columns:
-            self._conn.execute("ALTER TABLE transitions ADD COLUMN turn_key TEXT")
+        self._add_column("transitions", "turn_key")
         self._conn.execute("CREATE UNIQUE INDEX IF NOT EXISTS transitions_turn ON transitions (turn_key)")
+        # Since 0.2: feedback names a turn by the response id its client got.
+        self._add_column("transitions", "response_id")
+        self._add_column("samples", "response_id")
+        self._conn.execute("CREATE INDEX IF NOT EXISTS transitions_response ON transitions (response_id)")
+        self._conn.execute("CREATE INDEX IF NOT EXISTS samples_response ON samples (response_id)")
         self._lock = threading.Lock()
+
+    def _add_column(self, table: str, column: str) -> None:
+        if column not in {row[1] for row in self._conn.execute(f"PRAGMA table_info({table})")}:
+            self._conn.execute(f"ALTER TABLE {table} ADD COLUMN {column} TEXT")
 
     def close(self) -> None:
         with self._lock:
@@ -91,16 +110,34 @@ class SampleStore:
 
     # ---------------------------------------------------------------- transitions (judge inbox)
 
-    def add_transition(self, transition: Transition) -> int | None:
-        """Put a transition in the inbox; None if its turn is there already (pending or judged)."""
+    def add_transition(self, transition: Transition, status: str = "pending") -> int | None:
+        """Put a transition in the inbox; None if its turn is there already (pending or judged).
+
+        `status` "unjudged" keeps a turn no judge will look at (no next state, or implicit
+        judging off), so that explicit feedback can still find it by its response id."""
         turn = transition.turn
         key = f"{turn.user}\x1f{turn.session_id}\x1f{turn.turn_index}"
         with self._lock:
             cur = self._conn.execute(
-                "INSERT OR IGNORE INTO transitions (created_at, status, data, turn_key) VALUES (?, 'pending', ?, ?)",
-                (time.time(), transition.model_dump_json(), key),
+                "INSERT OR IGNORE INTO transitions (created_at, status, data, turn_key, response_id) VALUES (?, ?, ?, ?, ?)",
+                (time.time(), status, transition.model_dump_json(), key, turn.response_id),
             )
         return int(cur.lastrowid) if cur.rowcount else None
+
+    def find_turn(self, user: str, response_id: str) -> tuple[int, Transition] | None:
+        """The stored transition of `user`'s turn that answered with `response_id`."""
+        with self._lock:
+            row = self._conn.execute(
+                "SELECT id, data FROM transitions WHERE response_id = ? AND json_extract(data, '$.turn.user') = ?",
+                (response_id, user),
+            ).fetchone()
+        return None if row is None else (row[0], Transition.model_validate_json(row[1]))
+
+    def close_transition(self, transition_id: int, status: str = "done") -> None:
+        """Take a pending transition out of the judge's queue: judged another way ("done"), or
+        left for explicit feedback only ("unjudged")."""
+        with self._lock:
+            self._conn.execute("UPDATE transitions SET status = ? WHERE id = ? AND status = 'pending'", (status, transition_id))
 
     def pending_transitions(self) -> list[tuple[int, Transition]]:
         with self._lock:
@@ -128,9 +165,9 @@ class SampleStore:
                 data = _data(sample)
                 cur = self._conn.execute(
                     "INSERT INTO samples (created_at, user, session_id, turn_index, policy_version, mode, track, "
-                    "status, reason, reward, data) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                    "status, reason, reward, response_id, data) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                     (sample.created_at, sample.user, sample.session_id, sample.turn_index, sample.policy_version,
-                     sample.mode, sample.track, sample.status, sample.reason, sample.reward, data),
+                     sample.mode, sample.track, sample.status, sample.reason, sample.reward, sample.response_id, data),
                 )
                 if transition_id is not None:
                     self._conn.execute("UPDATE transitions SET status = 'done' WHERE id = ?", (transition_id,))
@@ -147,6 +184,40 @@ class SampleStore:
         with self._lock:
             rows = self._conn.execute(sql, params).fetchall()
         return [_sample_from_row(row) for row in rows]
+
+    def sample_for_response(self, user: str, response_id: str) -> Sample | None:
+        found = self._rows("user = ? AND response_id = ?", (user, response_id), 1)
+        return found[0] if found else None
+
+    def replace_sample(self, sample_id: int, sample: Sample) -> bool:
+        """Give a stored, not yet trained sample new contents (its turn was rated); False if it
+        was trained meanwhile."""
+        with self._lock:
+            cur = self._conn.execute(
+                "UPDATE samples SET status = ?, track = ?, reason = ?, reward = ?, mode = ?, data = ? "
+                "WHERE id = ? AND status != 'consumed'",
+                (sample.status, sample.track, sample.reason, sample.reward, sample.mode, _data(sample), sample_id),
+            )
+        return cur.rowcount == 1
+
+    # ---------------------------------------------------------------- explicit feedback
+
+    def set_feedback(self, user: str, response_id: str, rating: int, correction: str | None) -> None:
+        """Keep a rating (a second one replaces the first) before it is applied."""
+        with self._lock:
+            self._conn.execute(
+                "INSERT INTO feedback (response_id, user, rating, correction, created_at) VALUES (?, ?, ?, ?, ?) "
+                "ON CONFLICT (response_id) DO UPDATE SET rating = excluded.rating, correction = excluded.correction, "
+                "created_at = excluded.created_at",
+                (response_id, user, rating, correction, time.time()),
+            )
+
+    def get_feedback(self, user: str, response_id: str) -> dict[str, Any] | None:
+        with self._lock:
+            row = self._conn.execute(
+                "SELECT rating, correction FROM feedback WHERE response_id = ? AND user = ?", (response_id, user)
+            ).fetchone()
+        return None if row is None else {"rating": int(row[0]), "correction": row[1]}
 
     def samples(self, status: str | None = None, limit: int | None = None) -> list[Sample]:
         if status is None:
@@ -244,6 +315,7 @@ class SampleStore:
             try:
                 count = self._conn.execute("DELETE FROM samples WHERE user = ?", (user,)).rowcount
                 count += self._conn.execute("DELETE FROM outcomes WHERE user = ?", (user,)).rowcount
+                count += self._conn.execute("DELETE FROM feedback WHERE user = ?", (user,)).rowcount
                 count += self._conn.execute(
                     "DELETE FROM transitions WHERE json_extract(data, '$.turn.user') = ?", (user,)
                 ).rowcount
@@ -261,11 +333,52 @@ class SampleStore:
                 "DELETE FROM samples WHERE status IN ('consumed', 'dropped') AND created_at < ?", (before,)
             ).rowcount
             count += self._conn.execute(
-                "DELETE FROM transitions WHERE status = 'done' AND created_at < ?", (before,)
+                "DELETE FROM transitions WHERE status IN ('done', 'unjudged') AND created_at < ?", (before,)
             ).rowcount
+            count += self._conn.execute("DELETE FROM feedback WHERE created_at < ?", (before,)).rowcount
         return count
 
+    # ---------------------------------------------------------------- facts about the server
+
+    def set_meta(self, key: str, value: Any) -> None:
+        """A small fact kept with the samples (the judge's calibration), for `nextstate status`."""
+        with self._lock:
+            self._conn.execute(
+                "INSERT INTO meta (key, value) VALUES (?, ?) ON CONFLICT (key) DO UPDATE SET value = excluded.value",
+                (key, json.dumps(value)),
+            )
+
+    def get_meta(self, key: str) -> Any:
+        with self._lock:
+            row = self._conn.execute("SELECT value FROM meta WHERE key = ?", (key,)).fetchone()
+        return None if row is None else json.loads(row[0])
+
     # ---------------------------------------------------------------- stats
+
+    def by_version(self) -> list[dict[str, Any]]:
+        """Per policy version that served the turns: samples by status, mean reward of the
+        accepted ones, and the explicit ratings among them."""
+        with self._lock:
+            rows = self._conn.execute(
+                "SELECT policy_version, COUNT(*), "
+                "SUM(status != 'dropped'), SUM(status = 'dropped'), "
+                "AVG(CASE WHEN status != 'dropped' THEN reward END), "
+                "SUM(json_extract(data, '$.feedback.rating') = 1), SUM(json_extract(data, '$.feedback.rating') = -1) "
+                "FROM samples GROUP BY policy_version ORDER BY policy_version"
+            ).fetchall()
+        return [
+            {"policy_version": v, "samples": n, "accepted": int(acc or 0), "dropped": int(drop or 0),
+             "mean_reward": None if mean is None else round(mean, 4), "feedback_up": int(up or 0),
+             "feedback_down": int(down or 0)}
+            for v, n, acc, drop, mean, up, down in rows
+        ]
+
+    def feedback_counts(self) -> dict[str, int]:
+        with self._lock:
+            up, down, corrections = self._conn.execute(
+                "SELECT SUM(rating = 1), SUM(rating = -1), SUM(correction IS NOT NULL) FROM feedback"
+            ).fetchone()
+        return {"up": int(up or 0), "down": int(down or 0), "with_correction": int(corrections or 0)}
 
     def stats(self) -> dict[str, Any]:
         with self._lock:

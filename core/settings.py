@@ -157,6 +157,9 @@ class JudgeSettings(BaseSettings):
             code clips it; unclipped gaps of tokens the teacher finds absurd dominate a batch).
         opd_teacher: `base` (the model without adapter reads the hint) or `policy` (the adapter
             that served the turn).
+        judge_calibration: at start, the judge must get the bundled cases of
+            `prompts/calibration.json` right before it scores implicit feedback; a judge that
+            fails (the embedded SmolLM2 does) leaves only explicit feedback training.
         outcome_min, outcome_max: the range of verifiable outcomes an environment may post;
             anything outside is refused (an outcome is a reward: unbounded, one post could
             outweigh every other sample of a batch).
@@ -165,6 +168,9 @@ class JudgeSettings(BaseSettings):
     model_config = _ENV
 
     judge_enabled: bool = Field(True, description="Off: transitions are recorded but not judged or trained.")
+    judge_calibration: bool = Field(
+        True, description="Check the judge on known cases at start; a judge that fails them scores nothing."
+    )
     mode: Literal["binary", "opd", "combined"] = Field(
         "combined", description="binary = judged scalar reward, opd = hindsight distillation, combined = both."
     )
@@ -214,8 +220,12 @@ class LearnerSettings(BaseSettings):
 
     Parameters:
         batch_size: ready samples per update (the paper's 16).
-        lr: AdamW learning rate; 1e-5 is the paper's, for 4B-32B models. A model as small as
-            SmolLM2-135M needs ~1e-3 to learn visibly (BENCHMARKS.md, Personalization).
+        min_batch_size, batch_wait_s: a scope whose oldest ready sample has waited
+            `batch_wait_s` trains on what it has, if that is at least `min_batch_size`: a
+            person who rates a few replies sees a new version in minutes, not after sixteen.
+        lr: AdamW learning rate, or "auto": a rate fitted to the model's hidden size and family
+            by the rule of "LoRA Without Regret" (learner/learning_rate.py): 1.3e-3 for
+            SmolLM2-135M, ~5e-4 for Qwen3-4B to 32B. A number wins (the paper's is 1e-5).
         kl_coef: β of the k3 KL to the base model (the adapter switched off; no second copy).
         max_kl: an update that moves the policy further than this on its own batch is undone.
         max_advantage: per-token advantages are clipped to ± this when training, so no sample
@@ -232,8 +242,12 @@ class LearnerSettings(BaseSettings):
     learn: bool = Field(True, description="Run the co-located learner.")
     adapter_scope: Literal["shared", "user"] = Field("shared", description="One adapter for all, or one per user.")
     batch_size: int = Field(16, ge=1, description="Ready samples per update.")
-    lr: float = Field(
-        1e-5, gt=0, description="AdamW learning rate (the paper's, for 4B-32B models; ~1e-3 for SmolLM2)."
+    min_batch_size: int = Field(4, ge=1, description="Smallest partial batch trained after batch_wait_s.")
+    batch_wait_s: float = Field(
+        120.0, ge=0, description="A partial batch trains once its oldest sample waited this long; 0 = never."
+    )
+    lr: float | Literal["auto"] = Field(
+        "auto", description="AdamW learning rate, or auto: fitted to the model's size (learner/learning_rate.py)."
     )
     kl_coef: float = Field(0.0, ge=0, description="β of the k3 KL to the base model (adapter off).")
     max_kl: float = Field(1.0, gt=0, description="An update moving the policy further than this is skipped.")
@@ -247,6 +261,13 @@ class LearnerSettings(BaseSettings):
     lora_alpha: int = Field(32, ge=1)
     lora_target_modules: str = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"
     learner_device: Literal["auto", "cpu", "cuda"] = Field("auto", description="Where the learner's model copy lives.")
+
+    @field_validator("lr")
+    @classmethod
+    def _positive(cls, value: float | str) -> float | str:
+        if value != "auto" and value <= 0:
+            raise ValueError("must be a positive number or auto")
+        return value
 
     @property
     def target_modules(self) -> tuple[str, ...]:

@@ -32,6 +32,7 @@ class Turn(BaseModel):
     track: Literal["personal", "outcome"] = Field(
         "personal", description="'outcome': an environment will post a verifiable outcome for the session."
     )
+    response_id: str | None = Field(None, description="The `chatcmpl-…` id the client got: what feedback names.")
 
 
 class NextState(BaseModel):
@@ -96,4 +97,6 @@ class Sample(BaseModel):
     hint: str | None = None
     teacher_logprobs: list[float] | None = None
     outcome: float | None = None
+    response_id: str | None = None
+    feedback: dict[str, Any] | None = Field(None, description="The explicit rating and correction it was built from.")
     created_at: float

@@ -10,10 +10,12 @@ entry. Any failure costs that vote or that sample, never a request and never the
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import re
 import statistics
 import time
+import weakref
 from collections import deque
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -22,7 +24,9 @@ from typing import Any, Literal
 from nextstate.engine.base import Engine
 from nextstate.judge.advantages import opd_delta, standardize_outcome_batch, step_reward, token_advantages, with_outcome
 from nextstate.judge.client import JudgeClient
+from nextstate.judge.calibration import CALIBRATION_PROMPT, Calibration, case_values, conclude, judge_case, load_cases
 from nextstate.judge.context import FENCE_NOTE, prompt_values
+from nextstate.judge.feedback import FeedbackResult, feedback_weights
 from nextstate.judge.parsing import majority_vote, parse_hint, parse_score, select_hint
 from nextstate.judge.prompts import PromptLibrary
 from nextstate.judge.teacher import teacher_logprobs
@@ -30,7 +34,7 @@ from nextstate.core.activity import Activity
 from nextstate.core.durable import Durable, StorageUnavailable
 from nextstate.core.sample_store import SampleStore
 from nextstate.core.settings import JudgeSettings
-from nextstate.core.types import NextState, Sample, Transition
+from nextstate.core.types import NextState, Sample, Transition, Turn
 from nextstate.modelio.chat_template import ChatRenderer
 from nextstate.core.records import RecordWriter
 
@@ -62,6 +66,7 @@ class JudgeStats:
         self.votes = 0
         self.votes_failed = 0
         self.errors = 0
+        self.feedback = 0  # explicit ratings applied
 
     def snapshot(self) -> dict[str, Any]:
         def summary(values: deque[float]) -> dict[str, float] | None:
@@ -80,6 +85,7 @@ class JudgeStats:
             "votes": self.votes,
             "votes_failed": self.votes_failed,
             "errors": self.errors,
+            "feedback_applied": self.feedback,
         }
 
 
@@ -116,11 +122,29 @@ class Judge:
         self._tasks: set[asyncio.Task] = set()
         # Accepted samples per open session, for the at-least-one guarantee.
         self._effective: dict[tuple[str, str], int] = {}
+        # Whether transitions are judged from their next state (implicit feedback); off when
+        # judging is disabled or the judge failed its calibration. Explicit feedback always works.
+        self.implicit = settings.judge_enabled
+        # One judgement at a time per reply: the judge's and a person's rating of it never race.
+        self._turn_locks: weakref.WeakValueDictionary[str, asyncio.Lock] = weakref.WeakValueDictionary()
+        # Transitions handed over but not yet on disk, by response id (feedback looks here too).
+        self._arriving: dict[str, Transition] = {}
+        self.calibration = Calibration()
+        self._calibrated = asyncio.Event()
 
     # ---------------------------------------------------------------- lifecycle
 
     async def start(self) -> int:
-        """Re-judge transitions a previous run accepted but did not finish."""
+        """Check the judge (judge/calibration.py), off the start-up path, and re-judge
+        transitions a previous run accepted but did not finish."""
+        if not self.settings.judge_enabled or not self.settings.judge_calibration:
+            why = "judging is off (NEXTSTATE_JUDGE_ENABLED=false)" if not self.settings.judge_enabled else (
+                "not checked (NEXTSTATE_JUDGE_CALIBRATION=false)")
+            self.calibration = Calibration("skipped", why)
+            self._calibrated.set()
+            await self._remember_calibration()
+        else:
+            self._spawn(self.calibrate())
         pending = await asyncio.to_thread(self.store.pending_transitions)
         for transition_id, transition in pending:
             self._spawn(self._judge(transition_id, transition))
@@ -144,6 +168,37 @@ class Judge:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         await self.client.aclose()
 
+    async def calibrate(self) -> Calibration:
+        """Ask the judge the calibration cases; implicit judging waits for the verdict."""
+        started = time.monotonic()
+        try:
+            if not (self.prompts.directory / "calibration.json").is_file():
+                self.calibration = Calibration("skipped", f"no calibration.json in {self.prompts.directory}")
+                return self.calibration
+            cases = load_cases(self.prompts.directory)
+            log.info("judge: checking it on %d calibration cases before it scores any turn", len(cases))
+            ballots = await asyncio.gather(
+                *(self._votes(CALIBRATION_PROMPT, case_values(c, self.settings.judge_max_chars), (1, 0, -1)) for c in cases)
+            )
+            results = [judge_case(c, [v.score for v in votes]) for c, votes in zip(cases, ballots)]
+            self.calibration = conclude(results, time.monotonic() - started)
+            if self.calibration.state == "failed":
+                self.implicit = False
+                log.warning("judge: %s", self.calibration.detail)
+            else:
+                log.info("judge: %s (%.1f s)", self.calibration.detail, self.calibration.seconds)
+            self.records.write("judge_calibration", self.calibration.to_dict())
+            return self.calibration
+        finally:
+            self._calibrated.set()
+            await self._remember_calibration()
+
+    async def _remember_calibration(self) -> None:
+        try:  # for `nextstate status`, which reads the data dir
+            await asyncio.to_thread(self.store.set_meta, "judge_calibration", self.calibration.to_dict())
+        except Exception:  # noqa: BLE001 - a fact for display, not worth failing anything
+            log.warning("could not keep the judge's calibration in the sample store", exc_info=True)
+
     def _spawn(self, coro) -> None:
         task = asyncio.create_task(coro)
         self._tasks.add(task)
@@ -157,14 +212,27 @@ class Judge:
         turn = transition.turn
         durable = asyncio.get_running_loop().create_future()
         self.records.write("transition", transition.record(), version=turn.policy_version)
-        if transition.next_state is None or not self.settings.judge_enabled:
-            # No next state: nothing to judge, and the session is over for the guarantee too.
+        if turn.response_id:
+            self._arriving[turn.response_id] = transition
+        if transition.next_state is None or not self.implicit:
+            # Nothing to judge (and the session is over for the guarantee too), but kept so that
+            # the turn can still be rated explicitly.
             if transition.reason == "session_closed":
                 self._effective.pop((turn.user, turn.session_id), None)
-            durable.set_result(None)
+            self._spawn(self._keep(transition, durable))
             return durable
         self._spawn(self._accept(transition, durable))
         return durable
+
+    async def _keep(self, transition: Transition, durable: asyncio.Future) -> None:
+        try:
+            await self._inbox.write(self.store.add_transition, transition, "unjudged")
+        except Exception:  # noqa: BLE001 - beyond the disk's waiting room: only feedback on it is lost
+            log.exception("could not keep an unjudged turn")
+        finally:
+            self._arriving.pop(transition.turn.response_id or "", None)
+            if not durable.done():
+                durable.set_result(None)
 
     async def _accept(self, transition: Transition, durable: asyncio.Future) -> None:
         try:
@@ -176,6 +244,7 @@ class Judge:
         except StorageUnavailable:
             transition_id = None  # judged all the same; only a crash before it is stored loses it
         finally:
+            self._arriving.pop(transition.turn.response_id or "", None)
             if not durable.done():
                 durable.set_result(None)
         await self._judge(transition_id, transition)
@@ -191,6 +260,84 @@ class Judge:
         )
         return updated
 
+    # ---------------------------------------------------------------- explicit feedback
+
+    async def apply_feedback(
+        self, user: str, response_id: str, rating: int, correction: str | None, open_turn: Turn | None = None,
+        wait_s: float = 30.0,
+    ) -> FeedbackResult:
+        """A person's rating of one of their replies becomes that turn's sample (see
+        judge/feedback.py). `open_turn` is the turn if its session still holds it.
+
+        The rating is kept on disk first; applying it waits for any judgement of the same turn
+        in progress, up to `wait_s` — past that the answer is "queued" and it lands later."""
+        turn = open_turn
+        if turn is None and response_id in self._arriving:
+            turn = self._arriving[response_id].turn
+        if turn is None and (found := await asyncio.to_thread(self.store.find_turn, user, response_id)) is not None:
+            turn = found[1].turn
+        if turn is None or turn.user != user:
+            existing = await asyncio.to_thread(self.store.sample_for_response, user, response_id)
+            if existing is None:
+                return FeedbackResult("not_found")
+            if existing.status == "consumed":
+                return self._feedback_recorded(user, response_id, rating, correction, existing, "already_trained")
+            return FeedbackResult("not_found")  # a sample whose turn expired: nothing to rebuild it from
+        await self._samples.write(self.store.set_feedback, user, response_id, rating, correction)
+        task = asyncio.ensure_future(self._apply_feedback(turn, rating, correction))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        try:
+            return await asyncio.wait_for(asyncio.shield(task), wait_s)
+        except asyncio.TimeoutError:
+            return FeedbackResult("queued", session_id=turn.session_id, turn_index=turn.turn_index)
+
+    async def _apply_feedback(self, turn: Turn, rating: int, correction: str | None) -> FeedbackResult:
+        assert turn.response_id is not None
+        async with self._turn_lock(turn.response_id):
+            existing = await asyncio.to_thread(self.store.sample_for_response, turn.user, turn.response_id)
+            if existing is not None and existing.status == "consumed":
+                return self._feedback_recorded(turn.user, turn.response_id, rating, correction, existing, "already_trained")
+            sample = await self._feedback_sample(turn, rating, correction)
+            if existing is not None and await asyncio.to_thread(self.store.replace_sample, existing.id, sample):
+                sample = sample.model_copy(update={"id": existing.id})
+            elif existing is not None:  # trained while the correction was being scored
+                return self._feedback_recorded(turn.user, turn.response_id, rating, correction, existing, "already_trained")
+            else:
+                found = await asyncio.to_thread(self.store.find_turn, turn.user, turn.response_id)
+                sample = await self._samples.write(self.store.add_sample, sample, found[0] if found else None)
+        self.stats.feedback += 1
+        result = self._feedback_recorded(turn.user, turn.response_id, rating, correction, sample, "applied")
+        if self.on_sample is not None:
+            self.on_sample(sample)
+        return result
+
+    async def _feedback_sample(self, turn: Turn, rating: int, correction: str | None) -> Sample:
+        cfg = self.settings
+        teacher = delta = None
+        if correction and cfg.uses_opd:
+            adapter = turn.adapter if cfg.opd_teacher == "policy" else None
+            teacher = await teacher_logprobs(self.engine, self.renderer, turn, correction, adapter)
+            delta = opd_delta(teacher, turn.response_logprobs, cfg.opd_clip)
+        w_binary, w_opd = feedback_weights(cfg.mode, delta is not None, cfg.w_binary, cfg.w_opd)
+        advantages = token_advantages(len(turn.response_ids), float(rating), delta, w_binary, w_opd)
+        return self._sample(
+            turn, "ready", "explicit feedback" + (" with a correction" if delta is not None else ""), float(rating),
+            advantages, track="personal", hint=correction, teacher_logprobs=teacher,
+            feedback={"rating": rating, "correction": correction},
+        )
+
+    def _feedback_recorded(
+        self, user: str, response_id: str, rating: int, correction: str | None, sample: Sample, status: str
+    ) -> FeedbackResult:
+        self.records.write(
+            "feedback",
+            {"user": user, "response_id": response_id, "session_id": sample.session_id, "turn_index": sample.turn_index,
+             "rating": rating, "correction": correction, "status": status, "sample_id": sample.id},
+            version=sample.policy_version,
+        )
+        return FeedbackResult(status, sample.id, sample.session_id, sample.turn_index)  # type: ignore[arg-type]
+
     def prepare_batch(self, samples: list[Sample]) -> list[Sample]:
         """The advantages a training batch trains on: outcome rewards are standardised per
         step index across the batch here, at batch time, because only then is the group known."""
@@ -199,8 +346,31 @@ class Judge:
 
     # ---------------------------------------------------------------- judging
 
+    def _turn_lock(self, response_id: str | None):
+        if not response_id:
+            return contextlib.nullcontext()
+        lock = self._turn_locks.get(response_id)
+        if lock is None:
+            lock = self._turn_locks[response_id] = asyncio.Lock()
+        return lock
+
     async def _judge(self, transition_id: int | None, transition: Transition) -> None:
+        await self._calibrated.wait()
+        if not self.implicit:  # the judge failed its calibration: the turn waits for explicit feedback
+            if transition_id is not None:
+                await self._inbox.write(self.store.close_transition, transition_id, "unjudged")
+            return
         await self.activity.quiet(QUIET_WAIT_S)
+        turn = transition.turn
+        async with self._turn_lock(turn.response_id):
+            if turn.response_id and await asyncio.to_thread(self.store.sample_for_response, turn.user, turn.response_id):
+                # its user rated it already: their word stands, no judge is asked
+                if transition_id is not None:
+                    await self._inbox.write(self.store.close_transition, transition_id)
+                return
+            await self._judge_unlocked(transition_id, transition)
+
+    async def _judge_unlocked(self, transition_id: int | None, transition: Transition) -> None:
         started = time.monotonic()
         detail: dict[str, Any] = {}
         try:
@@ -210,7 +380,7 @@ class Judge:
         except Exception as exc:  # noqa: BLE001 - a judge failure costs this sample only
             log.exception("judging failed")
             self.stats.errors += 1
-            sample = self._sample(transition, status="dropped", reason=f"judge error: {type(exc).__name__}: {exc}")
+            sample = self._sample(transition.turn, status="dropped", reason=f"judge error: {type(exc).__name__}: {exc}")
         try:
             sample = await self._samples.write(self.store.add_sample, sample, transition_id, with_outcome)
         except Exception:  # noqa: BLE001 - beyond the disk waiting room, or a bug: logged, the rest goes on
@@ -241,13 +411,13 @@ class Judge:
             # The agent's own retry or notice, not its user: the turn produced nothing usable.
             detail["harness_notice"] = notice
             if cfg.mode == "opd":
-                return self._sample(transition, "dropped", "format failure (the agent's own notice); opd mode needs a hint")
+                return self._sample(transition.turn, "dropped", "format failure (the agent's own notice); opd mode needs a hint")
             n = len(turn.response_ids)
             w_binary = 1.0 if cfg.mode == "binary" else cfg.w_binary
             key = (turn.user, turn.session_id)
             self._effective[key] = self._effective.get(key, 0) + 1
             return self._sample(
-                transition, "ready", "format failure (the agent's own notice)", -1.0,
+                turn, "ready", "format failure (the agent's own notice)", -1.0,
                 token_advantages(n, -1.0, None, w_binary, 0.0),
             )
         values = prompt_values(turn, next_state, cfg.judge_max_chars)
@@ -276,7 +446,7 @@ class Judge:
             advantages = token_advantages(len(turn.response_ids), total, delta, cfg.w_binary, cfg.w_opd)
             status = "ready" if outcome is not None else "awaiting_outcome"
             reason = "outcome + mean votes" if outcome is not None else "waiting for the session's outcome"
-            return self._sample(transition, status, reason, total, advantages, outcome=outcome, track="outcome", **common)
+            return self._sample(transition.turn, status, reason, total, advantages, outcome=outcome, track="outcome", **common)
 
         if cfg.mode == "binary":
             w_binary, w_opd = 1.0, 0.0
@@ -285,20 +455,20 @@ class Judge:
         else:
             w_binary, w_opd = cfg.w_binary, cfg.w_opd
         if cfg.mode == "opd" and hint is None:
-            return self._sample(transition, "dropped", "no valid hint", 0.0, **common)
+            return self._sample(transition.turn, "dropped", "no valid hint", 0.0, **common)
         signal = (reward not in (None, 0)) or delta is not None
         advantages = token_advantages(len(turn.response_ids), reward, delta, w_binary, w_opd)
         key = (turn.user, turn.session_id)
         if signal:
             self._effective[key] = self._effective.get(key, 0) + 1
             reason = "hint" if reward in (None, 0) else ("reward and hint" if delta is not None else "reward")
-            return self._sample(transition, "ready", reason, float(reward or 0), advantages, **common)
+            return self._sample(transition.turn, "ready", reason, float(reward or 0), advantages, **common)
         if self._effective.get(key, 0) == 0:
             # At-least-one guarantee: a session whose turns were all neutral still trains one
             # (zero advantage: only the KL term acts on it, as in the paper's pipeline).
             self._effective[key] = 1
-            return self._sample(transition, "ready", "at-least-one guarantee (neutral)", 0.0, advantages, **common)
-        return self._sample(transition, "dropped", "neutral: reward 0 and no hint", 0.0, **common)
+            return self._sample(transition.turn, "ready", "at-least-one guarantee (neutral)", 0.0, advantages, **common)
+        return self._sample(transition.turn, "dropped", "neutral: reward 0 and no hint", 0.0, **common)
 
     def _harness_notice(self, next_state: NextState) -> str | None:
         """The first next-state message the agent wrote itself (a harness pattern matches)."""
@@ -339,7 +509,7 @@ class Judge:
 
     def _sample(
         self,
-        transition: Transition,
+        turn: Turn,
         status: str,
         reason: str,
         reward: float = 0.0,
@@ -347,7 +517,6 @@ class Judge:
         track: str | None = None,
         **extra: Any,
     ) -> Sample:
-        turn = transition.turn
         n = len(turn.response_ids)
         accepted = status != "dropped"
         return Sample(
@@ -356,7 +525,8 @@ class Judge:
             prompt_ids=turn.prompt_ids, response_ids=turn.response_ids, old_logprobs=turn.response_logprobs,
             logprob_temperature=turn.logprob_temperature,
             advantages=advantages if advantages is not None else [0.0] * n,
-            loss_mask=[1 if accepted else 0] * n, reward=reward, created_at=time.time(), **extra,
+            loss_mask=[1 if accepted else 0] * n, reward=reward, response_id=turn.response_id, created_at=time.time(),
+            **extra,
         )
 
 

@@ -130,15 +130,25 @@ class Learner:
         return True
 
     def _next_batch(self) -> tuple[str, list[Sample]]:
-        """The oldest ready samples of a scope that make a full batch. In the shared scope no
-        user fills more than `max_user_share` of it while others have keys: until other users'
-        samples come, one user's feedback waits rather than steering everyone's model."""
+        """The oldest ready samples of a scope that make a full batch, or, once the oldest of
+        them waited `batch_wait_s`, a partial one of at least `min_batch_size`. In the shared
+        scope no user fills more than `max_user_share` of a batch while others have keys: until
+        other users' samples come, one user's feedback waits rather than steering everyone's
+        model."""
         size = self.batch_size
         if self.policies.per_user:
             counts = self.store.ready_counts_by_user()
             user = next((u for u, n in counts.items() if n >= size), None)
-            return (user, self.store.ready_samples(size, user)) if user is not None else ("", [])
-        cap = size if self.active_users() <= 1 else max(1, math.ceil(self.settings.max_user_share * size))
+            if user is not None:
+                return user, self.store.ready_samples(size, user)
+            for user, n in counts.items():
+                if n >= self.settings.min_batch_size:
+                    partial = self.store.ready_samples(n, user)
+                    if self._waited(partial):
+                        return user, partial
+            return "", []
+        several = self.active_users() > 1
+        cap = size if not several else max(1, math.ceil(self.settings.max_user_share * size))
         taken: dict[str, int] = {}
         batch: list[Sample] = []
         for sample in self.store.ready_samples(size * 50):
@@ -147,7 +157,14 @@ class Learner:
                 batch.append(sample)
                 if len(batch) == size:
                     return "shared", batch
+        if len(batch) >= self.settings.min_batch_size and self._waited(batch):
+            if not several or max(taken.values()) <= self.settings.max_user_share * len(batch):
+                return "shared", batch
         return "shared", []
+
+    def _waited(self, samples: list[Sample]) -> bool:
+        wait = self.settings.batch_wait_s
+        return wait > 0 and time.time() - min(x.created_at for x in samples) >= wait
 
     async def update(self, scope: str, samples: list[Sample]) -> StepResult | None:
         async with self._lock:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
+import logging
 import math
 import time
 from dataclasses import asdict, dataclass, field
@@ -21,8 +22,11 @@ import torch
 
 from nextstate.core.settings import LearnerSettings
 from nextstate.core.types import Sample
+from nextstate.learner.learning_rate import resolve_learning_rate
 from nextstate.learner.ppo import k3_kl, ppo_token_losses
 from nextstate.modelio.logprobs import token_logprobs
+
+log = logging.getLogger(__name__)
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 OPTIMIZER_STATE = "optimizer.pt"
@@ -74,6 +78,9 @@ class LoraTrainer:
         self._base = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=torch.float32).to(device)
         self._base.requires_grad_(False)
         self._base.config.use_cache = False
+        self.lr = resolve_learning_rate(settings.lr, self._base.config)
+        how = "auto, fitted to the model's size" if settings.lr == "auto" else "NEXTSTATE_LR"
+        log.info("learner: learning rate %.3g (%s)", self.lr, how)
         # Activations are recomputed in the backward pass instead of kept: memory grows with a
         # sample's length, and agent samples run to thousands of tokens.
         if hasattr(self._base, "activation_checkpointing_enable"):  # transformers >= 5.x names it so
@@ -102,7 +109,7 @@ class LoraTrainer:
             self.model.add_adapter(name, self._lora_config())
         if scope not in self._optimizers:
             self._optimizers[scope] = torch.optim.AdamW(
-                self._params(name), lr=self.settings.lr, weight_decay=WEIGHT_DECAY, betas=BETAS
+                self._params(name), lr=self.lr, weight_decay=WEIGHT_DECAY, betas=BETAS
             )
         return name
 

@@ -24,7 +24,11 @@ async def stats(request: Request, _: ApiKey = Depends(authenticate_admin)) -> di
         "object": "nextstate.stats",
         "mode": judge.settings.mode,
         "samples": await asyncio.to_thread(request.app.state.samples.stats),
-        "judge": judge.stats.snapshot(),
+        "judge": {
+            **judge.stats.snapshot(),
+            "implicit_feedback": judge.implicit,
+            "calibration": judge.calibration.to_dict(),
+        },
         "learner": {"enabled": learner is not None, "steps": learner.steps[-20:] if learner else []},
         "sessions_open": len(request.app.state.sessions),
     }

@@ -312,6 +312,15 @@ class SessionStore:
             s.pending = None
         self._dirty.add((s.user, s.id))
 
+    def find_turn(self, user: str, response_id: str) -> Turn | None:
+        """`user`'s turn that answered with `response_id`, if an open session still holds it
+        (its last turn, or the one before whose next state is not yet confirmed)."""
+        for s in self._per_user.get(user, {}).values():
+            for turn in (s.pending, s.provisional.turn if s.provisional else None):
+                if turn is not None and turn.response_id == response_id:
+                    return turn
+        return None
+
     def forget(self, user: str) -> int:
         """Drop every open session of `user` without handing anything to the judge."""
         dropped = 0

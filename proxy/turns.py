@@ -377,6 +377,7 @@ class TurnService:
                 finish_reason=done.finish_reason,
                 created_at=time.time(),
                 track="outcome" if request.hints.outcome_expected else "personal",
+                response_id=prep.id,
             )
             turn = self.sessions.commit_main(plan, turn, message)
             record.update(

@@ -25,7 +25,9 @@ def tiny_model_dir(tmp_path_factory) -> Path:
 
 
 def make_settings(tmp_path: Path, model_dir: Path, **overrides) -> Settings:
-    values = {"data_dir": tmp_path / "data", "model": str(model_dir), "port": free_port(), "served_model_name": "tiny"}
+    # No judge calibration here: tests of other things script their judge; tests/test_calibration.py checks it.
+    values = {"data_dir": tmp_path / "data", "model": str(model_dir), "port": free_port(), "served_model_name": "tiny",
+              "judge_calibration": False}
     return Settings(**{**values, **overrides})
 
 

@@ -101,7 +101,7 @@ def test_personalization_loop_runs_over_http_and_trains(tiny_model_dir):
     over HTTP, and the learner publishing versions that later first replies are served by."""
     preference = Preference(INSTRUCTIONS["capital"], "capital")
     judge = PreferenceJudge()
-    args = argparse.Namespace(votes=1, batch=2, lr=5e-3, lora_r=4, kl_coef=0.0, max_attempts=2, max_tokens=4,
+    args = argparse.Namespace(defaults=False, votes=1, batch=2, lr=5e-3, lora_r=4, kl_coef=0.0, max_attempts=2, max_tokens=4,
                               temperature=1.0, seed=0, think_s=0.3, sglang_url=None)
     try:
         run = run_mode("binary", tiny_model_dir, ["Name a colour."] * 8, args,

@@ -1,0 +1,72 @@
+"""`POST /v1/feedback`: a person rates one of their replies, and may say how it should have been.
+
+The one direct way to teach the model: no judge is asked (judge/feedback.py says how a rating
+and a correction become a sample). The reply is named by the `id` its client got
+(`chatcmpl-…`); only the user it was served to may rate it, and for anyone else it does not
+exist (404, as for an unknown id).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from fastapi import APIRouter, Depends, Request
+from pydantic import BaseModel, ConfigDict, Field
+
+from nextstate.proxy.auth import authenticate
+from nextstate.proxy.errors import OpenAIError
+from nextstate.proxy.keys import ApiKey
+from nextstate.proxy.request_body import read_model, request_body_schema
+
+router = APIRouter()
+
+MAX_CORRECTION_CHARS = 4000
+
+
+class FeedbackRequest(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+    response_id: str = Field(
+        pattern=r"^chatcmpl-[A-Za-z0-9]{1,64}$", description="The `id` of the chat completion being rated."
+    )
+    rating: Literal[1, -1] = Field(description="1: good, do more of this. -1: bad, do less of this.")
+    correction: str | None = Field(
+        None, min_length=1, max_length=MAX_CORRECTION_CHARS,
+        description="How the reply should have been, in words (becomes the hint the OPD teacher reads).",
+    )
+
+
+class FeedbackResponse(BaseModel):
+    object: Literal["feedback"] = "feedback"
+    response_id: str
+    rating: int
+    correction: str | None
+    status: Literal["applied", "already_trained", "queued"] = Field(
+        description="applied: the turn will train on it. already_trained: that turn was trained on before "
+        "the rating came; it is recorded, not trained again. queued: kept, and applied once the turn's "
+        "judgement in progress finishes."
+    )
+    session_id: str | None = None
+    turn_index: int | None = None
+
+
+@router.post("/v1/feedback", openapi_extra=request_body_schema(FeedbackRequest), response_model=FeedbackResponse)
+async def post_feedback(request: Request, key: ApiKey = Depends(authenticate)) -> FeedbackResponse:
+    """Rate one reply (+1 / −1), optionally with a correction; rating it again replaces the rating."""
+    body = await read_model(request, FeedbackRequest)
+    # a rating counts as a request against the key's limit: a correction costs a teacher pass
+    await request.app.state.turns.limiter.admit(key, 0)
+    open_turn = request.app.state.sessions.find_turn(key.user, body.response_id)
+    result = await request.app.state.judge.apply_feedback(
+        key.user, body.response_id, body.rating, body.correction, open_turn=open_turn
+    )
+    if result.status == "not_found":
+        raise OpenAIError(
+            404, f"No reply '{body.response_id}' of yours is known here: only the main turns of your own "
+            "conversations can be rated, until records retention removes them.",
+            param="response_id", code="response_not_found",
+        )
+    return FeedbackResponse(
+        response_id=body.response_id, rating=body.rating, correction=body.correction, status=result.status,
+        session_id=result.session_id, turn_index=result.turn_index,
+    )

@@ -1,0 +1,78 @@
+"""The judge's start-up check: a judge that cannot judge is found out and scores nothing,
+and explicit feedback still trains."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from tests.judge_server import ScriptedJudge
+from tests.test_feedback import rate
+from tests.test_judge import SCRIPT, converse
+from tests.test_learner import wait_for
+
+
+@pytest.fixture
+def judge():
+    j = ScriptedJudge()
+    yield j
+    j.stop()
+
+
+def calibrated_server(server_factory, judge, **overrides):
+    values = {"judge_base_url": judge.base_url, "judge_model": "judge", "prm_votes": 3, "judge_calibration": True,
+              "batch_size": 2, "lr": 5e-3, "lora_r": 4, "lora_alpha": 8, "max_user_share": 1.0}
+    server = server_factory(**{**values, **overrides})
+    wait_for(lambda: server.app.state.judge.calibration.state != "pending", timeout=60)
+    return server
+
+
+def admin_stats(server) -> dict:
+    admin = server.key("root", admin=True)
+    return httpx.get(f"{server.base_url}/admin/stats", headers={"Authorization": f"Bearer {admin}"}).json()
+
+
+def test_a_judge_that_judges_passes_and_scores_next_states(server_factory, judge):
+    server = calibrated_server(server_factory, judge)
+    calibration = admin_stats(server)["judge"]["calibration"]
+    assert calibration["state"] == "passed", calibration
+    assert [c["verdict"] for c in calibration["cases"]] == [1, -1, -1, 0]
+    assert admin_stats(server)["judge"]["implicit_feedback"] is True
+    converse(server.client(server.key("alice")), SCRIPT[:2], max_tokens=3)
+    server.end_conversations()
+    server.drain_judge()
+    assert [s.reward for s in server.app.state.samples.samples()] == [-1.0], "the correction was judged"
+
+
+@pytest.mark.parametrize("mode", ["garbage", "error"])
+def test_a_judge_that_cannot_judge_is_benched_and_feedback_still_trains(server_factory, judge, mode, caplog):
+    judge.mode = mode
+    server = calibrated_server(server_factory, judge, judge_timeout_s=2)
+    stats = admin_stats(server)["judge"]
+    assert stats["calibration"]["state"] == "failed" and stats["implicit_feedback"] is False
+    assert "POST /v1/feedback" in stats["calibration"]["detail"]
+    assert any("calibration cases wrong" in r.getMessage() for r in caplog.records)
+    calls = len(judge.calls)
+
+    alice = server.key("alice")
+    messages = converse(server.client(alice), SCRIPT[:3], max_tokens=3)
+    server.end_conversations()
+    server.drain_judge()
+    assert len(judge.calls) == calls, "no implicit-feedback work goes to a failed judge"
+    assert server.app.state.samples.samples() == []
+    assert server.app.state.samples.stats()["transitions_pending"] == 0, "the turns wait for explicit feedback"
+
+    # every turn can still be rated, and the ratings train
+    records = [r for r in server.records() if r["kind"] == "request"]
+    for record in records[:2]:
+        assert rate(server, alice, record["id"], -1, "Answer in French.").json()["status"] == "applied"
+    wait_for(lambda: server.app.state.policies.current("alice").version == 1, timeout=60)
+    assert messages
+
+
+def test_the_embedded_default_judge_is_checked_too(server_factory):
+    """No NEXTSTATE_JUDGE_BASE_URL: the served model judges itself, and the tiny one cannot."""
+    server = server_factory(judge_calibration=True, prm_votes=1, judge_max_tokens=16)
+    wait_for(lambda: server.app.state.judge.calibration.state != "pending", timeout=120)
+    assert server.app.state.judge.calibration.state == "failed"
+    assert server.app.state.judge.implicit is False

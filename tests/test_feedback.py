@@ -1,0 +1,149 @@
+"""Explicit feedback: `POST /v1/feedback` rates a reply, with or without a judge, in every mode."""
+
+from __future__ import annotations
+
+import math
+
+import httpx
+import pytest
+
+from tests.test_learner import learning_server, wait_for
+
+ASK = [{"role": "user", "content": "Say something."}]
+
+
+def rate(server, key: str, response_id: str, rating=1, correction: str | None = None) -> httpx.Response:
+    body = {"response_id": response_id, "rating": rating}
+    if correction is not None:
+        body["correction"] = correction
+    return httpx.post(f"{server.base_url}/feedback", json=body, headers={"Authorization": f"Bearer {key}"}, timeout=60)
+
+
+def sample_of(server, response_id: str):
+    found = [s for s in server.app.state.samples.samples() if s.response_id == response_id]
+    assert len(found) <= 1, "one sample per reply"
+    return found[0] if found else None
+
+
+@pytest.mark.parametrize("mode", ["binary", "opd", "combined"])
+def test_a_rating_becomes_the_turns_sample_without_any_judge(server_factory, mode):
+    server = learning_server(server_factory, mode=mode, learn=False)
+    alice = server.key("alice")
+    reply = server.client(alice).chat.completions.create(model="tiny", messages=ASK, max_tokens=4)
+    resp = rate(server, alice, reply.id, 1)
+    assert resp.status_code == 200, resp.text
+    assert resp.json()["status"] == "applied" and resp.json()["turn_index"] == 1
+    sample = sample_of(server, reply.id)
+    assert (sample.status, sample.reward, sample.votes) == ("ready", 1.0, [])
+    assert sample.advantages and all(a == 1.0 for a in sample.advantages), "a rating alone trains in every mode"
+    assert sample.feedback == {"rating": 1, "correction": None}
+
+    # rating again replaces the first: same sample, new reward, and the correction is the hint
+    resp = rate(server, alice, reply.id, -1, "Answer in one short sentence.")
+    assert resp.status_code == 200 and resp.json()["status"] == "applied"
+    again = sample_of(server, reply.id)
+    assert again.id == sample.id and again.reward == -1.0 and again.hint == "Answer in one short sentence."
+    if mode == "binary":
+        assert again.teacher_logprobs is None and all(a == -1.0 for a in again.advantages)
+    else:
+        # the teacher scored the reply under the correction; OPD's per-token gap enters the advantages
+        assert len(again.teacher_logprobs) == len(again.response_ids)
+        assert all(math.isfinite(a) for a in again.advantages)
+        assert again.advantages != [-1.0] * len(again.advantages)
+    records = [r for r in server.records() if r["kind"] == "feedback"]
+    assert [r["rating"] for r in records] == [1, -1] and records[-1]["status"] == "applied"
+
+
+def test_only_the_user_who_got_the_reply_may_rate_it(server_factory):
+    server = learning_server(server_factory, learn=False)
+    alice, bob = server.key("alice"), server.key("bob")
+    reply = server.client(alice).chat.completions.create(model="tiny", messages=ASK, max_tokens=3)
+    assert rate(server, bob, reply.id).status_code == 404
+    assert rate(server, alice, "chatcmpl-doesnotexist").status_code == 404
+    assert rate(server, alice, reply.id, rating=2).status_code == 400
+    assert rate(server, alice, reply.id, correction="").status_code == 400
+    assert rate(server, alice, "not-an-id").status_code == 400
+    body = {"response_id": reply.id, "rating": 1}
+    assert httpx.post(f"{server.base_url}/feedback", json=body).status_code == 401
+    assert sample_of(server, reply.id) is None, "nothing stored by refused ratings"
+
+
+def test_an_earlier_turn_can_be_rated_after_the_conversation_went_on(server_factory):
+    server = learning_server(server_factory, learn=False)
+    alice = server.key("alice")
+    client = server.client(alice)
+    first = client.chat.completions.create(model="tiny", messages=ASK, max_tokens=3)
+    follow = ASK + [first.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "More."}]
+    client.chat.completions.create(model="tiny", messages=follow, max_tokens=3)
+    server.end_conversations()  # its next state is confirmed: the turn left its session
+    server.drain_judge()
+    assert server.app.state.sessions.find_turn("alice", first.id) is None
+    resp = rate(server, alice, first.id, -1)
+    assert resp.status_code == 200 and resp.json()["status"] == "applied"
+    assert sample_of(server, first.id).reward == -1.0
+
+
+def test_a_trained_turn_is_recorded_not_retrained(server_factory):
+    server = learning_server(server_factory, batch_size=1)
+    alice = server.key("alice")
+    reply = server.client(alice).chat.completions.create(model="tiny", messages=ASK, max_tokens=3)
+    assert rate(server, alice, reply.id, 1).json()["status"] == "applied"
+    wait_for(lambda: server.app.state.policies.current("alice").version == 1)
+    resp = rate(server, alice, reply.id, -1)
+    assert resp.status_code == 200 and resp.json()["status"] == "already_trained"
+    sample = sample_of(server, reply.id)
+    assert (sample.status, sample.reward) == ("consumed", 1.0)
+    assert [r["status"] for r in server.records() if r["kind"] == "feedback"] == ["applied", "already_trained"]
+
+
+def test_feedback_alone_moves_the_model_toward_what_the_user_rewards(server_factory):
+    """Eight replies, each rated by its user (half liked; the rest disliked, with a correction):
+    with no judge at all, the ratings make two updates, and under the new version the liked
+    replies became likelier and the disliked ones less likely."""
+    server = learning_server(server_factory, batch_size=4)
+    alice = server.key("alice")
+    client = server.client(alice)
+    liked = {}
+    for i in range(8):
+        reply = client.chat.completions.create(model="tiny", messages=ASK, max_tokens=6, temperature=1.0, seed=i)
+        liked[reply.id] = i % 2 == 0
+        correction = None if liked[reply.id] else "Be brief and friendly."
+        assert rate(server, alice, reply.id, 1 if liked[reply.id] else -1, correction).json()["status"] == "applied"
+    wait_for(lambda: server.app.state.policies.current("alice").version == 2, timeout=120)
+
+    engine, adapter = server.app.state.turns.engine, server.app.state.policies.current("alice").adapter
+
+    async def logprob(sample, under):
+        scores = await engine.score(sample.prompt_ids + sample.response_ids, len(sample.prompt_ids), adapter=under)
+        return sum(scores)
+
+    moved = {True: [], False: []}
+    for sample in server.app.state.samples.samples():
+        delta = server.call(logprob(sample, adapter)) - server.call(logprob(sample, None))
+        moved[liked[sample.response_id]].append(delta)
+    up, down = sum(moved[True]) / 4, sum(moved[False]) / 4
+    assert up > 0 > down, f"mean change in log-probability: liked {up:+.3f}, disliked {down:+.3f}"
+
+
+def test_the_readmes_openai_sdk_call_works(server_factory):
+    server = learning_server(server_factory, learn=False)
+    client = server.client(server.key("alice"))
+    reply = client.chat.completions.create(model="tiny", messages=ASK, max_tokens=3)
+    answer = client.post("/feedback", cast_to=object,
+                         body={"response_id": reply.id, "rating": -1, "correction": "Answer in French."})
+    assert answer["status"] == "applied" and answer["object"] == "feedback"
+
+
+def test_a_few_ratings_publish_a_version_without_filling_a_batch(server_factory):
+    """Default batch (16), learning rate and LoRA; only the wait for a partial batch is short
+    here (it is 120 s by default): four ratings make a version."""
+    server = server_factory(judge_enabled=False, batch_wait_s=1.0)
+    alice = server.key("alice")
+    client = server.client(alice)
+    for i in range(4):
+        reply = client.chat.completions.create(model="tiny", messages=ASK, max_tokens=4, seed=i)
+        rate(server, alice, reply.id, 1 if i % 2 else -1)
+    assert server.settings.learner.batch_size == 16 and server.settings.learner.lr == "auto"
+    wait_for(lambda: server.app.state.policies.current("alice").version == 1, timeout=60)
+    step = server.app.state.learner.steps[-1]
+    assert step["published"] and step["samples"] == 4
