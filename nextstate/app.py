@@ -36,6 +36,8 @@ from nextstate.core.metrics import Metrics
 from nextstate.core.records import RecordWriter
 from nextstate.proxy.admin_routes import router as admin_router
 from nextstate.proxy.info_routes import router as info_router
+from nextstate.dashboard import router as dashboard_router
+from nextstate.proxy.feedback_routes import router as feedback_router
 from nextstate.proxy.session_routes import router as session_router
 from nextstate.proxy.session_chain import VolatileText
 from nextstate.proxy.session_db import SessionDB
@@ -216,6 +218,8 @@ def create_app(settings: Settings | None = None, *, engine_factory: EngineFactor
     app.include_router(chat_router)
     app.include_router(info_router)
     app.include_router(session_router)
+    app.include_router(feedback_router)
+    app.include_router(dashboard_router)
     app.include_router(admin_router)
     return app
 

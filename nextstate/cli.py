@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import sys
 from datetime import datetime, timezone
@@ -137,6 +138,28 @@ def cmd_keys_revoke(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_status(args: argparse.Namespace) -> int:
+    from nextstate.core.sample_store import SampleStore
+    from nextstate.forget import running_server
+    from nextstate.learner.versions import AdapterVersions
+    from nextstate.progress import progress_report, render_text
+
+    settings = _settings()
+    if not settings.samples_db.is_file():
+        print(f"nextstate status: nothing yet in {settings.data_dir} (start the server with 'nextstate serve').")
+        return 0
+    running = running_server(settings)
+    where = f"{settings.data_dir}, " + (f"server running (pid {running['pid']}, port {running['port']})" if running
+                                        else "server not running")
+    store = SampleStore(settings.samples_db)
+    try:
+        report = progress_report(store, AdapterVersions(settings.adapters_dir), mode=settings.judge.mode)
+    finally:
+        store.close()
+    print(json.dumps(report, indent=1) if args.json else render_text(report, where))
+    return 0
+
+
 def cmd_forget(args: argparse.Namespace) -> int:
     from nextstate.forget import forget_offline, running_server
 
@@ -180,6 +203,10 @@ def build_parser() -> argparse.ArgumentParser:
     create.add_argument("--tpm", type=int, help="at most this many tokens (prompt and reply) per minute (default: no limit)")
     create.set_defaults(func=cmd_keys_create)
     keys.add_parser("list", help="list keys (never the secrets)").set_defaults(func=cmd_keys_list)
+    status = sub.add_parser("status", help="is it learning: versions, samples, rewards, feedback, the judge's check")
+    status.add_argument("--json", action="store_true", help="the report as JSON (what /v1/admin/progress serves)")
+    status.set_defaults(func=cmd_status)
+
     forget = sub.add_parser("forget", help="delete one user's keys, sessions, records, samples and own adapter")
     forget.add_argument("--user", required=True, help="the user to forget")
     forget.add_argument("--yes", action="store_true", help="do not ask for confirmation")

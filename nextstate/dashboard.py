@@ -1,0 +1,232 @@
+"""`/dashboard`: the learning report as a page that refreshes itself (admin key).
+
+Server-rendered HTML with plain SVG charts: no build step, no script, nothing fetched from
+elsewhere. A browser cannot send a bearer key on its own, so the page takes the admin key once
+through a small form and keeps it in an HttpOnly, SameSite=Strict cookie scoped to
+`/dashboard`; a request with `Authorization: Bearer` works too. `/v1/admin/progress` serves
+the same figures as JSON.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import html
+from typing import Any
+from urllib.parse import parse_qs
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import HTMLResponse, RedirectResponse, Response
+
+from nextstate.progress import live_report
+from nextstate.proxy.auth import authenticate_admin
+from nextstate.proxy.keys import ApiKey, KeyStore
+
+router = APIRouter()
+
+COOKIE = "nextstate_admin"
+REFRESH_S = 10
+WIDTH, HEIGHT, PAD = 460, 180, 34
+
+
+@router.get("/v1/admin/progress")
+async def progress(request: Request, _: ApiKey = Depends(authenticate_admin)) -> dict:
+    """Is it learning: per version, samples and mean reward; per update, loss, KL and clip; the
+    judge's calibration; explicit feedback. What `/dashboard` and `nextstate status` show."""
+    return await asyncio.to_thread(live_report, request.app.state)
+
+
+async def _admin_from_browser(request: Request) -> ApiKey | None:
+    secret = request.cookies.get(COOKIE, "")
+    scheme, _, bearer = request.headers.get("authorization", "").partition(" ")
+    if scheme.lower() == "bearer" and bearer.strip():
+        secret = bearer.strip()
+    if not secret:
+        return None
+    store: KeyStore = request.app.state.keys
+    key = await asyncio.to_thread(store.verify, secret)
+    return key if key is not None and key.admin else None
+
+
+@router.get("/dashboard", response_class=HTMLResponse, include_in_schema=False)
+async def dashboard(request: Request) -> Response:
+    if await _admin_from_browser(request) is None:
+        return HTMLResponse(_login_page(bool(request.cookies.get(COOKIE))), status_code=401)
+    report = await asyncio.to_thread(live_report, request.app.state)
+    return HTMLResponse(render_page(report), headers={"Cache-Control": "no-store"})
+
+
+@router.post("/dashboard/login", include_in_schema=False)
+async def login(request: Request) -> Response:
+    # a one-field form, parsed here rather than through python-multipart for one field
+    key = parse_qs((await request.body()).decode("utf-8", "replace")).get("key", [""])[0]
+    store: KeyStore = request.app.state.keys
+    found = await asyncio.to_thread(store.verify, key.strip()) if key.strip() else None
+    if found is None or not found.admin:
+        return HTMLResponse(_login_page(True), status_code=401)
+    response = RedirectResponse("/dashboard", status_code=303)
+    response.set_cookie(COOKIE, key.strip(), httponly=True, samesite="strict", path="/dashboard",
+                        secure=request.url.scheme == "https", max_age=7 * 24 * 3600)
+    return response
+
+
+# ---------------------------------------------------------------------------- rendering
+
+_STYLE = """
+body{font-family:system-ui,sans-serif;margin:24px;color:#1d2433;background:#f7f8fa}
+h1{font-size:20px;margin:0 0 4px} h2{font-size:15px;margin:0 0 8px}
+.muted{color:#66708a;font-size:13px} .grid{display:flex;flex-wrap:wrap;gap:16px;margin-top:16px}
+.card{background:#fff;border:1px solid #dde1ea;border-radius:8px;padding:14px;min-width:300px}
+.ok{color:#17803d} .bad{color:#b42318} table{border-collapse:collapse;font-size:13px}
+td,th{padding:3px 10px 3px 0;text-align:right} th{color:#66708a;font-weight:500} td:first-child,th:first-child{text-align:left}
+svg text{font-size:10px;fill:#66708a} .legend{font-size:12px;margin-top:4px}
+.sw{display:inline-block;width:10px;height:10px;margin:0 4px 0 10px;border-radius:2px}
+"""
+
+COLORS = {"reward": "#2563eb", "accepted": "#17803d", "dropped": "#d0d5dd", "loss": "#7c3aed", "kl": "#ea580c",
+          "clip": "#0891b2", "swap": "#db2777"}
+
+
+def _e(value: Any) -> str:
+    return html.escape(str(value))
+
+
+def _num(value: Any, digits: int = 3) -> str:
+    if value is None:
+        return "–"
+    return f"{value:.{digits}g}" if isinstance(value, float) else str(value)
+
+
+def _frame(title: str, body: str, legend: list[tuple[str, str]], name: str, points: int) -> str:
+    keys = "".join(f'<span class="sw" style="background:{c}"></span>{_e(label)}' for label, c in legend)
+    return (f'<div class="card"><h2>{_e(title)}</h2><svg class="chart" data-chart="{name}" data-points="{points}" '
+            f'width="{WIDTH}" height="{HEIGHT}" viewBox="0 0 {WIDTH} {HEIGHT}" role="img" aria-label="{_e(title)}">'
+            f'{body}</svg><div class="legend">{keys}</div></div>')
+
+
+def _empty(title: str, name: str, why: str) -> str:
+    return (f'<div class="card"><h2>{_e(title)}</h2><svg class="chart" data-chart="{name}" data-points="0" width="{WIDTH}" '
+            f'height="{HEIGHT}"><text x="{WIDTH / 2}" y="{HEIGHT / 2}" text-anchor="middle">{_e(why)}</text></svg></div>')
+
+
+def _axes(lo: float, hi: float, labels: list[str]) -> str:
+    parts = [f'<line x1="{PAD}" y1="{HEIGHT - PAD}" x2="{WIDTH - 8}" y2="{HEIGHT - PAD}" stroke="#dde1ea"/>']
+    for value in (lo, (lo + hi) / 2, hi):
+        y = _y(value, lo, hi)
+        parts.append(f'<line x1="{PAD}" y1="{y:.1f}" x2="{WIDTH - 8}" y2="{y:.1f}" stroke="#eef0f4"/>'
+                     f'<text x="{PAD - 4}" y="{y + 3:.1f}" text-anchor="end">{_num(round(value, 3))}</text>')
+    step = max(1, len(labels) // 10)
+    for i, label in enumerate(labels):
+        if i % step == 0:
+            parts.append(f'<text x="{_x(i, len(labels)):.1f}" y="{HEIGHT - PAD + 14}" text-anchor="middle">{_e(label)}</text>')
+    return "".join(parts)
+
+
+def _x(i: int, n: int) -> float:
+    return PAD + 10 + (WIDTH - PAD - 28) * (i + 0.5) / max(n, 1)
+
+
+def _y(value: float, lo: float, hi: float) -> float:
+    span = (hi - lo) or 1.0
+    return HEIGHT - PAD - (HEIGHT - PAD - 12) * (value - lo) / span
+
+
+def line_chart(title: str, name: str, labels: list[str], series: dict[str, list[float | None]], why_empty: str) -> str:
+    values = [v for points in series.values() for v in points if v is not None]
+    if not values:
+        return _empty(title, name, why_empty)
+    lo, hi = min(0.0, min(values)), max(0.0, max(values))
+    body = _axes(lo, hi, labels)
+    for label, points in series.items():
+        color = COLORS.get(label, "#2563eb")
+        xy = [(_x(i, len(labels)), _y(v, lo, hi)) for i, v in enumerate(points) if v is not None]
+        body += f'<polyline fill="none" stroke="{color}" stroke-width="2" points="{" ".join(f"{x:.1f},{y:.1f}" for x, y in xy)}"/>'
+        body += "".join(f'<circle class="point" cx="{x:.1f}" cy="{y:.1f}" r="3" fill="{color}"/>' for x, y in xy)
+    return _frame(title, body, [(k, COLORS.get(k, "#2563eb")) for k in series], name, len(values))
+
+
+def stacked_bars(title: str, name: str, labels: list[str], stacks: dict[str, list[int]], why_empty: str) -> str:
+    totals = [sum(column) for column in zip(*stacks.values())] if stacks else []
+    if not totals or not any(totals):
+        return _empty(title, name, why_empty)
+    hi = float(max(totals))
+    body = _axes(0.0, hi, labels)
+    width = max(4.0, (WIDTH - PAD - 28) / len(labels) * 0.6)
+    for i in range(len(labels)):
+        base = 0.0
+        for label, column in stacks.items():
+            if column[i]:
+                top, bottom = _y(base + column[i], 0.0, hi), _y(base, 0.0, hi)
+                body += (f'<rect class="point" x="{_x(i, len(labels)) - width / 2:.1f}" y="{top:.1f}" width="{width:.1f}" '
+                         f'height="{bottom - top:.1f}" fill="{COLORS[label]}"/>')
+                base += column[i]
+    return _frame(title, body, [(k, COLORS[k]) for k in stacks], name, sum(1 for t in totals if t))
+
+
+def _calibration_html(judge: dict[str, Any]) -> str:
+    calibration = judge.get("calibration") or {}
+    state = calibration.get("state", "pending")
+    css = "ok" if state == "passed" else "bad" if state == "failed" else "muted"
+    rows = "".join(
+        f'<tr><td>{_e(c["name"])}</td><td>{_e(c["accept"])}</td><td>{_e(c["verdict"])}</td>'
+        f'<td class="{"ok" if c["passed"] else "bad"}">{"right" if c["passed"] else "wrong"}</td></tr>'
+        for c in calibration.get("cases", [])
+    )
+    table = f"<table><tr><th>case</th><th>expected</th><th>verdict</th><th></th></tr>{rows}</table>" if rows else ""
+    implicit = judge.get("implicit_feedback")
+    note = "implicit feedback (next states) is judged" if implicit else "only explicit feedback trains"
+    return (f'<div class="card"><h2>Judge</h2><div class="{css}">calibration {_e(state)}</div>'
+            f'<div class="muted">{_e(calibration.get("detail", ""))}</div><div class="muted">{_e(note)}</div>{table}</div>')
+
+
+def render_page(report: dict[str, Any]) -> str:
+    versions = report["by_version"]
+    labels = [f"v{v['policy_version']}" for v in versions]
+    steps = [s for s in report["steps"] if s.get("version") is not None or s.get("skipped")]
+    step_labels = [f"v{s['version']}" if s.get("version") is not None else "skip" for s in steps]
+    published = [s for s in steps if s.get("published")]
+    charts = [
+        line_chart("Mean reward of the turns each version served", "reward", labels,
+                   {"reward": [v["mean_reward"] for v in versions]}, "no judged turns yet"),
+        stacked_bars("Samples per serving version", "samples", labels,
+                     {"accepted": [v["accepted"] for v in versions], "dropped": [v["dropped"] for v in versions]},
+                     "no samples yet"),
+        line_chart("Each update: loss and KL to the policy that sampled", "updates", step_labels,
+                   {"loss": [s.get("loss") for s in steps], "kl": [s.get("policy_kl") for s in steps]},
+                   "no update yet"),
+        line_chart("Each update: clip fraction", "clip", step_labels, {"clip": [s.get("clip_fraction") for s in steps]},
+                   "no update yet"),
+        line_chart("Hot swap into serving (seconds)", "swaps", [f"v{s['version']}" for s in published],
+                   {"swap": [s.get("swap_s") for s in published]}, "no swap since the server started"),
+    ]
+    fb, samples = report["feedback"], report["samples"]
+    scopes = "".join(f"<tr><td>{_e(x['scope'])}</td><td>v{x['serving']}</td><td>{x['versions']}</td></tr>"
+                     for x in report["scopes"]) or '<tr><td colspan="3">none yet: the base model serves</td></tr>'
+    reasons = "".join(f"<tr><td>{_e(r)}</td><td>{n}</td></tr>" for r, n in
+                      sorted(samples["dropped_reasons"].items(), key=lambda kv: -kv[1]))
+    gate = "".join(f"<tr><td>{_e(s.get('step'))}</td><td>{_e(s.get('scope'))}</td><td>{_e(s.get('skipped'))}</td></tr>"
+                   for s in report["steps"] if s.get("skipped"))
+    cards = [
+        f'<div class="card"><h2>Serving</h2><table><tr><th>scope</th><th>serving</th><th>versions</th></tr>{scopes}</table>'
+        f'<div class="muted">mode {_e(report["mode"])}, learning rate {_num(report.get("learning_rate"))}</div></div>',
+        f'<div class="card"><h2>Explicit feedback</h2><div>{fb["up"]} good · {fb["down"]} bad · '
+        f'{fb["with_correction"]} with a correction</div><div class="muted">POST /v1/feedback</div></div>',
+        f'<div class="card"><h2>Samples</h2><div>{samples["judged"]} judged · {samples["accepted"]} accepted · '
+        f'{samples["dropped"]} dropped · {samples["transitions_pending"]} waiting</div>'
+        + (f"<table><tr><th>dropped because</th><th></th></tr>{reasons}</table>" if reasons else "") + "</div>",
+        _calibration_html(report["judge"] or {}),
+        f'<div class="card"><h2>Updates the gate held back</h2><table><tr><th>step</th><th>scope</th><th>why</th></tr>'
+        f'{gate or "<tr><td colspan=3>none</td></tr>"}</table></div>',
+    ]
+    return (f'<!doctype html><html><head><meta charset="utf-8"><title>nextstate: learning</title>'
+            f'<meta http-equiv="refresh" content="{REFRESH_S}"><style>{_STYLE}</style></head><body>'
+            f'<h1>nextstate: is it learning?</h1><div class="muted">refreshes every {REFRESH_S} s</div>'
+            f'<div class="grid">{"".join(cards)}</div><div class="grid">{"".join(charts)}</div></body></html>')
+
+
+def _login_page(failed: bool) -> str:
+    note = '<p class="bad">That is not an admin key.</p>' if failed else ""
+    return (f'<!doctype html><html><head><meta charset="utf-8"><title>nextstate: sign in</title><style>{_STYLE}</style>'
+            f'</head><body><h1>nextstate dashboard</h1><p class="muted">An admin key (nextstate keys create --admin) '
+            f'opens it; it is kept in a cookie for this page only.</p>{note}<form method="post" action="/dashboard/login">'
+            f'<input type="password" name="key" placeholder="ns-..." size="40" autofocus> <button type="submit">Open</button>'
+            f'</form></body></html>')

@@ -1,0 +1,132 @@
+"""Is it learning? One report of the figures that say so, for the dashboard, `/v1/admin/progress`
+and `nextstate status`.
+
+Everything here is read from the data dir (the sample store and the adapter versions with
+their manifests), so `nextstate status` works with the server stopped; a running server adds
+what only it knows (its learner's recent steps, skipped ones and swap times included, and the
+judge's live standing).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from nextstate.core.sample_store import SampleStore
+from nextstate.learner.versions import AdapterVersions
+
+STEP_FIELDS = ("loss", "policy_kl", "kl_to_base", "clip_fraction", "mean_advantage", "grad_norm", "samples", "seconds")
+
+
+def _published_steps(versions: AdapterVersions, scope: str) -> list[dict[str, Any]]:
+    steps = []
+    for version in versions.versions(scope):
+        try:
+            manifest = versions.manifest(scope, version)
+        except (OSError, ValueError):
+            continue
+        step = manifest.get("step") or {}
+        steps.append({"scope": scope, "version": version, "published": True, "skipped": None,
+                      **{k: step.get(k) for k in STEP_FIELDS}})
+    return steps
+
+
+def progress_report(
+    samples: SampleStore,
+    versions: AdapterVersions,
+    *,
+    mode: str,
+    learning_rate: float | None = None,
+    judge: dict[str, Any] | None = None,
+    live_steps: list[dict[str, Any]] | None = None,
+) -> dict[str, Any]:
+    """The figures; `judge` and `live_steps` come from a running server, else from the disk."""
+    scopes = []
+    steps: list[dict[str, Any]] = []
+    for scope in versions.scopes():
+        scope_versions = versions.versions(scope)
+        scopes.append({"scope": scope, "serving": versions.current(scope) or 0, "versions": len(scope_versions)})
+        steps += _published_steps(versions, scope)
+    if live_steps is not None:  # the live list has skipped steps (the gate's verdicts) and swap times
+        published = {(s["scope"], s["version"]) for s in live_steps if s.get("published")}
+        steps = [s for s in steps if (s["scope"], s["version"]) not in published]
+        steps += [{**{k: s.get(k) for k in STEP_FIELDS}, "scope": s.get("scope"), "version": s.get("version"),
+                   "published": s.get("published"), "skipped": s.get("skipped"), "swap_s": s.get("swap_s"),
+                   "publish_to_serving_s": s.get("publish_to_serving_s"), "step": s.get("step")} for s in live_steps]
+    stats = samples.stats()
+    totals = {"judged": 0, "accepted": 0, "dropped": 0, "awaiting_outcome": 0}
+    for entry in stats["modes"].values():
+        for k in totals:
+            totals[k] += entry.get(k, 0)
+    if judge is None:
+        judge = {"implicit_feedback": None, "calibration": samples.get_meta("judge_calibration")}
+    return {
+        "object": "nextstate.progress",
+        "generated_at": time.time(),
+        "mode": mode,
+        "learning_rate": learning_rate,
+        "judge": judge,
+        "feedback": samples.feedback_counts(),
+        "samples": {**totals, "dropped_reasons": stats["dropped_reasons"],
+                    "transitions_pending": stats["transitions_pending"]},
+        "by_version": samples.by_version(),
+        "scopes": scopes,
+        "steps": steps,
+    }
+
+
+def live_report(state: Any) -> dict[str, Any]:
+    """The report of a running server (its app.state)."""
+    judge, learner = state.judge, state.learner
+    return progress_report(
+        state.samples,
+        AdapterVersions(state.settings.adapters_dir),
+        mode=judge.settings.mode,
+        learning_rate=learner.trainer.lr if learner is not None and learner.trainer is not None else None,
+        judge={"implicit_feedback": judge.implicit, "calibration": judge.calibration.to_dict(),
+               "feedback_applied": judge.stats.feedback},
+        live_steps=list(learner.steps) if learner is not None else [],
+    )
+
+
+def _fmt(value: Any, digits: int = 3) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.{digits}g}"
+    return str(value)
+
+
+def render_text(report: dict[str, Any], where: str) -> str:
+    """The report as `nextstate status` prints it."""
+    lines = [f"nextstate status: {where}", f"mode {report['mode']}"
+             + (f", learning rate {_fmt(report['learning_rate'])}" if report.get("learning_rate") else "")]
+    calibration = (report.get("judge") or {}).get("calibration")
+    if calibration:
+        lines.append(f"judge: calibration {calibration['state']}: {calibration['detail']}")
+    else:
+        lines.append("judge: not checked yet")
+    fb = report["feedback"]
+    lines.append(f"explicit feedback: {fb['up']} good, {fb['down']} bad ({fb['with_correction']} with a correction)")
+    s = report["samples"]
+    reasons = ", ".join(f"{reason}: {n}" for reason, n in sorted(s["dropped_reasons"].items(), key=lambda kv: -kv[1]))
+    lines.append(f"samples: {s['judged']} judged, {s['accepted']} accepted, {s['dropped']} dropped"
+                 + (f" ({reasons})" if reasons else "") + f"; {s['transitions_pending']} waiting for the judge")
+    if report["scopes"]:
+        lines.append("adapters: " + ", ".join(f"{x['scope']} serves v{x['serving']} of {x['versions']}" for x in report["scopes"]))
+    else:
+        lines.append("adapters: none yet (the base model serves)")
+    if report["by_version"]:
+        lines.append("")
+        lines.append(f"{'served by':>9}  {'samples':>7}  {'accepted':>8}  {'mean reward':>11}  {'rated +/-':>9}")
+        for v in report["by_version"]:
+            lines.append(f"{'v' + str(v['policy_version']):>9}  {v['samples']:>7}  {v['accepted']:>8}  "
+                         f"{_fmt(v['mean_reward']):>11}  {str(v['feedback_up']) + '/' + str(v['feedback_down']):>9}")
+    if report["steps"]:
+        lines.append("")
+        lines.append(f"{'update':>8}  {'scope':<10} {'samples':>7}  {'loss':>8}  {'KL':>8}  {'clip':>6}  outcome")
+        for st in report["steps"][-15:]:
+            outcome = "published" if st.get("published") else f"skipped: {st.get('skipped')}"
+            lines.append(f"{'v' + _fmt(st.get('version')):>8}  {str(st.get('scope'))[:10]:<10} {_fmt(st.get('samples')):>7}  "
+                         f"{_fmt(st.get('loss')):>8}  {_fmt(st.get('policy_kl')):>8}  {_fmt(st.get('clip_fraction'), 2):>6}  {outcome}")
+    return "\n".join(lines)

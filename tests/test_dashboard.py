@@ -1,0 +1,113 @@
+"""Seeing it learn: `/v1/admin/progress`, `/dashboard` (also in a real headless Chromium) and
+`nextstate status`."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.test_feedback import ASK, rate
+from tests.test_learner import learning_server, wait_for
+
+
+@pytest.fixture
+def learned(server_factory):
+    """A server that served, was rated, and published a version from the ratings."""
+    server = learning_server(server_factory, batch_size=2, max_user_share=1.0)
+    alice = server.key("alice")
+    client = server.client(alice)
+    for i, rating in enumerate((1, -1, 1, -1)):
+        reply = client.chat.completions.create(model="tiny", messages=ASK, max_tokens=4, seed=i)
+        rate(server, alice, reply.id, rating, None if rating > 0 else "Shorter, please.")
+    wait_for(lambda: server.app.state.policies.current("alice").version == 2, timeout=120)
+    client.chat.completions.create(model="tiny", messages=ASK, max_tokens=4)  # served by v2
+    return server
+
+
+def test_progress_report_has_the_figures(learned):
+    admin = learned.key("root", admin=True)
+    resp = httpx.get(f"{learned.base_url}/admin/progress", headers={"Authorization": f"Bearer {admin}"})
+    assert resp.status_code == 200
+    report = resp.json()
+    assert report["feedback"] == {"up": 2, "down": 2, "with_correction": 2}
+    assert report["scopes"] == [{"scope": "shared", "serving": 2, "versions": 2}]
+    assert [v["policy_version"] for v in report["by_version"]] == [0]
+    assert report["by_version"][0]["feedback_up"] == 2 and report["by_version"][0]["mean_reward"] == 0.0
+    published = [s for s in report["steps"] if s["published"]]
+    assert [s["version"] for s in published] == [1, 2]
+    assert all(s["loss"] is not None and s["swap_s"] is not None for s in published)
+    assert report["learning_rate"] == 5e-3
+    user = learned.key("bob")
+    assert httpx.get(f"{learned.base_url}/admin/progress", headers={"Authorization": f"Bearer {user}"}).status_code == 403
+
+
+def test_the_dashboard_needs_an_admin_key_and_draws_its_charts(learned):
+    root = learned.root
+    assert httpx.get(f"{root}/dashboard").status_code == 401
+    bad = httpx.post(f"{root}/dashboard/login", data={"key": learned.key("bob")})
+    assert bad.status_code == 401 and "not an admin key" in bad.text
+    admin = learned.key("root", admin=True)
+    login = httpx.post(f"{root}/dashboard/login", data={"key": admin})
+    assert login.status_code == 303
+    cookie = login.headers["set-cookie"]
+    assert "HttpOnly" in cookie and "SameSite=strict" in cookie.replace("Strict", "strict") and "Path=/dashboard" in cookie
+    page = httpx.get(f"{root}/dashboard", cookies=login.cookies)
+    assert page.status_code == 200 and page.headers["cache-control"] == "no-store"
+    points = dict(re.findall(r'data-chart="(\w+)" data-points="(\d+)"', page.text))
+    assert int(points["reward"]) >= 1 and int(points["samples"]) >= 1 and int(points["updates"]) >= 2
+    assert int(points["swaps"]) == 2
+    assert "2 good · 2 bad" in page.text and "calibration skipped" in page.text
+    assert httpx.get(f"{root}/dashboard", headers={"Authorization": f"Bearer {admin}"}).status_code == 200
+
+
+def test_nextstate_status_prints_the_same_figures(learned):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("NEXTSTATE_")}
+    env["NEXTSTATE_DATA_DIR"] = str(learned.settings.data_dir)
+    done = subprocess.run([sys.executable, "-m", "nextstate.cli", "status"], env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    out = done.stdout
+    assert "explicit feedback: 2 good, 2 bad (2 with a correction)" in out
+    assert "shared serves v2 of 2" in out
+    assert re.search(r"v1\s+shared\s+2\s+\S+\s+\S+\s+\S+\s+published", out), out
+
+
+def _chromium() -> tuple[str, str] | None:
+    browser = shutil.which("chromium") or shutil.which("chromium-browser") or shutil.which("google-chrome")
+    driver = shutil.which("chromedriver")
+    return (browser, driver) if browser and driver else None
+
+
+@pytest.mark.skipif(_chromium() is None, reason="needs Chromium and chromedriver (Debian: chromium chromium-driver)")
+def test_the_dashboard_renders_in_a_real_browser(learned, tmp_path):
+    webdriver = pytest.importorskip("selenium.webdriver")
+    from selenium.webdriver.common.by import By
+
+    browser, driver_path = _chromium()
+    options = webdriver.ChromeOptions()
+    options.binary_location = browser
+    for flag in ("--headless=new", "--no-sandbox", "--disable-gpu", "--window-size=1280,1100"):
+        options.add_argument(flag)
+    driver = webdriver.Chrome(options=options, service=webdriver.ChromeService(executable_path=driver_path))
+    try:
+        driver.get(f"{learned.root}/dashboard")
+        assert "sign in" in driver.title
+        driver.find_element(By.NAME, "key").send_keys(learned.key("root", admin=True))
+        driver.find_element(By.CSS_SELECTOR, "button[type=submit]").click()
+        wait_for(lambda: "learning" in driver.title, timeout=30)
+        charts = {c.get_attribute("data-chart"): c for c in driver.find_elements(By.CSS_SELECTOR, "svg.chart")}
+        assert set(charts) == {"reward", "samples", "updates", "clip", "swaps"}
+        for name in ("reward", "samples", "updates", "swaps"):
+            drawn = charts[name].find_elements(By.CSS_SELECTOR, ".point")
+            assert drawn and all(p.size["width"] > 0 and p.size["height"] > 0 for p in drawn), f"{name} chart is empty"
+        shot = Path(os.environ.get("NEXTSTATE_DASHBOARD_SCREENSHOT", tmp_path / "dashboard.png"))
+        assert driver.save_screenshot(str(shot)) and shot.stat().st_size > 10_000
+    finally:
+        driver.quit()
