@@ -213,6 +213,7 @@ class ModeRun:
     mode: str
     tasks: list[TaskRecord] = field(default_factory=list)
     steps: list[dict] = field(default_factory=list)
+    calibration: dict | None = None  # the judge's start-up check, as the server saw it
 
 
 def engine_settings(args) -> dict:
@@ -274,10 +275,16 @@ def run_mode(mode: str, policy: Path, tasks: list[str], args, judge: dict, user,
                     model="policy", messages=messages, max_tokens=args.max_tokens, temperature=args.temperature,
                     seed=args.seed * 100_003 + i * 7 + attempt,
                 )
-                reply = raw.parse().choices[0].message.content or ""
+                completion = raw.parse()
+                reply = completion.choices[0].message.content or ""
                 if first is None:
                     first, version = reply, int(raw.headers["x-policy-version"])
                 fitted, reaction = user.react(task, reply)
+                if args.feedback:  # the user also rates the reply itself, as README's POST /v1/feedback
+                    client.post("/feedback", cast_to=object, body={
+                        "response_id": completion.id, "rating": 1 if fitted else -1,
+                        **({} if fitted else {"correction": user.preference.instruction}),
+                    })
                 messages += [{"role": "assistant", "content": reply}, {"role": "user", "content": reaction}]
                 if fitted:
                     attempts = attempt
@@ -294,6 +301,7 @@ def run_mode(mode: str, policy: Path, tasks: list[str], args, judge: dict, user,
             time.sleep(args.think_s)  # the user reads the reply; background judging and learning run
         run.steps = [{k: v for k, v in s.items() if k != "sample_ids"} | {"samples": len(s.get("sample_ids", []))}
                      for s in server.app.state.learner.steps] if learning else []
+        run.calibration = server.app.state.judge.calibration.to_dict() if learning else None
     return run
 
 
@@ -396,6 +404,9 @@ def main() -> None:
     parser.add_argument("--think-s", type=float, default=0.3, help="pause after each task")
     parser.add_argument("--defaults", action="store_true",
                         help="every server setting at its default (batch, lr, LoRA, KL, votes): what a newcomer gets")
+    parser.add_argument("--feedback", action="store_true",
+                        help="the user also rates every reply with POST /v1/feedback (a correction when it misses); "
+                             "without --judge-url the server's own default judge is kept (the served model)")
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--lr", type=float, default=None)
     parser.add_argument("--lora-r", type=int, default=None)
@@ -444,6 +455,8 @@ def main() -> None:
     rule_judge = None
     if args.judge_url:
         judge = {"judge_base_url": args.judge_url, "judge_model": args.judge_model, "judge_api_key": api_key}
+    elif args.feedback:
+        judge = {}  # the default: the served model judges, and must pass its calibration first
     else:
         rule_judge = PreferenceJudge()
         judge = {"judge_base_url": rule_judge.base_url, "judge_model": "rules"}
@@ -456,7 +469,9 @@ def main() -> None:
         "preference": asdict(preference),
         "marker_probability": marker_probability,
         "user": args.user_url and f"{args.user_model} at {args.user_url}" or "rules",
-        "judge": args.judge_url and f"{args.judge_model} at {args.judge_url}" or "rules (PreferenceJudge)",
+        "judge": args.judge_url and f"{args.judge_model} at {args.judge_url}" or (
+            "the default (the served model itself)" if args.feedback else "rules (PreferenceJudge)"),
+        "explicit_feedback": args.feedback,
         "scorer": args.scorer_url and f"{args.scorer_model} at {args.scorer_url}" or "rules",
         "settings": {k: getattr(args, k) for k in ("tasks", "seed", "max_attempts", "max_tokens", "temperature", "think_s",
                                                     "batch", "lr", "lora_r", "kl_coef", "votes")},
@@ -470,7 +485,8 @@ def main() -> None:
             print(f"{mode:>8}: score {summary['score_first_quarter']:.2f} (first quarter) -> "
                   f"{summary['score_last_quarter']:.2f} (last quarter), {summary['updates_published']} updates")
             result["summary"].append(summary)
-            result["runs"].append({"mode": run.mode, "steps": run.steps, "tasks": [asdict(t) for t in run.tasks]})
+            result["runs"].append({"mode": run.mode, "steps": run.steps, "calibration": run.calibration,
+                                   "tasks": [asdict(t) for t in run.tasks]})
             save(result)  # after every mode: an interrupted run keeps the modes it finished
     finally:
         if rule_judge is not None:

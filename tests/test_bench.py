@@ -101,7 +101,7 @@ def test_personalization_loop_runs_over_http_and_trains(tiny_model_dir):
     over HTTP, and the learner publishing versions that later first replies are served by."""
     preference = Preference(INSTRUCTIONS["capital"], "capital")
     judge = PreferenceJudge()
-    args = argparse.Namespace(defaults=False, votes=1, batch=2, lr=5e-3, lora_r=4, kl_coef=0.0, max_attempts=2, max_tokens=4,
+    args = argparse.Namespace(defaults=False, feedback=False, votes=1, batch=2, lr=5e-3, lora_r=4, kl_coef=0.0, max_attempts=2, max_tokens=4,
                               temperature=1.0, seed=0, think_s=0.3, sglang_url=None)
     try:
         run = run_mode("binary", tiny_model_dir, ["Name a colour."] * 8, args,
@@ -114,3 +114,16 @@ def test_personalization_loop_runs_over_http_and_trains(tiny_model_dir):
     assert published and all(s["samples"] == 2 for s in published)
     assert run.tasks[-1].version >= 1
     assert any(call[0]["content"].startswith("You are a process reward model (PRM)") for call in judge.calls)
+
+
+def test_personalization_with_explicit_feedback_trains_past_a_judge_that_cannot_judge(tiny_model_dir):
+    """--feedback: the user rates every reply; the default judge (the served tiny model) fails
+    its calibration, so what trains is the ratings alone."""
+    preference = Preference(INSTRUCTIONS["capital"], "capital")
+    args = argparse.Namespace(defaults=False, feedback=True, votes=1, batch=2, lr=5e-3, lora_r=4, kl_coef=0.0,
+                              max_attempts=2, max_tokens=4, temperature=1.0, seed=0, think_s=0.1, sglang_url=None)
+    run = run_mode("combined", tiny_model_dir, ["Name a colour."] * 6, args, {}, RuleUser(preference),
+                   RuleScorer(preference))
+    assert run.calibration["state"] in ("pending", "failed"), "the tiny judge never passes (it may still be trying)"
+    published = [s for s in run.steps if s["published"]]
+    assert published and run.tasks[-1].version >= 1
