@@ -355,22 +355,24 @@ class SampleStore:
 
     # ---------------------------------------------------------------- stats
 
-    def by_version(self) -> list[dict[str, Any]]:
-        """Per policy version that served the turns: samples by status, mean reward of the
-        accepted ones, and the explicit ratings among them."""
+    def by_version(self, per_user: bool = False) -> list[dict[str, Any]]:
+        """Per adapter scope ("shared", or each user with per-user adapters) and policy version
+        that served the turns: samples by status, mean reward of the accepted ones, and the
+        explicit ratings among them."""
+        scope = "user" if per_user else "'shared'"
         with self._lock:
             rows = self._conn.execute(
-                "SELECT policy_version, COUNT(*), "
+                f"SELECT {scope}, policy_version, COUNT(*), "
                 "SUM(status != 'dropped'), SUM(status = 'dropped'), "
                 "AVG(CASE WHEN status != 'dropped' THEN reward END), "
                 "SUM(json_extract(data, '$.feedback.rating') = 1), SUM(json_extract(data, '$.feedback.rating') = -1) "
-                "FROM samples GROUP BY policy_version ORDER BY policy_version"
+                f"FROM samples GROUP BY {scope}, policy_version ORDER BY {scope}, policy_version"
             ).fetchall()
         return [
-            {"policy_version": v, "samples": n, "accepted": int(acc or 0), "dropped": int(drop or 0),
+            {"scope": sc, "policy_version": v, "samples": n, "accepted": int(acc or 0), "dropped": int(drop or 0),
              "mean_reward": None if mean is None else round(mean, 4), "feedback_up": int(up or 0),
              "feedback_down": int(down or 0)}
-            for v, n, acc, drop, mean, up, down in rows
+            for sc, v, n, acc, drop, mean, up, down in rows
         ]
 
     def feedback_counts(self) -> dict[str, int]:

@@ -130,18 +130,26 @@ def _y(value: float, lo: float, hi: float) -> float:
     return HEIGHT - PAD - (HEIGHT - PAD - 12) * (value - lo) / span
 
 
+PALETTE = ("#2563eb", "#17803d", "#ea580c", "#7c3aed", "#db2777", "#0891b2")
+MAX_SCOPES_DRAWN = len(PALETTE)
+
+
+def _color(label: str, index: int) -> str:
+    return COLORS.get(label, PALETTE[index % len(PALETTE)])
+
+
 def line_chart(title: str, name: str, labels: list[str], series: dict[str, list[float | None]], why_empty: str) -> str:
     values = [v for points in series.values() for v in points if v is not None]
     if not values:
         return _empty(title, name, why_empty)
     lo, hi = min(0.0, min(values)), max(0.0, max(values))
     body = _axes(lo, hi, labels)
-    for label, points in series.items():
-        color = COLORS.get(label, "#2563eb")
+    for index, (label, points) in enumerate(series.items()):
+        color = _color(label, index)
         xy = [(_x(i, len(labels)), _y(v, lo, hi)) for i, v in enumerate(points) if v is not None]
         body += f'<polyline fill="none" stroke="{color}" stroke-width="2" points="{" ".join(f"{x:.1f},{y:.1f}" for x, y in xy)}"/>'
         body += "".join(f'<circle class="point" cx="{x:.1f}" cy="{y:.1f}" r="3" fill="{color}"/>' for x, y in xy)
-    return _frame(title, body, [(k, COLORS.get(k, "#2563eb")) for k in series], name, len(values))
+    return _frame(title, body, [(k, _color(k, i)) for i, k in enumerate(series)], name, len(values))
 
 
 def stacked_bars(title: str, name: str, labels: list[str], stacks: dict[str, list[int]], why_empty: str) -> str:
@@ -180,16 +188,26 @@ def _calibration_html(judge: dict[str, Any]) -> str:
 
 def render_page(report: dict[str, Any]) -> str:
     versions = report["by_version"]
-    labels = [f"v{v['policy_version']}" for v in versions]
+    numbers = sorted({v["policy_version"] for v in versions})
+    labels = [f"v{n}" for n in numbers]
+    # one reward line per scope (the most active ones), one bar per version summed over scopes
+    by_scope: dict[str, dict[int, dict]] = {}
+    for v in versions:
+        by_scope.setdefault(v["scope"], {})[v["policy_version"]] = v
+    drawn = sorted(by_scope, key=lambda sc: -sum(x["samples"] for x in by_scope[sc].values()))[:MAX_SCOPES_DRAWN]
+    rewards = {f"reward ({sc})" if len(by_scope) > 1 else "reward":
+               [by_scope[sc].get(n, {}).get("mean_reward") for n in numbers] for sc in drawn}
+
+    def summed(field: str) -> list[int]:
+        return [sum(v[field] for v in versions if v["policy_version"] == n) for n in numbers]
+
     steps = [s for s in report["steps"] if s.get("version") is not None or s.get("skipped")]
     step_labels = [f"v{s['version']}" if s.get("version") is not None else "skip" for s in steps]
     published = [s for s in steps if s.get("published")]
     charts = [
-        line_chart("Mean reward of the turns each version served", "reward", labels,
-                   {"reward": [v["mean_reward"] for v in versions]}, "no judged turns yet"),
+        line_chart("Mean reward of the turns each version served", "reward", labels, rewards, "no judged turns yet"),
         stacked_bars("Samples per serving version", "samples", labels,
-                     {"accepted": [v["accepted"] for v in versions], "dropped": [v["dropped"] for v in versions]},
-                     "no samples yet"),
+                     {"accepted": summed("accepted"), "dropped": summed("dropped")}, "no samples yet"),
         line_chart("Each update: loss and KL to the policy that sampled", "updates", step_labels,
                    {"loss": [s.get("loss") for s in steps], "kl": [s.get("policy_kl") for s in steps]},
                    "no update yet"),

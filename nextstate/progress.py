@@ -36,6 +36,7 @@ def progress_report(
     versions: AdapterVersions,
     *,
     mode: str,
+    per_user: bool = False,
     learning_rate: float | None = None,
     judge: dict[str, Any] | None = None,
     live_steps: list[dict[str, Any]] | None = None,
@@ -69,7 +70,7 @@ def progress_report(
         "feedback": samples.feedback_counts(),
         "samples": {**totals, "dropped_reasons": stats["dropped_reasons"],
                     "transitions_pending": stats["transitions_pending"]},
-        "by_version": samples.by_version(),
+        "by_version": samples.by_version(per_user),
         "scopes": scopes,
         "steps": steps,
     }
@@ -82,6 +83,7 @@ def live_report(state: Any) -> dict[str, Any]:
         state.samples,
         AdapterVersions(state.settings.adapters_dir),
         mode=judge.settings.mode,
+        per_user=state.settings.learner.adapter_scope == "user",
         learning_rate=learner.trainer.lr if learner is not None and learner.trainer is not None else None,
         judge={"implicit_feedback": judge.implicit, "calibration": judge.calibration.to_dict(),
                "feedback_applied": judge.stats.feedback},
@@ -118,9 +120,9 @@ def render_text(report: dict[str, Any], where: str) -> str:
         lines.append("adapters: none yet (the base model serves)")
     if report["by_version"]:
         lines.append("")
-        lines.append(f"{'served by':>9}  {'samples':>7}  {'accepted':>8}  {'mean reward':>11}  {'rated +/-':>9}")
+        lines.append(f"{'scope':<10} {'served by':>9}  {'samples':>7}  {'accepted':>8}  {'mean reward':>11}  {'rated +/-':>9}")
         for v in report["by_version"]:
-            lines.append(f"{'v' + str(v['policy_version']):>9}  {v['samples']:>7}  {v['accepted']:>8}  "
+            lines.append(f"{str(v['scope'])[:10]:<10} {'v' + str(v['policy_version']):>9}  {v['samples']:>7}  {v['accepted']:>8}  "
                          f"{_fmt(v['mean_reward']):>11}  {str(v['feedback_up']) + '/' + str(v['feedback_down']):>9}")
     if report["steps"]:
         lines.append("")

@@ -111,3 +111,20 @@ def test_the_dashboard_renders_in_a_real_browser(learned, tmp_path):
         assert driver.save_screenshot(str(shot)) and shot.stat().st_size > 10_000
     finally:
         driver.quit()
+
+
+def test_per_user_adapters_are_reported_per_scope(server_factory):
+    server = learning_server(server_factory, adapter_scope="user", batch_size=2, learn=True)
+    for user, rating in (("alice", 1), ("bob", -1)):
+        key = server.key(user)
+        for i in range(2):
+            reply = server.client(key).chat.completions.create(model="tiny", messages=ASK, max_tokens=3, seed=i)
+            rate(server, key, reply.id, rating)
+    wait_for(lambda: all(server.app.state.policies.current(u).version == 1 for u in ("alice", "bob")), timeout=120)
+    admin = server.key("root", admin=True)
+    report = httpx.get(f"{server.base_url}/admin/progress", headers={"Authorization": f"Bearer {admin}"}).json()
+    assert {(v["scope"], v["policy_version"], v["mean_reward"]) for v in report["by_version"]} == {
+        ("alice", 0, 1.0), ("bob", 0, -1.0)}
+    assert sorted(x["scope"] for x in report["scopes"]) == ["alice", "bob"]
+    page = httpx.get(f"{server.root}/dashboard", headers={"Authorization": f"Bearer {admin}"}).text
+    assert "reward (alice)" in page and "reward (bob)" in page
