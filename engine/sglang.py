@@ -71,6 +71,11 @@ def _once(callback: Callable[[], None] | None) -> Callable[[], None]:
     return call
 
 
+# What SGLang answers (400) for a request naming an adapter it has not loaded
+# (tokenizer_manager: "The following requested LoRA adapters are not loaded: ...").
+LOST_ADAPTER = "LoRA adapters are not loaded"
+
+
 class _Retryable(Exception):
     def __init__(self, error: EngineError) -> None:
         self.error = error
@@ -94,6 +99,8 @@ class SGLangEngine:
         self.retries = retries
         self.backoff_s = backoff_s
         self._adapters: set[str] = set()
+        self._paths: dict[str, str] = {}  # what each loaded adapter was loaded from, to reload it
+        self._reload_lock = asyncio.Lock()
         self._client = httpx.AsyncClient(
             base_url=self.base_url, timeout=httpx.Timeout(timeout_s, connect=5.0), transport=transport
         )
@@ -150,6 +157,7 @@ class SGLangEngine:
         payload = self._payload(input_ids, sampling, adapter, stream=True)
         admit = _once(on_admit)
         attempt = 0
+        reloaded = False
         while True:
             delivered = 0
             try:
@@ -157,6 +165,11 @@ class SGLangEngine:
                     delivered += 1
                     yield token
                 return
+            except EngineRejected as error:
+                if delivered or reloaded or not await self._reload_if_lost(adapter, error):
+                    raise
+                reloaded = True
+                continue
             except _Retryable as retry:
                 if delivered or attempt >= self.retries:
                     raise retry.error from None
@@ -257,7 +270,12 @@ class SGLangEngine:
             "stream": False,
             "lora_path": adapter,
         }
-        body = await self._post("/generate", payload, retry=True)
+        try:
+            body = await self._post("/generate", payload, retry=True)
+        except EngineRejected as error:
+            if not await self._reload_if_lost(adapter, error):
+                raise
+            body = await self._post("/generate", payload, retry=True)
         try:
             entries = body["meta_info"]["input_token_logprobs"][1:]
             scored = [float(e[0]) for e in entries]
@@ -275,12 +293,30 @@ class SGLangEngine:
         if not body.get("success", False):
             raise EngineError(f"SGLang could not load adapter {name!r}: {body.get('error_message', body)}")
         self._adapters.add(name)
+        self._paths[name] = str(path)
+
+    async def _reload_if_lost(self, adapter: str | None, error: EngineRejected) -> bool:
+        """SGLang lost an adapter this engine loaded (it restarted): load it again, once per
+        loss, and say whether the request should be retried. Adapters live in SGLang's memory
+        only, so after its restart every request on a published version would fail otherwise."""
+        if adapter is None or adapter not in self._paths or LOST_ADAPTER not in str(error):
+            return False
+        async with self._reload_lock:  # many requests notice at once; one reload serves them all
+            body = await self._post("/load_lora_adapter", {"lora_name": adapter, "lora_path": self._paths[adapter]},
+                                    retry=True, ok_400=True)
+            message = str(body.get("error_message", ""))
+            if not body.get("success", False) and "already" not in message.lower():
+                log.error("SGLang lost adapter %s and could not load it again: %s", adapter, message)
+                return False
+        log.warning("SGLang had lost adapter %s (restarted?); loaded it again from %s", adapter, self._paths[adapter])
+        return True
 
     async def unload_adapter(self, name: str) -> None:
         if name not in self._adapters:
             raise UnknownAdapterError(f"adapter {name!r} is not loaded")
         # Remove it from routing first; SGLang itself waits for requests still using it.
         self._adapters.discard(name)
+        self._paths.pop(name, None)
         body = await self._post("/unload_lora_adapter", {"lora_name": name}, retry=False, ok_400=True)
         if not body.get("success", False):
             raise EngineError(f"SGLang could not unload adapter {name!r}: {body.get('error_message', body)}")

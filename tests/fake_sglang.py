@@ -61,7 +61,10 @@ class FakeSGLang:
                 return StreamingResponse(iter(["data: {not json\n\n"]), media_type="text/event-stream")
             adapter = body.get("lora_path")
             if adapter is not None and adapter not in self.engine.adapters:
-                return JSONResponse({"error": {"message": f"LoRA adapter {adapter} is not loaded"}}, 400)
+                # SGLang's tokenizer manager raises this ValueError; its HTTP server answers 400
+                return JSONResponse({"error": {"message": (
+                    f"The following requested LoRA adapters are not loaded: {adapter}\n"
+                    f"Loaded adapters: {set(self.engine.adapters)}.")}}, 400)
             params = body.get("sampling_params", {})
             if params.get("max_new_tokens") == 0:
                 return await self._score(body, adapter, params)
@@ -113,6 +116,15 @@ class FakeSGLang:
     def stop(self) -> None:
         self.server.should_exit = True
         self.thread.join(15)
+
+    def restart(self) -> None:
+        """What a restarted SGLang looks like from outside: the same URL, no adapter loaded."""
+
+        async def forget() -> None:
+            for name in list(self.engine.adapters):
+                await self.engine.unload_adapter(name)
+
+        asyncio.run_coroutine_threadsafe(forget(), self.loop).result(30)
 
     async def _events(self, input_ids, sampling, adapter, rid):
         ids, logprobs, tops = [], [], []

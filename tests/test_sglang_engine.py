@@ -97,6 +97,31 @@ async def test_adapters_by_name(client, direct, sglang, tiny_model_dir, tmp_path
     assert client.adapters == [] and sglang.requests[-1] == ("/unload_lora_adapter", {"lora_name": "user-v1"})
 
 
+async def test_adapters_come_back_after_sglang_restarts(client, direct, sglang, tiny_model_dir, tmp_path):
+    """SGLang keeps adapters in memory only: after its restart the engine loads the lost one
+    again and the request goes through, for generation and for scoring alike."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    get_peft_model(
+        AutoModelForCausalLM.from_pretrained(tiny_model_dir), LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    ).save_pretrained(tmp_path / "a")
+    await client.load_adapter("shared-v3", str(tmp_path / "a"))
+    await direct.load_adapter("shared-v3", str(tmp_path / "a"))
+    params = SamplingParams(max_new_tokens=6, temperature=1.0, seed=2)
+    sglang.restart()
+    got = await collect(client, params, "shared-v3")
+    assert [t.token_id for t in got] == [t.token_id for t in await collect(direct, params, "shared-v3")]
+    loads = [body for path, body in sglang.requests if path == "/load_lora_adapter"]
+    assert loads == [{"lora_name": "shared-v3", "lora_path": str(tmp_path / "a")}] * 2, "loaded once more"
+    sglang.restart()
+    assert await client.score(PROMPT, 5, adapter="shared-v3") == pytest.approx(
+        await direct.score(PROMPT, 5, adapter="shared-v3"), abs=1e-5)
+    # an adapter this engine never loaded is not conjured up
+    with pytest.raises(UnknownAdapterError):
+        await collect(client, params, "shared-v9")
+
+
 async def test_server_errors_are_retried_then_reported(client, sglang):
     sglang.mode = "500"
     before = len(sglang.requests)
@@ -211,3 +236,8 @@ def test_per_user_adapters_on_one_sglang_server(server_factory, sglang):
     assert raw.headers["x-policy-version"] == "1" and sglang.requests[-1][1]["lora_path"] == "alice-v1"
     raw = server.client(server.key("bob")).chat.completions.with_raw_response.create(**ask)
     assert raw.headers["x-policy-version"] == "0" and sglang.requests[-1][1]["lora_path"] is None
+    # SGLang restarts: alice's published version serves again without restarting nextstate
+    sglang.restart()
+    raw = server.client(server.key("alice")).chat.completions.with_raw_response.create(**ask)
+    assert raw.status_code == 200 and raw.headers["x-policy-version"] == "1"
+    assert sglang.requests[-2] == ("/load_lora_adapter", {"lora_name": "alice-v1", "lora_path": str(server.settings.adapters_dir / "alice" / "v1")})
