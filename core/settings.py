@@ -230,6 +230,10 @@ class LearnerSettings(BaseSettings):
         max_kl: an update that moves the policy further than this on its own batch is undone.
         max_advantage: per-token advantages are clipped to ± this when training, so no sample
             (an outcome standardised over a tiny spread, a bug upstream) dominates an update.
+        max_staleness: a sample served by a version more than this many versions behind its
+            scope's current one is dropped (and recorded) instead of trained: its old logprobs
+            no longer describe the policy being trained (AReaL bounds off-policyness alike).
+            0 lifts the bound.
         max_user_share: in the shared scope, at most this share of a batch comes from one user,
             when more than one user has an active key: one user's feedback alone never
             publishes a version everyone is served. A single-user server trains as before.
@@ -252,6 +256,7 @@ class LearnerSettings(BaseSettings):
     kl_coef: float = Field(0.0, ge=0, description="β of the k3 KL to the base model (adapter off).")
     max_kl: float = Field(1.0, gt=0, description="An update moving the policy further than this is skipped.")
     max_advantage: float = Field(5.0, gt=0, description="Per-token advantages are clipped to ± this in training.")
+    max_staleness: int = Field(8, ge=0, description="Samples served more than this many versions ago are dropped; 0 = any.")
     max_user_share: float = Field(
         0.5, gt=0, le=1, description="Shared scope: most of a batch one user's samples may fill (with several users)."
     )

@@ -136,6 +136,7 @@ class Learner:
         other users' samples come, one user's feedback waits rather than steering everyone's
         model."""
         size = self.batch_size
+        self._screen(self.store.ready_samples(size * 50))
         if self.policies.per_user:
             counts = self.store.ready_counts_by_user()
             user = next((u for u, n in counts.items() if n >= size), None)
@@ -161,6 +162,26 @@ class Learner:
             if not several or max(taken.values()) <= self.settings.max_user_share * len(batch):
                 return "shared", batch
         return "shared", []
+
+    def _screen(self, ready: list[Sample]) -> None:
+        """Drop, with the reason, ready samples that must not take a batch slot: those with no
+        signal when there is no KL term (advantage 0 everywhere: the at-least-one rule's),
+        which would only dilute the token mean; and those served too many versions ago."""
+        reasons: dict[str, list[int]] = {}
+        for sample in ready:
+            if sample.id is None:
+                continue
+            scope = sample.user if self.policies.per_user else "shared"
+            behind = self.policies.current_scope(scope).version - sample.policy_version
+            # outcome samples get their advantages only when their batch is assembled
+            if self.settings.kl_coef == 0 and sample.track != "outcome" and not any(sample.advantages):
+                reasons.setdefault("no signal: advantage 0 and no KL term", []).append(sample.id)
+            elif self.settings.max_staleness and behind > self.settings.max_staleness:
+                why = f"stale: served by a version more than {self.settings.max_staleness} behind (NEXTSTATE_MAX_STALENESS)"
+                reasons.setdefault(why, []).append(sample.id)
+        for why, ids in reasons.items():
+            self.store.mark_dropped(ids, why)
+            log.info("learner: %d sample(s) dropped before training (%s)", len(ids), why)
 
     def _waited(self, samples: list[Sample]) -> bool:
         wait = self.settings.batch_wait_s

@@ -125,7 +125,9 @@ def test_opd_mode_drops_turns_without_a_hint(server_factory, judge):
 
 
 def test_neutral_turns_and_the_at_least_one_guarantee(server_factory, judge):
-    server = judged_server(server_factory, judge, mode="binary")
+    # the judge's verdicts, as stored (the learner, off here, drops a zero-advantage sample
+    # when there is no KL term: tests/test_learner.py)
+    server = judged_server(server_factory, judge, mode="binary", learn=False)
     client = server.client(server.key("alice"))
     converse(client, [{"role": "user", "content": "hi"}, {"role": "user", "content": "ok"}, {"role": "user", "content": "hmm"}])
     samples = samples_by_turn(server)

@@ -32,6 +32,16 @@ def test_ppo_loss_clips_asymmetrically():
     assert clipped.tolist() == [0, 0, 1, 0]
 
 
+def test_far_off_policy_tokens_cannot_blow_up_the_loss():
+    # dual clip: a token the policy now likes 5x more than the sampler did, with A = -1,
+    # costs at most 3 (the dual-clip constant), not 5; a moderate ratio is unaffected
+    loss, clipped, _ = ppo_token_losses(torch.log(torch.tensor([5.0, 1.0])), torch.zeros(2), -torch.ones(2))
+    assert loss.tolist() == pytest.approx([3.0, 1.0]) and clipped.tolist() == [1, 0]
+    # a log-ratio of 200 would overflow exp(); clamped, the loss stays finite
+    loss, _, _ = ppo_token_losses(torch.tensor([200.0]), torch.tensor([0.0]), torch.tensor([-1.0]))
+    assert torch.isfinite(loss).all() and loss.item() == pytest.approx(3.0)
+
+
 def test_k3_kl_is_non_negative_and_zero_at_equality():
     a = torch.tensor([-1.0, -2.0, -0.5])
     assert k3_kl(a, a).tolist() == [0.0, 0.0, 0.0]
@@ -411,3 +421,25 @@ def _up(port: int) -> bool:
         return httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=1).status_code == 200
     except httpx.HTTPError:
         return False
+
+
+def test_samples_without_signal_or_too_stale_take_no_batch_slot(server_factory):
+    server = learning_server(server_factory, batch_size=4, max_staleness=1)
+    alice = "alice"
+    # two samples with advantage 0 (the at-least-one rule's) and four with signal: the batch
+    # is the four, and the two are dropped with their reason
+    feed(server, served_samples(server, 2, advantage=0.0) + served_samples(server, 4, advantage=1.0, seed0=10))
+    wait_for(lambda: server.app.state.policies.current(alice).version == 1)
+    dropped = server.app.state.samples.samples("dropped")
+    assert len(dropped) == 2 and all(s.reason.startswith("no signal") for s in dropped)
+    assert len(server.app.state.samples.samples("consumed")) == 4
+    # samples served by v0 while v2 serves are more than one version behind: dropped as stale
+    old = served_samples(server, 4, seed0=20)
+    for s in old:
+        s.policy_version = 0
+    feed(server, served_samples(server, 4, seed0=30))
+    wait_for(lambda: server.app.state.policies.current(alice).version == 2)
+    feed(server, old)
+    wait_for(lambda: len(server.app.state.samples.samples("dropped")) == 6)
+    assert server.app.state.policies.current(alice).version == 2
+    assert all(s.reason.startswith("stale") for s in server.app.state.samples.samples("dropped")[2:])

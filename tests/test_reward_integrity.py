@@ -62,9 +62,10 @@ def test_a_single_user_server_trains_on_its_own(server_factory):
 def test_a_batch_without_signal_publishes_nothing(server_factory):
     server = learning_server(server_factory)
     feed(server, served_samples(server, 4, advantage=0.0))
-    wait_for(lambda: any(r["kind"] == "train_step" for r in server.records()))
-    (step,) = [r for r in server.records() if r["kind"] == "train_step"]
-    assert step["published"] is False and "zero" in step["skipped"]
+    # with no KL term they carry nothing to learn: dropped before batching, no step at all
+    wait_for(lambda: len(server.app.state.samples.samples("dropped")) == 4)
+    assert all(s.reason.startswith("no signal") for s in server.app.state.samples.samples("dropped"))
+    assert not [r for r in server.records() if r["kind"] == "train_step"]
     assert server.app.state.policies.current("alice").version == 0
     assert not (server.settings.adapters_dir / "shared").exists()
 
