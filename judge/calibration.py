@@ -4,8 +4,9 @@ With the defaults the judge is the served model itself; SmolLM2-135M never write
 `\\boxed{}` verdict, so every reward would be 0 and nothing would train — silently. So before
 the judge gets implicit feedback (next states) to score, it answers the bundled cases in
 `prompts/calibration.json` (a clear thanks, a clear correction, a failed tool call, a neutral
-follow-up) with the personal-agent PRM prompt and its usual number of votes. A judge that gets
-one wrong by majority fails: the server says so in its log, in `/v1/admin/stats` and on the
+follow-up) with the personal-agent PRM prompt and its usual number of votes, one case after
+the other. A judge that gets one wrong by majority fails at once (no further case is asked:
+on the embedded model each vote costs seconds of the same CPU that serves): the server says so in its log, in `/v1/admin/stats` and on the
 dashboard, keeps the turns unjudged (explicit feedback can still rate them) and trains from
 explicit feedback only. Restarting with a better `NEXTSTATE_JUDGE_BASE_URL` is the remedy.
 """
@@ -74,7 +75,9 @@ def judge_case(case: dict[str, Any], votes: list[int | None]) -> CaseResult:
     return CaseResult(case["name"], list(case["accept"]), votes, verdict, bool(valid) and verdict in case["accept"])
 
 
-def conclude(results: list[CaseResult], seconds: float) -> Calibration:
+def conclude(results: list[CaseResult], seconds: float, asked_of: int | None = None) -> Calibration:
+    """The verdict on the cases asked; asking stops at the first case judged wrong."""
+    total_cases = asked_of or len(results)
     failed = [r for r in results if not r.passed]
     if not failed:
         detail = f"the judge got all {len(results)} calibration cases right"
@@ -83,8 +86,8 @@ def conclude(results: list[CaseResult], seconds: float) -> Calibration:
         invalid = sum(1 for r in results for v in r.votes if v is None)
         total = sum(len(r.votes) for r in results)
         detail = (
-            f"the judge got {len(failed)} of {len(results)} calibration cases wrong "
-            f"({', '.join(r.name for r in failed)}; {invalid} of {total} votes had no valid verdict): "
+            f"the judge got calibration case '{failed[0].name}' wrong ({len(results) - 1} of {total_cases} right "
+            f"before it; {invalid} of {total} votes had no valid verdict): "
             "implicit feedback is not judged, only explicit feedback (POST /v1/feedback) trains. "
             "Point NEXTSTATE_JUDGE_BASE_URL at a capable model (README, Judging)."
         )

@@ -51,7 +51,8 @@ def test_a_judge_that_cannot_judge_is_benched_and_feedback_still_trains(server_f
     stats = admin_stats(server)["judge"]
     assert stats["calibration"]["state"] == "failed" and stats["implicit_feedback"] is False
     assert "POST /v1/feedback" in stats["calibration"]["detail"]
-    assert any("calibration cases wrong" in r.getMessage() for r in caplog.records)
+    assert len(stats["calibration"]["cases"]) == 1, "the first case judged wrong ends the check"
+    assert any("calibration case 'clear thanks' wrong" in r.getMessage() for r in caplog.records)
     calls = len(judge.calls)
 
     alice = server.key("alice")
