@@ -24,7 +24,9 @@ stop() {
 }
 trap stop EXIT INT TERM
 
-CUDA_VISIBLE_DEVICES=0 python3 -m sglang.launch_server \
+# SGLANG_RETURN_ORIGINAL_LOGPROB=1: sampled-token logprobs at temperature 1, like the prompt-token
+# logprobs the OPD teacher reads (engine/sglang.py; nextstate refuses a server without it).
+SGLANG_RETURN_ORIGINAL_LOGPROB=1 CUDA_VISIBLE_DEVICES=0 python3 -m sglang.launch_server \
   --model-path "$MODEL" --host 127.0.0.1 --port "$SGLANG_PORT" \
   --enable-lora --max-lora-rank "$LORA_R" --lora-target-modules ${LORA_TARGETS//,/ } \
   --max-loras-per-batch "$MAX_LORAS" --mem-fraction-static "$MEM_FRACTION" &

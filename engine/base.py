@@ -93,6 +93,9 @@ class EngineInfo:
     device: str
     dtype: str
     vocab_size: int = 0
+    # True: every logprob the engine reports, sampled or scored, is at temperature 1 whatever
+    # the sampling temperature (SGLang: see engine/sglang.py). False: at the sampling temperature.
+    raw_logprobs: bool = False
 
 
 class Engine(Protocol):

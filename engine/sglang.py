@@ -16,8 +16,13 @@ deploy/). Shapes used, from SGLang's io_struct / tokenizer manager:
 * scoring: `max_new_tokens: 0` with `logprob_start_len = start − 1`; `input_token_logprobs`
   then covers input_ids[start − 1:], and its first entry (that position's own logprob) is
   always null, so it is dropped: one logprob per scored token, aligned.
-* logprobs are SGLang's default log_softmax(logits / temperature), the same convention as the
-  local engine and the learner (do not set SGLANG_RETURN_ORIGINAL_LOGPROB).
+* logprobs, one convention: **temperature 1** ("raw"), for sampled and scored tokens alike.
+  Stock SGLang takes prompt-token logprobs (what scoring reads) at temperature 1 whatever the
+  request says, and sampled-token logprobs after temperature scaling unless the server runs
+  with `SGLANG_RETURN_ORIGINAL_LOGPROB=1`. With that variable set (deploy/ sets it) both are
+  raw, so a turn's old logprobs and its OPD teacher's are on the same footing; its
+  `logprob_temperature` is 1 and the learner computes its own at 1 too. `check_logprobs` finds
+  a server without the variable at start-up and refuses it, rather than mixing temperatures.
 
 Failures map to clean errors: unreachable → EngineUnavailable (503), too slow → EngineTimeout
 (504), 5xx or an unreadable answer → EngineBadGateway (502). Requests are retried (not after a
@@ -95,7 +100,8 @@ class SGLangEngine:
         model_dir = Path(model_dir)
         max_context, vocab = _model_info(model_dir)
         self.base_url = base_url.rstrip("/")
-        self.info = EngineInfo(model_name=model_dir.name, max_context=max_context, device="sglang", dtype="server", vocab_size=vocab)
+        self.info = EngineInfo(model_name=model_dir.name, max_context=max_context, device="sglang", dtype="server",
+                               vocab_size=vocab, raw_logprobs=True)
         self.retries = retries
         self.backoff_s = backoff_s
         self._adapters: set[str] = set()
@@ -262,6 +268,8 @@ class SGLangEngine:
         background: bool = False,
     ) -> list[float]:
         check_request(self._adapters, adapter, input_ids, start)
+        if temperature != 1.0:
+            raise ValueError(f"SGLang scores at temperature 1 only (asked for {temperature:g}); see the module docstring")
         payload = {
             "input_ids": list(input_ids),
             "sampling_params": {"max_new_tokens": 0, "temperature": temperature},
@@ -285,6 +293,26 @@ class SGLangEngine:
         if ids != list(input_ids[start:]):
             raise EngineBadGateway(f"SGLang scored {len(ids)} tokens that are not input_ids[{start}:]")
         return scored
+
+    async def check_logprobs(self, probe_ids: list[int], tolerance: float = 0.05) -> None:
+        """Refuse a server whose sampled-token logprobs are tempered (SGLang's default).
+
+        Samples a few tokens at temperature 0.5 and scores the same tokens as prompt tokens
+        (always at temperature 1 in SGLang): raw sampled logprobs agree with those, tempered ones
+        do not. Fully peaked tokens agree either way, so a probe without spread proves nothing
+        and passes."""
+        params = SamplingParams(max_new_tokens=8, temperature=0.5, seed=0)
+        tokens = [t async for t in self.generate(probe_ids, params)]
+        if not tokens:
+            return
+        scored = await self.score(probe_ids + [t.token_id for t in tokens], len(probe_ids))
+        gap = sum(abs(t.logprob - s) for t, s in zip(tokens, scored)) / len(tokens)
+        if gap > tolerance:
+            raise EngineError(
+                f"SGLang at {self.base_url} reports sampled-token logprobs after temperature scaling (mean gap "
+                f"{gap:.3f} from its temperature-1 scores): nextstate needs both at temperature 1. Start SGLang with "
+                "SGLANG_RETURN_ORIGINAL_LOGPROB=1 in its environment (deploy/launch.sh and compose.yaml do)."
+            )
 
     # ---------------------------------------------------------------- adapters
 

@@ -79,6 +79,10 @@ def resolve_model_dir(settings: Settings) -> Path:
     return ensure_default_model(settings.models_dir)
 
 
+# A short prompt of ordinary token ids for the SGLang logprob check (any ids of any vocabulary).
+LOGPROB_PROBE = list(range(10, 42))
+
+
 async def open_engine(model_dir: Path, settings: Settings) -> Engine:
     """The engine NEXTSTATE_ENGINE names: in-process, or a client of an SGLang server."""
     es = settings.engine
@@ -87,7 +91,14 @@ async def open_engine(model_dir: Path, settings: Settings) -> Engine:
 
         engine = SGLangEngine(es.sglang_url, model_dir, timeout_s=es.sglang_timeout_s, retries=es.sglang_retries)
         if not await engine.healthy():
-            log.warning("SGLang at %s is not answering yet; requests get 503 until it does", es.sglang_url)
+            log.warning("SGLang at %s is not answering yet; requests get 503 until it does (its logprob "
+                        "convention is not checked: start it with SGLANG_RETURN_ORIGINAL_LOGPROB=1)", es.sglang_url)
+            return engine
+        try:
+            await engine.check_logprobs(LOGPROB_PROBE)
+        except Exception:
+            await engine.close()
+            raise
         return engine
     from nextstate.engine.local import LocalEngine
 

@@ -364,7 +364,7 @@ class TurnService:
                 prompt_ids=prep.prompt.ids,
                 response_ids=response_ids,
                 response_logprobs=logprobs,
-                logprob_temperature=prep.sampling.logprob_temperature,
+                logprob_temperature=1.0 if self.engine.info.raw_logprobs else prep.sampling.logprob_temperature,
                 sampling={
                     "temperature": prep.sampling.temperature,
                     "top_p": prep.sampling.top_p,

@@ -8,6 +8,10 @@ cumulative streaming events or incremental ones, `finish_reason` {type: stop|len
 a null first entry in `input_token_logprobs`). The model behind it is the embedded engine on
 the tiny model, so what the client parses can be checked against a direct computation.
 `mode` injects failures: "500", "hang", "garbage", "drop" (close mid-stream), "abort".
+
+Logprobs as stock SGLang reports them: prompt-token logprobs (scoring) at temperature 1 whatever
+the request's temperature; sampled-token logprobs after temperature scaling, or at temperature
+1 when the server runs with SGLANG_RETURN_ORIGINAL_LOGPROB=1 (`return_original_logprob`).
 """
 
 from __future__ import annotations
@@ -29,9 +33,11 @@ class FakeSGLang:
     """`engine_factory` swaps the model for another engine (bench/proxy_overhead uses a
     scripted one, so that only HTTP and the proxy cost time); `port` 0 picks a free one."""
 
-    def __init__(self, model_dir, incremental: bool = False, engine_factory=None, port: int = 0) -> None:
+    def __init__(self, model_dir, incremental: bool = False, engine_factory=None, port: int = 0,
+                 return_original_logprob: bool = True) -> None:
         self.model_dir = model_dir
         self.incremental = incremental
+        self.return_original_logprob = return_original_logprob
         self.mode = "ok"
         self.requests: list[tuple[str, dict]] = []
         self.engine: LocalEngine | None = None
@@ -128,9 +134,13 @@ class FakeSGLang:
 
     async def _events(self, input_ids, sampling, adapter, rid):
         ids, logprobs, tops = [], [], []
+        raw = self.return_original_logprob and sampling.temperature not in (0.0, 1.0)
         async for tok in self.engine.generate(input_ids, sampling, adapter):
             ids.append(tok.token_id)
-            logprobs.append([tok.logprob, tok.token_id, None])
+            logprob = tok.logprob
+            if raw:  # what SGLANG_RETURN_ORIGINAL_LOGPROB gives: the token's logprob before temperature
+                logprob = (await self.engine.score(input_ids + ids, len(input_ids) + len(ids) - 1, adapter=adapter))[0]
+            logprobs.append([logprob, tok.token_id, None])
             tops.append([[lp, t, None] for t, lp in tok.top_logprobs] if sampling.top_logprobs else None)
             finish = None
             if tok.finish_reason == "stop":
@@ -166,7 +176,8 @@ class FakeSGLang:
     async def _score(self, body, adapter, params):
         ids = body["input_ids"]
         start = body["logprob_start_len"]
-        scores = await self.engine.score(ids, start + 1, adapter=adapter, temperature=params.get("temperature", 1.0))
+        # stock SGLang: prompt-token logprobs are at temperature 1, whatever the request says
+        scores = await self.engine.score(ids, start + 1, adapter=adapter)
         entries = [[None, ids[start], None]] + [[lp, t, None] for lp, t in zip(scores, ids[start + 1 :])]
         meta = {"id": uuid.uuid4().hex, "finish_reason": {"type": "length", "length": 0}, "prompt_tokens": len(ids),
                 "completion_tokens": 0, "input_token_logprobs": entries, "output_token_logprobs": []}

@@ -14,7 +14,9 @@ import shutil
 import httpx
 import pytest
 
-from nextstate.engine.base import EngineBadGateway, EngineTimeout, EngineUnavailable, SamplingParams, UnknownAdapterError
+from nextstate.engine.base import (
+    EngineBadGateway, EngineError, EngineTimeout, EngineUnavailable, SamplingParams, UnknownAdapterError,
+)
 from nextstate.engine.local import LocalEngine
 from nextstate.engine.sglang import SGLangEngine
 from tests.fake_sglang import FakeSGLang
@@ -52,7 +54,10 @@ async def test_streamed_tokens_and_logprobs_match_the_model(client, direct, sgla
     via_sglang = await collect(client, params)
     expected = await collect(direct, params)
     assert [t.token_id for t in via_sglang] == [t.token_id for t in expected]
-    assert [t.logprob for t in via_sglang] == pytest.approx([t.logprob for t in expected], abs=1e-5)
+    # the convention on SGLang: logprobs at temperature 1 (SGLANG_RETURN_ORIGINAL_LOGPROB=1)
+    raw = await direct.score(PROMPT + [t.token_id for t in expected], len(PROMPT))
+    assert [t.logprob for t in via_sglang] == pytest.approx(raw, abs=1e-5)
+    assert client.info.raw_logprobs is True
     assert [len(t.top_logprobs) for t in via_sglang] == [2] * len(via_sglang)
     assert via_sglang[-1].finish_reason == expected[-1].finish_reason
     assert all(t.finish_reason is None for t in via_sglang[:-1])
@@ -68,11 +73,28 @@ async def test_streamed_tokens_and_logprobs_match_the_model(client, direct, sgla
 
 async def test_scoring_is_aligned_one_logprob_per_token(client, direct, sglang):
     for start in (1, 10, len(PROMPT) - 1):
-        scored = await client.score(PROMPT, start, temperature=0.7)
+        scored = await client.score(PROMPT, start)
         assert len(scored) == len(PROMPT) - start
-        assert scored == pytest.approx(await direct.score(PROMPT, start, temperature=0.7), abs=1e-5)
+        assert scored == pytest.approx(await direct.score(PROMPT, start), abs=1e-5)
     _, sent = sglang.requests[-1]
     assert sent["sampling_params"]["max_new_tokens"] == 0 and sent["logprob_start_len"] == len(PROMPT) - 2
+    # stock SGLang scores prompt tokens at temperature 1 whatever it is asked: asking otherwise is a bug
+    with pytest.raises(ValueError, match="temperature 1"):
+        await client.score(PROMPT, 5, temperature=0.7)
+
+
+async def test_a_stock_sglang_with_tempered_sampled_logprobs_is_refused(client, tiny_model_dir):
+    """Stock SGLang without SGLANG_RETURN_ORIGINAL_LOGPROB tempers sampled-token logprobs but not
+    prompt-token ones: a turn's old logprobs and its teacher's would be at two temperatures."""
+    await client.check_logprobs(PROMPT)  # the fixture's server runs the way deploy/ launches it
+    stock = FakeSGLang(tiny_model_dir, return_original_logprob=False)
+    engine = SGLangEngine(stock.url, tiny_model_dir, timeout_s=5.0, retries=0)
+    try:
+        with pytest.raises(EngineError, match="SGLANG_RETURN_ORIGINAL_LOGPROB=1"):
+            await engine.check_logprobs(PROMPT)
+    finally:
+        await engine.close()
+        stock.stop()
 
 
 async def test_adapters_by_name(client, direct, sglang, tiny_model_dir, tmp_path):
@@ -193,6 +215,19 @@ def test_nextstate_serves_through_sglang_and_maps_failures(server_factory, sglan
     sglang.stop()
     code, body = status(True)
     assert code == 503 and "unreachable" in body["error"]["message"]
+
+
+@pytest.mark.parametrize("sglang", [False], indirect=True, ids=["cumulative"])
+def test_a_turn_served_by_sglang_keeps_old_and_teacher_logprobs_on_one_footing(server_factory, sglang):
+    server = server_factory(engine="sglang", sglang_url=sglang.url, judge_enabled=False, learn=False)
+    reply = server.client(server.key("alice")).chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=6, temperature=0.7, seed=1)
+    turn = server.app.state.sessions.find_turn("alice", reply.id)
+    assert turn.logprob_temperature == 1.0 and turn.sampling["temperature"] == 0.7
+    # what the OPD teacher pass computes (scoring the response as prompt tokens) without a hint
+    engine = server.app.state.turns.engine
+    scored = server.call(engine.score(turn.prompt_ids + turn.response_ids, len(turn.prompt_ids), temperature=1.0))
+    assert scored == pytest.approx(turn.response_logprobs, abs=1e-5), "teacher - old is 0 without a hint"
 
 
 @pytest.mark.gpu
