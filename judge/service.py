@@ -21,7 +21,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
-from nextstate.engine.base import Engine
+from nextstate.engine.base import Engine, UnknownAdapterError
 from nextstate.judge.advantages import opd_delta, standardize_outcome_batch, step_reward, token_advantages, with_outcome
 from nextstate.judge.client import JudgeClient
 from nextstate.judge.calibration import CALIBRATION_PROMPT, Calibration, case_values, conclude, judge_case, load_cases
@@ -101,6 +101,7 @@ class Judge:
         records: RecordWriter,
         on_sample: Callable[[Sample], None] | None = None,
         activity: Activity | None = None,
+        current_adapter: Callable[[str], str | None] | None = None,
     ) -> None:
         self.settings = settings
         self.client = client
@@ -110,6 +111,7 @@ class Judge:
         self.store = store
         self.records = records
         self.on_sample = on_sample
+        self.current_adapter = current_adapter  # a user's serving adapter now (the policy teacher's fallback)
         self.activity = activity or Activity()
         self.stats = JudgeStats()
         prompts.require(settings.prm_prompt)
@@ -318,8 +320,7 @@ class Judge:
         cfg = self.settings
         teacher = delta = None
         if correction and cfg.uses_opd:
-            adapter = turn.adapter if cfg.opd_teacher == "policy" else None
-            teacher = await teacher_logprobs(self.engine, self.renderer, turn, correction, adapter)
+            teacher = await self._teacher(turn, correction)
             delta = opd_delta(teacher, turn.response_logprobs, cfg.opd_clip)
         w_binary, w_opd = feedback_weights(cfg.mode, delta is not None, cfg.w_binary, cfg.w_opd)
         advantages = token_advantages(len(turn.response_ids), float(rating), delta, w_binary, w_opd)
@@ -438,8 +439,7 @@ class Judge:
 
         teacher = delta = None
         if hint is not None:
-            adapter = turn.adapter if cfg.opd_teacher == "policy" else None
-            teacher = await teacher_logprobs(self.engine, self.renderer, turn, hint, adapter)
+            teacher = await self._teacher(turn, hint, detail)
             delta = opd_delta(teacher, turn.response_logprobs, cfg.opd_clip)
 
         common = {"votes": scores, "hint": hint, "teacher_logprobs": teacher}
@@ -471,6 +471,28 @@ class Judge:
             self._effective[key] = 1
             return self._sample(transition.turn, "ready", "at-least-one guarantee (neutral)", 0.0, advantages, **common)
         return self._sample(transition.turn, "dropped", "neutral: reward 0 and no hint", 0.0, **common)
+
+    async def _teacher(self, turn: Turn, hint: str, detail: dict[str, Any] | None = None) -> list[float]:
+        """The OPD teacher's logprobs: the base model, or (`opd_teacher=policy`) the adapter
+        that served the turn. That adapter is unloaded once a newer version serves and its
+        requests are done, so a turn judged later is scored by the version serving its scope
+        now, and the judgement says which."""
+        if self.settings.opd_teacher != "policy":
+            return await teacher_logprobs(self.engine, self.renderer, turn, hint, None)
+        adapter = turn.adapter
+        for _ in range(3):  # a swap may land between looking the version up and scoring with it
+            try:
+                scores = await teacher_logprobs(self.engine, self.renderer, turn, hint, adapter)
+            except UnknownAdapterError:
+                current = self.current_adapter(turn.user) if self.current_adapter is not None else None
+                if current == adapter:
+                    raise
+                adapter = current
+                continue
+            if detail is not None and adapter != turn.adapter:
+                detail["teacher_adapter"] = adapter  # not the one that served: that one is gone
+            return scores
+        raise UnknownAdapterError(f"no adapter of {turn.user}'s scope stayed loaded long enough to score a teacher pass")
 
     def _harness_notice(self, next_state: NextState) -> str | None:
         """The first next-state message the agent wrote itself (a harness pattern matches)."""

@@ -147,6 +147,7 @@ def create_app(settings: Settings | None = None, *, engine_factory: EngineFactor
             records,
             on_sample=on_sample,
             activity=activity,
+            current_adapter=lambda user: policies.current(user).adapter,
         )
 
         def emit(transition: Transition) -> asyncio.Future:

@@ -147,3 +147,29 @@ def test_a_few_ratings_publish_a_version_without_filling_a_batch(server_factory)
     wait_for(lambda: server.app.state.policies.current("alice").version == 1, timeout=60)
     step = server.app.state.learner.steps[-1]
     assert step["published"] and step["samples"] == 4
+
+
+def test_the_policy_teacher_scores_with_the_serving_version_once_the_turns_is_gone(server_factory):
+    """NEXTSTATE_OPD_TEACHER=policy: a reply served by v1, rated after v2 replaced v1 (which is
+    then unloaded), is scored by v2 instead of being dropped."""
+    server = learning_server(server_factory, batch_size=2, opd_teacher="policy")
+    alice = server.key("alice")
+    client = server.client(alice)
+
+    def rated_pair(seed: int) -> None:
+        for i in range(2):
+            reply = client.chat.completions.create(model="tiny", messages=ASK, max_tokens=3, seed=seed + i)
+            assert rate(server, alice, reply.id, 1).json()["status"] == "applied"
+
+    rated_pair(0)
+    wait_for(lambda: server.app.state.policies.current("alice").version == 1)
+    late = client.chat.completions.with_raw_response.create(model="tiny", messages=ASK, max_tokens=3, seed=9)
+    assert late.headers["x-policy-version"] == "1"
+    rated_pair(10)
+    wait_for(lambda: server.app.state.policies.current("alice").version == 2)
+    engine = server.app.state.turns.engine
+    wait_for(lambda: "shared-v1" not in engine.adapters)
+    resp = rate(server, alice, late.parse().id, -1, "Say it more kindly.")
+    assert resp.status_code == 200 and resp.json()["status"] == "applied", resp.text
+    sample = sample_of(server, late.parse().id)
+    assert sample.adapter == "shared-v1" and len(sample.teacher_logprobs) == len(sample.response_ids)
