@@ -239,6 +239,12 @@ class LearnerSettings(BaseSettings):
             publishes a version everyone is served. A single-user server trains as before.
         lora_r, lora_alpha, lora_target_modules: r 16, α 32 on every attention and MLP
             projection, as the authors' LoRA scripts.
+        learner_dtype: the frozen base model's dtype in the learner; `auto` is bfloat16 on a
+            GPU (half the memory of the 4B-32B models the method targets) and float32 on the
+            CPU. LoRA weights, optimizer state and the loss math stay float32 whatever it is.
+        max_train_tokens: a sample longer than this trains on its response with the prompt
+            cut from the left to fit (agent prompts run to tens of thousands of tokens); a
+            response longer than this alone is dropped, with the reason.
     """
 
     model_config = _ENV
@@ -266,6 +272,10 @@ class LearnerSettings(BaseSettings):
     lora_alpha: int = Field(32, ge=1)
     lora_target_modules: str = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"
     learner_device: Literal["auto", "cpu", "cuda"] = Field("auto", description="Where the learner's model copy lives.")
+    learner_dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="The learner's frozen base weights: auto = bfloat16 on a GPU, float32 on the CPU."
+    )
+    max_train_tokens: int = Field(32768, ge=16, description="Longest sample trained; the prompt is cut from the left.")
 
     @field_validator("lr")
     @classmethod

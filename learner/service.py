@@ -176,6 +176,8 @@ class Learner:
             # outcome samples get their advantages only when their batch is assembled
             if self.settings.kl_coef == 0 and sample.track != "outcome" and not any(sample.advantages):
                 reasons.setdefault("no signal: advantage 0 and no KL term", []).append(sample.id)
+            elif len(sample.response_ids) >= self.settings.max_train_tokens:
+                reasons.setdefault("response longer than NEXTSTATE_MAX_TRAIN_TOKENS", []).append(sample.id)
             elif self.settings.max_staleness and behind > self.settings.max_staleness:
                 why = f"stale: served by a version more than {self.settings.max_staleness} behind (NEXTSTATE_MAX_STALENESS)"
                 reasons.setdefault(why, []).append(sample.id)

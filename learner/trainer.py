@@ -19,6 +19,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
+import torch.utils.checkpoint
 
 from nextstate.core.settings import LearnerSettings
 from nextstate.core.types import Sample
@@ -63,6 +64,16 @@ class StepResult:
         return {k: (round(v, 6) if isinstance(v, float) else v) for k, v in asdict(self).items()}
 
 
+# Response positions that go through the LM head at once in training (see LoraTrainer._logprobs).
+LOGITS_CHUNK = 1024
+
+
+def learner_dtype(setting: str, device: str) -> torch.dtype:
+    if setting == "auto":
+        return torch.bfloat16 if str(device).startswith("cuda") else torch.float32
+    return getattr(torch, setting)
+
+
 def adapter_name(scope: str) -> str:
     """peft adapter names become module keys: keep them to letters and digits."""
     return "a" + hashlib.sha256(scope.encode()).hexdigest()[:16]
@@ -75,7 +86,8 @@ class LoraTrainer:
         self.settings = settings
         self.device = device
         self.model_dir = Path(model_dir)
-        self._base = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=torch.float32).to(device)
+        self.dtype = learner_dtype(settings.learner_dtype, device)
+        self._base = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=self.dtype).to(device)
         self._base.requires_grad_(False)
         self._base.config.use_cache = False
         self.lr = resolve_learning_rate(settings.lr, self._base.config)
@@ -130,6 +142,8 @@ class LoraTrainer:
     def _params(self, name: str) -> list[torch.nn.Parameter]:
         params = [p for n, p in self.model.named_parameters() if "lora_" in n and f".{name}." in n]
         for p in params:
+            if p.dtype != torch.float32:  # LoRA weights and AdamW state in fp32 over a bf16 base
+                p.data = p.data.float()
             p.requires_grad_(True)
         return params
 
@@ -168,13 +182,45 @@ class LoraTrainer:
     # ---------------------------------------------------------------- training
 
     def _logprobs(self, sample: Sample) -> torch.Tensor:
-        """Logprobs of the sample's response tokens. Only the response positions go through the
-        LM head (`logits_to_keep`): an agent prompt of thousands of tokens would otherwise cost
-        a [tokens × vocab] logits tensor per sample (0.9 GB at 4.4k tokens on SmolLM2)."""
-        ids = torch.tensor([sample.prompt_ids + sample.response_ids], device=self.device)
+        """Logprobs of the sample's response tokens, in fp32.
+
+        Only response positions go through the LM head, and `LOGITS_CHUNK` of them at a time,
+        each chunk recomputed in the backward pass: a [tokens × vocab] logits tensor is 4.9 GB
+        in fp32 for an 8k-token response on a 152k vocabulary, a chunk 0.6 GB. A prompt that
+        does not fit `max_train_tokens` with its response is cut from the left."""
         n = len(sample.response_ids)
-        logits = self.model(input_ids=ids[:, :-1], logits_to_keep=n).logits[0]
-        return token_logprobs(logits, ids[0, -n:], sample.logprob_temperature)
+        room = max(1, self.settings.max_train_tokens - n)
+        prompt = sample.prompt_ids[-room:]
+        ids = torch.tensor([prompt + sample.response_ids], device=self.device)
+        targets = ids[0, -n:]
+        parts = self._backbone_and_head()
+        if parts is None:  # a model whose head does more than a linear map (soft-capping, scaling)
+            logits = self.model(input_ids=ids[:, :-1], logits_to_keep=n).logits[0]
+            return token_logprobs(logits, targets, sample.logprob_temperature)
+        backbone, head = parts
+        hidden = backbone(input_ids=ids[:, :-1]).last_hidden_state[0, -n:]
+        temperature = sample.logprob_temperature
+
+        def chunk(h: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+            return token_logprobs(head(h), t, temperature)
+
+        out = []
+        for start in range(0, n, LOGITS_CHUNK):
+            h, t = hidden[start : start + LOGITS_CHUNK], targets[start : start + LOGITS_CHUNK]
+            if torch.is_grad_enabled():
+                out.append(torch.utils.checkpoint.checkpoint(chunk, h, t, use_reentrant=False))
+            else:
+                out.append(chunk(h, t))
+        return torch.cat(out)
+
+    def _backbone_and_head(self) -> tuple[torch.nn.Module, torch.nn.Module] | None:
+        model = self.model.get_base_model() if self.model is not None else self._base
+        config = model.config
+        plain = not getattr(config, "final_logit_softcapping", None) and getattr(config, "logit_scale", None) in (None, 1, 1.0)
+        backbone, head = getattr(model, "model", None), getattr(model, "lm_head", None)
+        if not plain or backbone is None or not isinstance(head, torch.nn.Linear):
+            return None
+        return backbone, head
 
     def undo(self, scope: str) -> None:
         """Put the scope's weights and optimizer state back to before the last step (its

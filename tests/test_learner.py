@@ -443,3 +443,61 @@ def test_samples_without_signal_or_too_stale_take_no_batch_slot(server_factory):
     wait_for(lambda: len(server.app.state.samples.samples("dropped")) == 6)
     assert server.app.state.policies.current(alice).version == 2
     assert all(s.reason.startswith("stale") for s in server.app.state.samples.samples("dropped")[2:])
+
+
+async def test_chunked_logprobs_match_the_whole_head_and_its_gradients(trainer, engine, monkeypatch):
+    import nextstate.learner.trainer as trainer_module
+
+    (toks,) = await generate(engine, 1, max_new=12)
+    sample = make_sample(toks)
+    trainer.ensure_scope("shared")
+    _, params = trainer._activate("shared")
+
+    def run(chunk: int):
+        monkeypatch.setattr(trainer_module, "LOGITS_CHUNK", chunk)
+        for p in params:
+            p.grad = None
+        lp = trainer._logprobs(sample)
+        lp.sum().backward()
+        return lp.detach(), [p.grad.clone() for p in params]
+
+    whole, whole_grads = run(10_000)
+    chunked, chunked_grads = run(5)  # 12 response tokens: chunks of 5, 5 and 2
+    assert torch.allclose(whole, chunked, atol=1e-6)
+    assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(whole_grads, chunked_grads))
+    assert whole.tolist() == pytest.approx(sample.old_logprobs, abs=1e-4), "and they agree with the sampler"
+
+
+async def test_a_bf16_base_trains_fp32_lora_weights(tiny_model_dir, engine):
+    trainer = LoraTrainer(tiny_model_dir, LearnerSettings(lr=5e-3, lora_r=4, lora_alpha=8, learner_dtype="bfloat16"))
+    assert next(trainer._base.parameters()).dtype == torch.bfloat16
+    result = trainer.step("shared", [make_sample(toks) for toks in await generate(engine, 2)])
+    assert result.skipped is None
+    _, params = trainer._activate("shared")
+    assert params and all(p.dtype == torch.float32 for p in params)
+    assert result.mismatch < 0.1, "bf16 logprobs stay close to the fp32 sampler's"
+
+
+async def test_a_long_prompt_is_cut_from_the_left_to_fit(tiny_model_dir, engine):
+    trainer = LoraTrainer(tiny_model_dir, LearnerSettings(lr=5e-3, lora_r=4, lora_alpha=8, max_train_tokens=16))
+    trainer.ensure_scope("shared")
+    seen = []
+    trainer._activate("shared")
+    backbone, _ = trainer._backbone_and_head()
+    handle = backbone.register_forward_pre_hook(lambda module, args, kwargs: seen.append(kwargs["input_ids"].shape[1]),
+                                                with_kwargs=True)
+    (toks,) = await generate(engine, 1, max_new=6)
+    sample = make_sample(toks)  # a 25-token prompt and 6 response tokens: 31 > 16
+    assert len(trainer._logprobs(sample)) == len(toks)
+    handle.remove()
+    assert seen == [15], "the last 10 prompt tokens and the response, less the last token (nothing predicts after it)"
+
+
+def test_a_response_longer_than_the_training_limit_is_dropped_with_its_reason(server_factory):
+    server = learning_server(server_factory, max_train_tokens=16)
+    long = served_samples(server, 1)[0]
+    long = long.model_copy(update={"response_ids": long.response_ids * 3, "old_logprobs": long.old_logprobs * 3,
+                                   "advantages": long.advantages * 3, "loss_mask": long.loss_mask * 3})
+    feed(server, [long])
+    wait_for(lambda: len(server.app.state.samples.samples("dropped")) == 1)
+    assert "NEXTSTATE_MAX_TRAIN_TOKENS" in server.app.state.samples.samples("dropped")[0].reason

@@ -1,0 +1,156 @@
+"""What one learner update costs on real model shapes: peak memory and seconds.
+
+    python -m bench.learner_memory                       # on a GPU: Qwen3-4B and -8B shapes, 4k/16k/32k
+    python -m bench.learner_memory --shapes tiny --lengths 256 512   # a check of the script on a CPU
+
+The models are built from Qwen3-4B- and Qwen3-8B-shaped configs with random weights (nothing is
+downloaded: memory and speed do not depend on what the weights are), in the learner's own
+dtype (bfloat16 on a GPU), and trained by the real `LoraTrainer` — LoRA r16 on every
+projection, gradient checkpointing, the LM head over response tokens in chunks — on one batch
+of `--batch` samples of each length (a quarter of it response, the rest prompt, as in agent
+turns). Peak memory is torch.cuda.max_memory_allocated over the update (on a CPU: the process's
+peak resident set, coarser). Writes bench/results/learner_memory[-<gpu>].json and a PNG; the
+numbers go into deploy/README.md's memory table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import random
+import resource
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from bench.report import pyplot, save
+from nextstate.core.settings import LearnerSettings
+from nextstate.core.types import Sample
+from nextstate.learner.trainer import LoraTrainer
+
+# Shapes from the published configs (hidden, layers, heads, KV heads, MLP, vocab, head dim).
+SHAPES = {
+    "Qwen3-4B": dict(hidden_size=2560, num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8,
+                     intermediate_size=9728, vocab_size=151936, head_dim=128),
+    "Qwen3-8B": dict(hidden_size=4096, num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8,
+                     intermediate_size=12288, vocab_size=151936, head_dim=128),
+    "tiny": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                 intermediate_size=128, vocab_size=512, head_dim=16),
+}
+
+
+def build(shape: str, out: Path, dtype: torch.dtype) -> Path:
+    """A random-weight Qwen3 model directory of the named shape (tokenizer not needed)."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    config = Qwen3Config(**SHAPES[shape], max_position_embeddings=40960, tie_word_embeddings=False,
+                         torch_dtype=str(dtype).removeprefix("torch."))
+    with torch.device("meta"):
+        model = Qwen3ForCausalLM(config)
+    model = model.to_empty(device="cpu").to(dtype)
+    for p in model.parameters():
+        torch.nn.init.normal_(p, std=0.02)
+    model.save_pretrained(out)
+    del model
+    gc.collect()
+    return out
+
+
+def samples(length: int, batch: int, vocab: int, seed: int) -> list[Sample]:
+    rng = random.Random(seed)
+    out = []
+    for i in range(batch):
+        response = max(1, length // 4)
+        ids = [rng.randrange(10, vocab) for _ in range(length)]
+        out.append(Sample(
+            id=i + 1, user="bench", session_id="bench", turn_index=1, policy_version=0, adapter=None, mode="binary",
+            status="ready", prompt_ids=ids[:-response], response_ids=ids[-response:],
+            old_logprobs=[-float(rng.uniform(0.5, 8)) for _ in range(response)], logprob_temperature=1.0,
+            advantages=[rng.choice((-1.0, 1.0))] * response, loss_mask=[1] * response, reward=1.0, created_at=0.0,
+        ))
+    return out
+
+
+def peak_bytes(device: str) -> int:
+    if device == "cuda":
+        return torch.cuda.max_memory_allocated()
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def measure(shape: str, lengths: list[int], batch: int, device: str) -> list[dict]:
+    settings = LearnerSettings(lr=1e-5, max_train_tokens=max(lengths) + 16, max_kl=1e9)
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        dtype = torch.bfloat16 if device == "cuda" else torch.float32
+        model_dir = build(shape, Path(tmp) / shape, dtype)
+        trainer = LoraTrainer(model_dir, settings, device=device)
+        trainer.ensure_scope("shared")
+        if device == "cuda":
+            torch.cuda.synchronize()
+        base = peak_bytes(device)
+        for length in lengths:
+            if device == "cuda":
+                torch.cuda.empty_cache()
+                torch.cuda.reset_peak_memory_stats()
+            started = time.perf_counter()
+            try:
+                result = trainer.step("shared", samples(length, batch, SHAPES[shape]["vocab_size"], length))
+                error = result.skipped
+            except torch.OutOfMemoryError as exc:
+                error = f"out of memory: {str(exc)[:120]}"
+            if device == "cuda":
+                torch.cuda.synchronize()
+            seconds = time.perf_counter() - started
+            rows.append({"shape": shape, "tokens_per_sample": length, "batch": batch, "seconds": round(seconds, 2),
+                         "peak_gib": round(peak_bytes(device) / 2**30, 2), "weights_gib": round(base / 2**30, 2),
+                         "error": error})
+            print(f"{shape}: {length} tokens x {batch}: {rows[-1]['peak_gib']} GiB peak, {seconds:.1f} s"
+                  + (f" ({error})" if error else ""), flush=True)
+        del trainer
+        gc.collect()
+        if device == "cuda":
+            torch.cuda.empty_cache()
+    return rows
+
+
+def plot(result: dict):
+    plt = pyplot()
+    figure, (mem, speed) = plt.subplots(1, 2, figsize=(11, 4))
+    for shape in dict.fromkeys(r["shape"] for r in result["rows"]):
+        rows = [r for r in result["rows"] if r["shape"] == shape and not r["error"]]
+        mem.plot([r["tokens_per_sample"] for r in rows], [r["peak_gib"] for r in rows], marker="o", label=shape)
+        speed.plot([r["tokens_per_sample"] for r in rows], [r["seconds"] for r in rows], marker="o", label=shape)
+    mem.set(xlabel="tokens per sample", ylabel="peak memory (GiB)", title=f"one update, batch {result['batch']}")
+    speed.set(xlabel="tokens per sample", ylabel="seconds per update", title=result["device"])
+    for axis in (mem, speed):
+        axis.legend()
+    return figure
+
+
+def headline(result: dict) -> str:
+    return "; ".join(
+        f"{r['shape']} {r['tokens_per_sample']} tok x{r['batch']}: "
+        + (f"{r['peak_gib']} GiB, {r['seconds']} s" if not r["error"] else r["error"][:40])
+        for r in result["rows"]
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shapes", nargs="+", default=["Qwen3-4B", "Qwen3-8B"], choices=list(SHAPES))
+    parser.add_argument("--lengths", nargs="+", type=int, default=[4096, 16384, 32768])
+    parser.add_argument("--batch", type=int, default=16)
+    args = parser.parse_args()
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    rows = []
+    for shape in args.shapes:
+        rows += measure(shape, args.lengths, args.batch, device)
+    name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
+    save({"benchmark": "learner_memory", "variant": None if device == "cuda" else "-".join(args.shapes), "device": name,
+          "batch": args.batch, "rows": rows})
+
+
+if __name__ == "__main__":
+    main()
