@@ -23,8 +23,9 @@ def step_reward(outcome: float, votes: list[int | None]) -> float:
 def with_outcome(sample: Sample, outcome: float) -> Sample | None:
     """The sample once its session's outcome is known: an outcome-track sample whose reward
     is o + mean(votes), ready to train. None for a sample that has no step reward to add o to
-    (an OPD-only sample, judged without PRM votes)."""
-    if not sample.votes:
+    (an OPD-only sample, judged without PRM votes); an episode's last step, which had no next
+    state to vote on and waits for the outcome as its next state, gets o itself."""
+    if not sample.votes and sample.status != "awaiting_outcome":
         return None
     return sample.model_copy(
         update={

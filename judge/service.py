@@ -218,6 +218,10 @@ class Judge:
         self.records.write("transition", transition.record(), version=turn.policy_version)
         if turn.response_id:
             self._arriving[turn.response_id] = transition
+        if transition.next_state is None and transition.reason == "session_closed" and turn.track == "outcome":
+            # An episode's last step: no next state to vote on, its next state is the outcome.
+            self._spawn(self._last_step(transition, durable))
+            return durable
         if transition.next_state is None or not self.implicit:
             # Nothing to judge (and the session is over for the guarantee too), but kept so that
             # the turn can still be rated explicitly.
@@ -233,6 +237,26 @@ class Judge:
             await self._inbox.write(self.store.add_transition, transition, "unjudged")
         except Exception:  # noqa: BLE001 - beyond the disk's waiting room: only feedback on it is lost
             log.exception("could not keep an unjudged turn")
+        finally:
+            self._arriving.pop(transition.turn.response_id or "", None)
+            if not durable.done():
+                durable.set_result(None)
+
+    async def _last_step(self, transition: Transition, durable: asyncio.Future) -> None:
+        """Store the last step of an outcome episode as a sample awaiting the outcome (taking it
+        at once if the outcome is known): paper §4.4 gives every step o + its process reward,
+        and the step most tied to the outcome would otherwise learn nothing from it."""
+        try:
+            transition_id = await self._inbox.write(self.store.add_transition, transition)
+            if transition_id is None:
+                return
+            sample = self._sample(transition.turn, "awaiting_outcome", "last step: its next state is the outcome", 0.0,
+                                  track="outcome")
+            sample = await self._samples.write(self.store.add_sample, sample, transition_id, with_outcome)
+            if self.on_sample is not None:
+                self.on_sample(sample)
+        except Exception:  # noqa: BLE001 - costs this step's sample only
+            log.exception("could not keep the last step of an outcome episode")
         finally:
             self._arriving.pop(transition.turn.response_id or "", None)
             if not durable.done():

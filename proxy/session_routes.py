@@ -57,4 +57,8 @@ async def post_outcome(session_id: str, request: Request, key: ApiKey = Depends(
             param="session_id", code="outcome_not_expected",
         )
     updated = await request.app.state.judge.record_outcome(key.user, session_id, body.reward)
+    if session is not None:
+        # The outcome ends the episode: its last step, still pending, takes the outcome as its
+        # next state (the judge stores it, after this answer, with reward o).
+        request.app.state.sessions.close(session)
     return {"object": "session.outcome", "session_id": session_id, "reward": body.reward, "samples_updated": updated}

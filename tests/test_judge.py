@@ -217,10 +217,11 @@ def test_outcome_rewards_for_general_agents(server_factory, judge):
 
     key = server.key("env")
     resp = httpx.post(f"{server.base_url}/sessions/episode-1/outcome", json={"reward": 1.0}, headers={"Authorization": f"Bearer {key}"})
-    assert resp.status_code == 200 and resp.json()["samples_updated"] == 3
+    assert resp.status_code == 200 and resp.json()["samples_updated"] == 4
     samples = samples_by_turn(server)
-    # step reward = o + mean(PRM votes)
-    assert [samples[i].reward for i in (1, 2, 3)] == [0.0, 0.0, 2.0]
+    # step reward = o + mean(PRM votes); the last step had no next state: its next state is the outcome
+    assert [samples[i].reward for i in (1, 2, 3, 4)] == [0.0, 0.0, 2.0, 1.0]
+    assert samples[4].votes == [] and samples[4].outcome == 1.0
     assert {s.status for s in samples.values()} == {"ready"}
 
     other = server.key("someone-else")
@@ -228,6 +229,22 @@ def test_outcome_rewards_for_general_agents(server_factory, judge):
     assert resp.status_code == 404, "another user's session is invisible"
     resp = httpx.post(f"{server.base_url}/sessions/episode-1/outcome", json={"reward": "nan"}, headers={"Authorization": f"Bearer {key}"})
     assert resp.status_code == 400
+
+
+def test_an_outcome_posted_while_the_episode_is_open_reaches_its_last_step(server_factory, judge):
+    server = judged_server(server_factory, judge, mode="binary")
+    key = server.key("env")
+    headers = {"X-Outcome-Expected": "true", "X-Session-Id": "episode-2"}
+    converse(server.client(key), SCRIPT[:2], headers=headers)
+    resp = httpx.post(f"{server.base_url}/sessions/episode-2/outcome", json={"reward": -1.0},
+                      headers={"Authorization": f"Bearer {key}"})
+    assert resp.status_code == 200
+    assert server.app.state.sessions.get("env", "episode-2") is None, "the outcome ended the episode"
+    server.drain_judge()
+    samples = {s.turn_index: s for s in server.app.state.samples.samples()}
+    assert sorted(samples) == [1, 2]
+    assert (samples[2].status, samples[2].reward, samples[2].track) == ("ready", -1.0, "outcome")
+    assert samples[1].reward == -2.0, "o + the correction's vote"
 
 
 def test_outcome_posted_before_judging_finishes_is_not_lost(tmp_path):
