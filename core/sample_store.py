@@ -233,6 +233,17 @@ class SampleStore:
             return self._rows("status = 'ready'", (), limit)
         return self._rows("status = 'ready' AND user = ?", (user,), limit)
 
+    def recent_samples(self, limit: int, user: str | None = None, exclude: set[int] | frozenset = frozenset()) -> list[Sample]:
+        """The newest accepted samples (ready or trained), of one user or of everyone, newest
+        first: what the publish gate holds out."""
+        where, params = "status IN ('ready', 'consumed')", ()
+        if user is not None:
+            where, params = where + " AND user = ?", (user,)
+        sql = f"SELECT {', '.join(_COLUMNS)}, data FROM samples WHERE {where} ORDER BY id DESC LIMIT {int(limit + len(exclude))}"
+        with self._lock:
+            rows = self._conn.execute(sql, params).fetchall()
+        return [s for s in map(_sample_from_row, rows) if s.id not in exclude][:limit]
+
     def ready_counts_by_user(self) -> dict[str, int]:
         with self._lock:
             rows = self._conn.execute("SELECT user, COUNT(*) FROM samples WHERE status = 'ready' GROUP BY user ORDER BY MIN(id)").fetchall()

@@ -239,6 +239,11 @@ class LearnerSettings(BaseSettings):
             publishes a version everyone is served. A single-user server trains as before.
         lora_r, lora_alpha, lora_target_modules: r 16, α 32 on every attention and MLP
             projection, as the authors' LoRA scripts.
+        publish_gate, gate_max_likelihood_drop, gate_max_repetition_rise: before a version
+            serves, it is scored on recent samples it did not train on (learner/gate.py): the
+            rewarded replies may not lose more than this many nats per token against the
+            serving version, and its greedy replies may not repeat themselves more than this
+            share above the base model's. A version that fails does not serve.
         learner_dtype: the frozen base model's dtype in the learner; `auto` is bfloat16 on a
             GPU (half the memory of the 4B-32B models the method targets) and float32 on the
             CPU. LoRA weights, optimizer state and the loss math stay float32 whatever it is.
@@ -272,6 +277,13 @@ class LearnerSettings(BaseSettings):
     lora_alpha: int = Field(32, ge=1)
     lora_target_modules: str = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"
     learner_device: Literal["auto", "cpu", "cuda"] = Field("auto", description="Where the learner's model copy lives.")
+    publish_gate: bool = Field(True, description="Score each new version on held-out samples before it serves.")
+    gate_max_likelihood_drop: float = Field(
+        0.1, ge=0, description="Gate: most nats/token the rewarded held-out replies may lose."
+    )
+    gate_max_repetition_rise: float = Field(
+        0.05, ge=0, description="Gate: most the greedy replies' repetition may exceed the base model's."
+    )
     learner_dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto", description="The learner's frozen base weights: auto = bfloat16 on a GPU, float32 on the CPU."
     )

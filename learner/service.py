@@ -21,6 +21,7 @@ from typing import Any
 
 from nextstate.engine.base import Engine
 from nextstate.engine.devices import resolve_device
+from nextstate.learner.gate import MIN_HELD_OUT, GateFigures, GateVerdict, judge_version
 from nextstate.learner.trainer import LoraTrainer, StepResult
 from nextstate.learner.versions import AdapterVersions, scope_dir_name
 from nextstate.core.policy import PolicyDirectory, PolicyRef
@@ -28,6 +29,10 @@ from nextstate.core.sample_store import SampleStore
 from nextstate.core.settings import LearnerSettings
 from nextstate.core.types import Sample
 from nextstate.core.records import RecordWriter
+
+# The publish gate's held-out set: the newest accepted samples of the scope outside the batch,
+# the rewarded ones among them for likelihood, the newest prompts answered greedily.
+GATE_SAMPLES, GATE_LIKED, GATE_PROMPTS, GATE_NEW_TOKENS = 24, 8, 4, 32
 
 log = logging.getLogger(__name__)
 
@@ -185,6 +190,32 @@ class Learner:
             self.store.mark_dropped(ids, why)
             log.info("learner: %d sample(s) dropped before training (%s)", len(ids), why)
 
+    # ---------------------------------------------------------------- the publish gate
+
+    def _held_out(self, scope: str, batch_ids: set[int]) -> tuple[list[Sample], list[list[int]]] | None:
+        """Recent samples of the scope not in the batch: the rewarded ones' replies, and the
+        prompts to answer greedily. None when the gate is off or there is too little."""
+        if not self.settings.publish_gate:
+            return None
+        recent = self.store.recent_samples(GATE_SAMPLES, scope if self.policies.per_user else None, batch_ids)
+        liked = [x for x in recent if x.reward > 0][:GATE_LIKED]
+        prompts = [x.prompt_ids for x in recent[:GATE_PROMPTS]]
+        if len(liked) < MIN_HELD_OUT and len(prompts) < MIN_HELD_OUT:
+            return None
+        return (liked if len(liked) >= MIN_HELD_OUT else []), prompts
+
+    def _gate_figures(self, scope: str, held: tuple[list[Sample], list[list[int]]]) -> GateFigures:
+        liked, prompts = held
+        return self.trainer.gate_figures(scope, liked, prompts, GATE_NEW_TOKENS)
+
+    def _gate(self, scope: str, held: tuple[list[Sample], list[list[int]]], serving: GateFigures) -> GateVerdict:
+        liked, prompts = held
+        candidate = self._gate_figures(scope, held)
+        base = self.trainer.base_repetition(prompts, GATE_NEW_TOKENS) if prompts else None
+        s = self.settings
+        return judge_version(serving, candidate, base, max_likelihood_drop=s.gate_max_likelihood_drop,
+                             max_repetition_rise=s.gate_max_repetition_rise, held_out=len(liked), prompts=len(prompts))
+
     def _waited(self, samples: list[Sample]) -> bool:
         wait = self.settings.batch_wait_s
         return wait > 0 and time.time() - min(x.created_at for x in samples) >= wait
@@ -209,11 +240,19 @@ class Learner:
                 self.records.write("train_step", record, version=current.version)
                 log.info("learner step %d (%s): no signal in %d samples, nothing published", step_index, scope, len(ids))
                 return None
+            held = await asyncio.to_thread(self._held_out, scope, {x.id for x in batch})
+            serving = await asyncio.to_thread(self._gate_figures, scope, held) if held else None
             result = await asyncio.to_thread(self.trainer.step, scope, batch)
             ids = [x.id for x in batch if x.id is not None and x.id not in result.dropped]
             if result.dropped:
                 await asyncio.to_thread(self.store.mark_dropped, result.dropped, "loss not finite: dropped by the learner")
             record.update({**result.to_dict(), "sample_ids": ids, "dropped": bad + result.dropped})
+            if not result.skipped and held:
+                verdict = await asyncio.to_thread(self._gate, scope, held, serving)
+                record["gate"] = verdict.to_dict()
+                if not verdict.passed:
+                    self.trainer.undo(scope)  # training goes on from the serving version
+                    result.skipped = record["skipped"] = "gate: " + "; ".join(verdict.reasons)
             if result.skipped:
                 await asyncio.to_thread(self.store.mark_consumed, ids)
                 record.update(version=None, published=False)

@@ -23,6 +23,7 @@ import torch.utils.checkpoint
 
 from nextstate.core.settings import LearnerSettings
 from nextstate.core.types import Sample
+from nextstate.learner.gate import GateFigures, mean, repetition
 from nextstate.learner.learning_rate import resolve_learning_rate
 from nextstate.learner.ppo import k3_kl, ppo_token_losses
 from nextstate.modelio.logprobs import token_logprobs
@@ -221,6 +222,34 @@ class LoraTrainer:
         if not plain or backbone is None or not isinstance(head, torch.nn.Linear):
             return None
         return backbone, head
+
+    # ---------------------------------------------------------------- the publish gate
+
+    def gate_figures(self, scope: str, liked: list[Sample], prompts: list[list[int]], max_new: int) -> GateFigures:
+        """The scope's current weights scored as learner/gate.py says."""
+        self._activate(scope)
+        self.model.eval()
+        with torch.no_grad():
+            per_token = [float(self._logprobs(s).mean()) for s in liked]
+        return GateFigures(mean(per_token), mean([repetition(r) for r in self.greedy(prompts, max_new)]))
+
+    def base_repetition(self, prompts: list[list[int]], max_new: int) -> float | None:
+        with self.model.disable_adapter():
+            return mean([repetition(r) for r in self.greedy(prompts, max_new)])
+
+    def greedy(self, prompts: list[list[int]], max_new: int) -> list[list[int]]:
+        """Greedy replies of the active weights (the adapter as it is now, or none)."""
+        model = self.model if self.model is not None else self._base
+        pad = model.generation_config.pad_token_id or model.generation_config.eos_token_id
+        pad = pad[0] if isinstance(pad, list) else pad
+        out = []
+        with torch.no_grad():
+            for prompt in prompts:
+                ids = torch.tensor([prompt[-self.settings.max_train_tokens:]], device=self.device)
+                generated = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new,
+                                           do_sample=False, use_cache=True, pad_token_id=pad)
+                out.append(generated[0, ids.shape[1]:].tolist())
+        return out
 
     def undo(self, scope: str) -> None:
         """Put the scope's weights and optimizer state back to before the last step (its

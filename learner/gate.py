@@ -1,0 +1,77 @@
+"""The publish gate: a new version serves only if it is no worse on what can be checked cheaply.
+
+An update can make a model worse in ways its own batch does not show: binary RL on SmolLM2
+learned the user's preference and, on the way, degenerated into repetition ("The most, most,
+most.", BENCHMARKS.md) — and every such version served. So before a version is published it
+is scored on recent samples of its scope that it did not train on:
+
+* **likelihood**: the mean per-token log-probability of the held-out replies that were
+  rewarded (reward > 0) must not fall by more than `gate_max_likelihood_drop` nats from the
+  serving version's: what users liked stays likely;
+* **repetition**: greedy replies to recent prompts must not repeat themselves (share of tokens
+  that repeat an earlier token of the reply) more than `gate_max_repetition_rise` above the
+  base model's replies to the same prompts. The anchor is the base model, not the serving
+  version, so that small rises cannot pile up version after version.
+
+A version that fails is recorded with its figures, does not serve, and the learner's weights go
+back to the serving version (training goes on from the last good one). With too few held-out
+samples a check is skipped and says so.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+MIN_HELD_OUT = 2
+
+
+@dataclass
+class GateFigures:
+    """What one version scores on the held-out samples."""
+
+    liked_logprob: float | None  # mean per-token logprob of held-out rewarded replies
+    repetition: float | None  # mean share of repeated tokens in greedy replies to recent prompts
+
+
+@dataclass
+class GateVerdict:
+    passed: bool
+    reasons: list[str] = field(default_factory=list)
+    serving: GateFigures | None = None
+    candidate: GateFigures | None = None
+    base_repetition: float | None = None
+    held_out: int = 0
+    prompts: int = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def repetition(token_ids: list[int]) -> float | None:
+    """Share of the reply's tokens that repeat an earlier one (None under 4 tokens)."""
+    if len(token_ids) < 4:
+        return None
+    return 1 - len(set(token_ids)) / len(token_ids)
+
+
+def mean(values: list[float | None]) -> float | None:
+    present = [v for v in values if v is not None]
+    return sum(present) / len(present) if present else None
+
+
+def judge_version(
+    serving: GateFigures, candidate: GateFigures, base_repetition: float | None, *,
+    max_likelihood_drop: float, max_repetition_rise: float, held_out: int, prompts: int,
+) -> GateVerdict:
+    reasons = []
+    if serving.liked_logprob is not None and candidate.liked_logprob is not None:
+        drop = serving.liked_logprob - candidate.liked_logprob
+        if drop > max_likelihood_drop:
+            reasons.append(f"rewarded replies became less likely: {drop:.3f} nats/token (limit {max_likelihood_drop:g})")
+    if base_repetition is not None and candidate.repetition is not None:
+        rise = candidate.repetition - base_repetition
+        if rise > max_repetition_rise:
+            reasons.append(f"greedy replies repeat themselves: {candidate.repetition:.3f} against the base model's "
+                           f"{base_repetition:.3f} (limit +{max_repetition_rise:g})")
+    return GateVerdict(not reasons, reasons, serving, candidate, base_repetition, held_out, prompts)

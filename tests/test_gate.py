@@ -1,0 +1,63 @@
+"""The publish gate: a version that makes liked replies unlikely, or repeats itself, never serves."""
+
+from __future__ import annotations
+
+import pytest
+
+from nextstate.learner.gate import GateFigures, judge_version, repetition
+from tests.test_learner import feed, learning_server, served_samples, wait_for
+
+
+def test_the_verdict_rules():
+    assert repetition([1, 2, 3]) is None and repetition([5, 5, 5, 5]) == 0.75 and repetition([1, 2, 3, 4]) == 0
+    ok = judge_version(GateFigures(-2.0, 0.1), GateFigures(-2.05, 0.12), 0.1, max_likelihood_drop=0.1,
+                       max_repetition_rise=0.05, held_out=4, prompts=4)
+    assert ok.passed and ok.reasons == []
+    bad = judge_version(GateFigures(-2.0, 0.1), GateFigures(-2.5, 0.4), 0.1, max_likelihood_drop=0.1,
+                        max_repetition_rise=0.05, held_out=4, prompts=4)
+    assert not bad.passed and len(bad.reasons) == 2
+    assert "less likely" in bad.reasons[0] and "repeat themselves" in bad.reasons[1]
+    # drift is measured from the base model, not from the serving version: it cannot pile up
+    drift = judge_version(GateFigures(-2.0, 0.3), GateFigures(-2.0, 0.32), 0.1, max_likelihood_drop=0.1,
+                          max_repetition_rise=0.05, held_out=4, prompts=4)
+    assert not drift.passed
+
+
+def test_a_version_that_unlearns_what_users_liked_does_not_serve(server_factory):
+    server = learning_server(server_factory, publish_gate=True, lr=2e-2, max_kl=1e9)
+    liked = served_samples(server, 4, advantage=1.0)
+    feed(server, liked)
+    wait_for(lambda: server.app.state.policies.current("alice").version == 1)
+    # the same replies, now punished hard: what users rewarded would become far less likely
+    punished = [s.model_copy(update={"advantages": [-5.0] * len(s.response_ids), "reward": -1.0, "id": None})
+                for s in liked]
+    feed(server, punished)
+    wait_for(lambda: any(st.get("gate") for st in server.app.state.learner.steps[1:]), timeout=120)
+    step = server.app.state.learner.steps[-1]
+    assert step["published"] is False and step["skipped"].startswith("gate: rewarded replies became less likely")
+    assert step["gate"]["held_out"] == 4 and step["gate"]["candidate"]["liked_logprob"] < step["gate"]["serving"]["liked_logprob"]
+    assert server.app.state.policies.current("alice").version == 1, "v1 keeps serving"
+    records = [r for r in server.records() if r["kind"] == "train_step"]
+    assert records[-1]["gate"]["passed"] is False
+    # the learner's weights went back to v1's: its next figures are v1's again
+    learner = server.app.state.learner
+    again = server.call(asyncio_to_thread(learner._gate_figures, "shared", (server.app.state.samples.samples("consumed")[:4], [])))
+    assert again.liked_logprob == pytest.approx(step["gate"]["serving"]["liked_logprob"], abs=1e-4)
+
+
+def asyncio_to_thread(fn, *args):
+    import asyncio
+
+    return asyncio.to_thread(fn, *args)
+
+
+def test_a_version_that_keeps_what_users_liked_serves_with_its_figures_recorded(server_factory):
+    server = learning_server(server_factory, publish_gate=True)
+    feed(server, served_samples(server, 4, advantage=1.0))
+    wait_for(lambda: server.app.state.policies.current("alice").version == 1)
+    feed(server, served_samples(server, 4, advantage=1.0, seed0=40))
+    wait_for(lambda: server.app.state.policies.current("alice").version == 2)
+    gate = server.app.state.learner.steps[-1]["gate"]
+    assert gate["passed"] and gate["held_out"] == 4 and gate["prompts"] == 4
+    assert gate["candidate"]["liked_logprob"] >= gate["serving"]["liked_logprob"] - 0.1
+    assert gate["base_repetition"] is not None
