@@ -261,6 +261,8 @@ def run_mode(mode: str, policy: Path, tasks: list[str], args, judge: dict, user,
         prm_votes=args.votes, batch_size=args.batch, lr=args.lr, lora_r=args.lora_r, lora_alpha=2 * args.lora_r,
         kl_coef=args.kl_coef,
     )
+    if getattr(args, "no_gate", False):
+        tuned["publish_gate"] = False
     with bench_server(
         policy, "policy", mode=mode if learning else "combined", learn=learning, judge_enabled=learning,
         **tuned, **judge, **engine_settings(args),
@@ -407,6 +409,7 @@ def main() -> None:
     parser.add_argument("--feedback", action="store_true",
                         help="the user also rates every reply with POST /v1/feedback (a correction when it misses); "
                              "without --judge-url the server's own default judge is kept (the served model)")
+    parser.add_argument("--no-gate", action="store_true", help="NEXTSTATE_PUBLISH_GATE=false: every update serves")
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--lr", type=float, default=None)
     parser.add_argument("--lora-r", type=int, default=None)
@@ -472,6 +475,7 @@ def main() -> None:
         "judge": args.judge_url and f"{args.judge_model} at {args.judge_url}" or (
             "the default (the served model itself)" if args.feedback else "rules (PreferenceJudge)"),
         "explicit_feedback": args.feedback,
+        "publish_gate": not args.no_gate,
         "scorer": args.scorer_url and f"{args.scorer_model} at {args.scorer_url}" or "rules",
         "settings": {k: getattr(args, k) for k in ("tasks", "seed", "max_attempts", "max_tokens", "temperature", "think_s",
                                                     "batch", "lr", "lora_r", "kl_coef", "votes")},

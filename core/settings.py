@@ -282,7 +282,7 @@ class LearnerSettings(BaseSettings):
         0.1, ge=0, description="Gate: most nats/token the rewarded held-out replies may lose."
     )
     gate_max_repetition_rise: float = Field(
-        0.05, ge=0, description="Gate: most the greedy replies' repetition may exceed the base model's."
+        0.1, ge=0, description="Gate: most the greedy replies' repeated-trigram share may exceed the base model's."
     )
     learner_dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto", description="The learner's frozen base weights: auto = bfloat16 on a GPU, float32 on the CPU."

@@ -9,7 +9,9 @@ from tests.test_learner import feed, learning_server, served_samples, wait_for
 
 
 def test_the_verdict_rules():
-    assert repetition([1, 2, 3]) is None and repetition([5, 5, 5, 5]) == 0.75 and repetition([1, 2, 3, 4]) == 0
+    assert repetition([1, 2, 3]) is None and repetition([1, 2, 3, 4, 5, 6]) == 0
+    assert repetition([7, 8, 7, 8, 7, 8]) == 0.5, "(7,8,7) and (8,7,8) each come back once"
+    assert repetition([1, 2, 1, 3, 1, 4, 1, 5]) == 0, "a token coming back is not a repeated phrase"
     ok = judge_version(GateFigures(-2.0, 0.1), GateFigures(-2.05, 0.12), 0.1, max_likelihood_drop=0.1,
                        max_repetition_rise=0.05, held_out=4, prompts=4)
     assert ok.passed and ok.reasons == []
