@@ -46,6 +46,7 @@ class GateVerdict:
     base_repetition: float | None = None
     held_out: int = 0
     prompts: int = 0
+    seconds: float = 0.0  # what scoring the candidate cost (the serving version's figures come before the step)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

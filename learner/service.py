@@ -210,11 +210,14 @@ class Learner:
 
     def _gate(self, scope: str, held: tuple[list[Sample], list[list[int]]], serving: GateFigures) -> GateVerdict:
         liked, prompts = held
+        started = time.monotonic()
         candidate = self._gate_figures(scope, held)
         base = self.trainer.base_repetition(prompts, GATE_NEW_TOKENS) if prompts else None
         s = self.settings
-        return judge_version(serving, candidate, base, max_likelihood_drop=s.gate_max_likelihood_drop,
-                             max_repetition_rise=s.gate_max_repetition_rise, held_out=len(liked), prompts=len(prompts))
+        verdict = judge_version(serving, candidate, base, max_likelihood_drop=s.gate_max_likelihood_drop,
+                                max_repetition_rise=s.gate_max_repetition_rise, held_out=len(liked), prompts=len(prompts))
+        verdict.seconds = round(time.monotonic() - started, 2)
+        return verdict
 
     def _waited(self, samples: list[Sample]) -> bool:
         wait = self.settings.batch_wait_s

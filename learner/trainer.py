@@ -103,6 +103,7 @@ class LoraTrainer:
         self.model = None  # peft.PeftModel once the first scope exists
         self._optimizers: dict[str, torch.optim.Optimizer] = {}
         self._before: dict[str, tuple[list[torch.Tensor], dict]] = {}  # per scope: state before its last step
+        self._base_replies: dict[tuple, float | None] = {}  # the gate's base-model repetition, per prompt
 
     # ---------------------------------------------------------------- scopes
 
@@ -234,8 +235,14 @@ class LoraTrainer:
         return GateFigures(mean(per_token), mean([repetition(r) for r in self.greedy(prompts, max_new)]))
 
     def base_repetition(self, prompts: list[list[int]], max_new: int) -> float | None:
-        with self.model.disable_adapter():
-            return mean([repetition(r) for r in self.greedy(prompts, max_new)])
+        """The base model's greedy repetition on these prompts; the base never changes, so each
+        prompt is answered once (on a CPU a greedy reply of SmolLM2 costs seconds)."""
+        missing = [p for p in prompts if (tuple(p), max_new) not in self._base_replies]
+        if missing:
+            with self.model.disable_adapter():
+                for prompt, reply in zip(missing, self.greedy(missing, max_new)):
+                    self._base_replies[(tuple(prompt), max_new)] = repetition(reply)
+        return mean([self._base_replies[(tuple(p), max_new)] for p in prompts])
 
     def greedy(self, prompts: list[list[int]], max_new: int) -> list[list[int]]:
         """Greedy replies of the active weights (the adapter as it is now, or none)."""
