@@ -254,7 +254,7 @@ class Learner:
                 verdict = await asyncio.to_thread(self._gate, scope, held, serving)
                 record["gate"] = verdict.to_dict()
                 if not verdict.passed:
-                    self.trainer.undo(scope)  # training goes on from the serving version
+                    await asyncio.to_thread(self.trainer.undo, scope)  # training goes on from the serving version
                     result.skipped = record["skipped"] = "gate: " + "; ".join(verdict.reasons)
             if result.skipped:
                 await asyncio.to_thread(self.store.mark_consumed, ids)
