@@ -193,6 +193,10 @@ class Judge:
                 log.info("judge: %s (%.1f s)", self.calibration.detail, self.calibration.seconds)
             self.records.write("judge_calibration", self.calibration.to_dict())
             return self.calibration
+        except Exception as exc:  # noqa: BLE001 - a check that cannot run leaves the judge as configured
+            log.warning("judge: the calibration could not run (%s: %s); judging goes on unchecked", type(exc).__name__, exc)
+            self.calibration = Calibration("skipped", f"could not run: {type(exc).__name__}: {exc}")
+            return self.calibration
         finally:
             self._calibrated.set()
             await self._remember_calibration()
