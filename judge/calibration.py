@@ -70,9 +70,12 @@ def case_values(case: dict[str, Any], max_chars: int) -> dict[str, str]:
 
 
 def judge_case(case: dict[str, Any], votes: list[int | None]) -> CaseResult:
+    """Right when most votes are valid and their majority is an accepted verdict: a judge whose
+    answers mostly have no verdict is not one to trust (SmolLM2 once passed a case on one valid
+    vote of three)."""
     verdict = majority_vote(votes) if votes else None
     valid = [v for v in votes if v is not None]
-    return CaseResult(case["name"], list(case["accept"]), votes, verdict, bool(valid) and verdict in case["accept"])
+    return CaseResult(case["name"], list(case["accept"]), votes, verdict, 2 * len(valid) > len(votes) and verdict in case["accept"])
 
 
 def conclude(results: list[CaseResult], seconds: float, asked_of: int | None = None) -> Calibration:

@@ -77,3 +77,12 @@ def test_the_embedded_default_judge_is_checked_too(server_factory):
     wait_for(lambda: server.app.state.judge.calibration.state != "pending", timeout=120)
     assert server.app.state.judge.calibration.state == "failed"
     assert server.app.state.judge.implicit is False
+
+
+def test_a_case_passes_only_when_most_votes_have_a_verdict():
+    from nextstate.judge.calibration import judge_case
+
+    case = {"name": "clear thanks", "accept": [1]}
+    assert not judge_case(case, [1, None, None]).passed, "one valid vote of three is not a judge"
+    assert judge_case(case, [1, 1, None]).passed and judge_case(case, [1]).passed
+    assert not judge_case(case, [-1, -1, 1]).passed
