@@ -10,13 +10,13 @@ the admin stats summarise. Calls are blocking; async callers use `asyncio.to_thr
 from __future__ import annotations
 
 import json
-import sqlite3
 import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from nextstate.core.sqlite_store import add_missing_columns, open_sqlite
 from nextstate.core.types import Sample, Transition
 
 _SCHEMA = """
@@ -84,25 +84,17 @@ def _sample_from_row(row: tuple) -> Sample:
 
 class SampleStore:
     def __init__(self, path: Path) -> None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        self._conn = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
-        self._conn.execute("PRAGMA journal_mode=WAL")
-        self._conn.execute("PRAGMA synchronous=NORMAL")
-        self._conn.executescript(_SCHEMA)
+        self._conn = open_sqlite(path, _SCHEMA, "synchronous=NORMAL")
         # Since 0.1: one transition per turn. A turn handed over again (a crash after the judge
         # took it, before its session was saved) is recognised and not judged twice.
-        self._add_column("transitions", "turn_key")
+        add_missing_columns(self._conn, "transitions", {"turn_key": "TEXT"})
         self._conn.execute("CREATE UNIQUE INDEX IF NOT EXISTS transitions_turn ON transitions (turn_key)")
         # Since 0.2: feedback names a turn by the response id its client got.
-        self._add_column("transitions", "response_id")
-        self._add_column("samples", "response_id")
+        add_missing_columns(self._conn, "transitions", {"response_id": "TEXT"})
+        add_missing_columns(self._conn, "samples", {"response_id": "TEXT"})
         self._conn.execute("CREATE INDEX IF NOT EXISTS transitions_response ON transitions (response_id)")
         self._conn.execute("CREATE INDEX IF NOT EXISTS samples_response ON samples (response_id)")
         self._lock = threading.Lock()
-
-    def _add_column(self, table: str, column: str) -> None:
-        if column not in {row[1] for row in self._conn.execute(f"PRAGMA table_info({table})")}:
-            self._conn.execute(f"ALTER TABLE {table} ADD COLUMN {column} TEXT")
 
     def close(self) -> None:
         with self._lock:

@@ -11,11 +11,12 @@ from __future__ import annotations
 import hashlib
 import hmac
 import secrets
-import sqlite3
 import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+
+from nextstate.core.sqlite_store import add_missing_columns, open_sqlite
 
 KEY_PREFIX = "ns-"
 
@@ -56,15 +57,8 @@ def _hash(secret: str) -> str:
 
 class KeyStore:
     def __init__(self, path: Path) -> None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        self._conn = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
-        self._conn.execute("PRAGMA journal_mode=WAL")
-        self._conn.execute("PRAGMA busy_timeout=5000")
-        self._conn.executescript(_SCHEMA)
-        present = {row[1] for row in self._conn.execute("PRAGMA table_info(api_keys)")}
-        for column, kind in _ADDED_COLUMNS.items():
-            if column not in present:
-                self._conn.execute(f"ALTER TABLE api_keys ADD COLUMN {column} {kind}")
+        self._conn = open_sqlite(path, _SCHEMA, "busy_timeout=5000")
+        add_missing_columns(self._conn, "api_keys", _ADDED_COLUMNS)
         self._lock = threading.Lock()
 
     def close(self) -> None:

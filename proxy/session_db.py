@@ -17,6 +17,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from nextstate.core.sqlite_store import open_sqlite
+
 log = logging.getLogger(__name__)
 
 _SCHEMA = """
@@ -31,11 +33,7 @@ CREATE TABLE IF NOT EXISTS sessions (
 
 class SessionDB:
     def __init__(self, path: Path) -> None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        self._conn = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
-        self._conn.execute("PRAGMA journal_mode=WAL")
-        self._conn.execute("PRAGMA synchronous=NORMAL")
-        self._conn.executescript(_SCHEMA)
+        self._conn = open_sqlite(path, _SCHEMA, "synchronous=NORMAL")
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._idle = threading.Event()
         self._idle.set()

@@ -1,0 +1,30 @@
+"""How every SQLite file in the data dir is opened and grown, in one place.
+
+The keys, the samples and the open sessions each live in their own file, shared by the server's
+threads (one connection, autocommit, the caller's own lock) and readable by `nextstate status`
+or `forget` while the server writes (write-ahead log). Tables only ever gain columns, so a data
+dir written by an older version opens with the new ones added.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+from pathlib import Path
+
+
+def open_sqlite(path: Path, schema: str, *pragmas: str) -> sqlite3.Connection:
+    """A connection in WAL mode with `schema` applied; `pragmas` are extra `PRAGMA` settings."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    conn = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
+    for pragma in ("journal_mode=WAL", *pragmas):
+        conn.execute(f"PRAGMA {pragma}")
+    conn.executescript(schema)
+    return conn
+
+
+def add_missing_columns(conn: sqlite3.Connection, table: str, columns: dict[str, str]) -> None:
+    """Add each column (name: SQL type) that `table` lacks."""
+    present = {row[1] for row in conn.execute(f"PRAGMA table_info({table})")}
+    for column, kind in columns.items():
+        if column not in present:
+            conn.execute(f"ALTER TABLE {table} ADD COLUMN {column} {kind}")
