@@ -236,15 +236,20 @@ class Judge:
         self._spawn(self._accept(transition, durable))
         return durable
 
+    def _handed_over(self, transition: Transition, durable: asyncio.Future) -> None:
+        """The transition is on disk (or never will be): feedback looks for it there from now
+        on, and whoever handed it over may forget it."""
+        self._arriving.pop(transition.turn.response_id or "", None)
+        if not durable.done():
+            durable.set_result(None)
+
     async def _keep(self, transition: Transition, durable: asyncio.Future) -> None:
         try:
             await self._inbox.write(self.store.add_transition, transition, "unjudged")
         except Exception:  # noqa: BLE001 - beyond the disk's waiting room: only feedback on it is lost
             log.exception("could not keep an unjudged turn")
         finally:
-            self._arriving.pop(transition.turn.response_id or "", None)
-            if not durable.done():
-                durable.set_result(None)
+            self._handed_over(transition, durable)
 
     async def _last_step(self, transition: Transition, durable: asyncio.Future) -> None:
         """Store the last step of an outcome episode as a sample awaiting the outcome (taking it
@@ -262,9 +267,7 @@ class Judge:
         except Exception:  # noqa: BLE001 - costs this step's sample only
             log.exception("could not keep the last step of an outcome episode")
         finally:
-            self._arriving.pop(transition.turn.response_id or "", None)
-            if not durable.done():
-                durable.set_result(None)
+            self._handed_over(transition, durable)
 
     async def _accept(self, transition: Transition, durable: asyncio.Future) -> None:
         try:
@@ -276,9 +279,7 @@ class Judge:
         except StorageUnavailable:
             transition_id = None  # judged all the same; only a crash before it is stored loses it
         finally:
-            self._arriving.pop(transition.turn.response_id or "", None)
-            if not durable.done():
-                durable.set_result(None)
+            self._handed_over(transition, durable)
         await self._judge(transition_id, transition)
 
     # ---------------------------------------------------------------- outcomes and batches
