@@ -141,7 +141,7 @@ class Learner:
         other users' samples come, one user's feedback waits rather than steering everyone's
         model."""
         size = self.batch_size
-        self._screen(self.store.ready_samples(size * 50))
+        ready = self._screen(self.store.ready_samples(size * 50))
         if self.policies.per_user:
             counts = self.store.ready_counts_by_user()
             user = next((u for u, n in counts.items() if n >= size), None)
@@ -157,7 +157,7 @@ class Learner:
         cap = size if not several else max(1, math.ceil(self.settings.max_user_share * size))
         taken: dict[str, int] = {}
         batch: list[Sample] = []
-        for sample in self.store.ready_samples(size * 50):
+        for sample in ready:
             if taken.get(sample.user, 0) < cap:
                 taken[sample.user] = taken.get(sample.user, 0) + 1
                 batch.append(sample)
@@ -168,10 +168,11 @@ class Learner:
                 return "shared", batch
         return "shared", []
 
-    def _screen(self, ready: list[Sample]) -> None:
+    def _screen(self, ready: list[Sample]) -> list[Sample]:
         """Drop, with the reason, ready samples that must not take a batch slot: those with no
         signal when there is no KL term (advantage 0 everywhere: the at-least-one rule's),
-        which would only dilute the token mean; and those served too many versions ago."""
+        which would only dilute the token mean; those too long to train; and those served too
+        many versions ago. Returns the ones kept, oldest first."""
         reasons: dict[str, list[int]] = {}
         for sample in ready:
             if sample.id is None:
@@ -189,6 +190,8 @@ class Learner:
         for why, ids in reasons.items():
             self.store.mark_dropped(ids, why)
             log.info("learner: %d sample(s) dropped before training (%s)", len(ids), why)
+        dropped = {i for ids in reasons.values() for i in ids}
+        return [x for x in ready if x.id not in dropped]
 
     # ---------------------------------------------------------------- the publish gate
 
