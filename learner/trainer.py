@@ -15,6 +15,7 @@ import json
 import logging
 import math
 import time
+from collections import OrderedDict
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -67,6 +68,8 @@ class StepResult:
 
 # Response positions that go through the LM head at once in training (see LoraTrainer._logprobs).
 LOGITS_CHUNK = 1024
+# Base-model repetition figures the publish gate keeps (one per recent prompt).
+BASE_REPLIES_KEPT = 256
 
 
 def learner_dtype(setting: str, device: str) -> torch.dtype:
@@ -103,7 +106,8 @@ class LoraTrainer:
         self.model = None  # peft.PeftModel once the first scope exists
         self._optimizers: dict[str, torch.optim.Optimizer] = {}
         self._before: dict[str, tuple[list[torch.Tensor], dict]] = {}  # per scope: state before its last step
-        self._base_replies: dict[tuple, float | None] = {}  # the gate's base-model repetition, per prompt
+        # the gate's base-model repetition per prompt, the most recently used BASE_REPLIES_KEPT
+        self._base_replies: OrderedDict[tuple, float | None] = OrderedDict()
 
     # ---------------------------------------------------------------- scopes
 
@@ -237,12 +241,18 @@ class LoraTrainer:
     def base_repetition(self, prompts: list[list[int]], max_new: int) -> float | None:
         """The base model's greedy repetition on these prompts; the base never changes, so each
         prompt is answered once (on a CPU a greedy reply of SmolLM2 costs seconds)."""
-        missing = [p for p in prompts if (tuple(p), max_new) not in self._base_replies]
+        keys = [(hash(tuple(p)), len(p), max_new) for p in prompts]  # a digest: prompts run to thousands of tokens
+        missing = [(k, p) for k, p in zip(keys, prompts) if k not in self._base_replies]
         if missing:
             with self.model.disable_adapter():
-                for prompt, reply in zip(missing, self.greedy(missing, max_new)):
-                    self._base_replies[(tuple(prompt), max_new)] = repetition(reply)
-        return mean([self._base_replies[(tuple(p), max_new)] for p in prompts])
+                for (key, _), reply in zip(missing, self.greedy([p for _, p in missing], max_new)):
+                    self._base_replies[key] = repetition(reply)
+        values = [self._base_replies[k] for k in keys]
+        for key in keys:
+            self._base_replies.move_to_end(key)
+        while len(self._base_replies) > BASE_REPLIES_KEPT:
+            self._base_replies.popitem(last=False)
+        return mean(values)
 
     def greedy(self, prompts: list[list[int]], max_new: int) -> list[list[int]]:
         """Greedy replies of the active weights (the adapter as it is now, or none)."""
