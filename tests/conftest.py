@@ -1,4 +1,5 @@
-"""Shared fixtures: a tiny model built once, and real servers on free loopback ports."""
+"""Shared fixtures: a tiny model built once, real servers on free loopback ports, and a
+scripted HTTP judge."""
 
 from __future__ import annotations
 
@@ -14,9 +15,18 @@ from tests.tiny_model import build_tiny_model
 from nextstate.app import open_engine
 from tests.background_server import RunningServer, free_port, start_server
 from nextstate.core.settings import Settings
+from tests.judge_server import ScriptedJudge
 from tests.scripted_engine import ScriptedEngine
 
 __all__ = ["RunningServer", "free_port", "make_settings", "raw_post", "start_server"]
+
+
+@pytest.fixture
+def judge() -> Iterator[ScriptedJudge]:
+    """A real OpenAI-compatible judge with rule verdicts (tests/judge_server.py)."""
+    j = ScriptedJudge()
+    yield j
+    j.stop()
 
 
 @pytest.fixture(scope="session")

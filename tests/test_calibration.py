@@ -6,17 +6,9 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from tests.judge_server import ScriptedJudge
 from tests.test_feedback import rate
 from tests.test_judge import SCRIPT, converse
 from tests.test_learner import wait_for
-
-
-@pytest.fixture
-def judge():
-    j = ScriptedJudge()
-    yield j
-    j.stop()
 
 
 def calibrated_server(server_factory, judge, **overrides):

@@ -11,14 +11,7 @@ import pytest
 from nextstate.judge.teacher import teacher_logprobs
 from nextstate.core.sample_store import SampleStore
 from nextstate.core.types import NextState, Transition, Turn
-from tests.judge_server import HINTS, ScriptedJudge
-
-
-@pytest.fixture
-def judge():
-    j = ScriptedJudge()
-    yield j
-    j.stop()
+from tests.judge_server import HINTS
 
 
 def judged_server(server_factory, judge, **overrides):
