@@ -18,7 +18,7 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import HTMLResponse, RedirectResponse, Response
 
 from nextstate.progress import live_report
-from nextstate.proxy.auth import authenticate_admin
+from nextstate.proxy.auth import authenticate_admin, bearer_secret
 from nextstate.proxy.keys import ApiKey, KeyStore
 
 router = APIRouter()
@@ -36,10 +36,7 @@ async def progress(request: Request, _: ApiKey = Depends(authenticate_admin)) ->
 
 
 async def _admin_from_browser(request: Request) -> ApiKey | None:
-    secret = request.cookies.get(COOKIE, "")
-    scheme, _, bearer = request.headers.get("authorization", "").partition(" ")
-    if scheme.lower() == "bearer" and bearer.strip():
-        secret = bearer.strip()
+    secret = bearer_secret(request) or request.cookies.get(COOKIE, "")
     if not secret:
         return None
     store: KeyStore = request.app.state.keys

@@ -12,10 +12,15 @@ from nextstate.proxy.keys import ApiKey, KeyStore
 _WWW = {"WWW-Authenticate": "Bearer"}
 
 
+def bearer_secret(request: Request) -> str | None:
+    """The key an `Authorization: Bearer <key>` header carries, if any."""
+    scheme, _, secret = request.headers.get("authorization", "").partition(" ")
+    return secret.strip() if scheme.lower() == "bearer" and secret.strip() else None
+
+
 async def authenticate(request: Request) -> ApiKey:
-    header = request.headers.get("authorization", "")
-    scheme, _, secret = header.partition(" ")
-    if scheme.lower() != "bearer" or not secret.strip():
+    secret = bearer_secret(request)
+    if secret is None:
         raise OpenAIError(
             401,
             "You didn't provide an API key. Send it as 'Authorization: Bearer <key>'; "
@@ -24,7 +29,7 @@ async def authenticate(request: Request) -> ApiKey:
             headers=_WWW,
         )
     store: KeyStore = request.app.state.keys
-    key = await asyncio.to_thread(store.verify, secret.strip())
+    key = await asyncio.to_thread(store.verify, secret)
     if key is None:
         raise OpenAIError(401, "Incorrect or revoked API key provided.", code="invalid_api_key", headers=_WWW)
     request.state.user = key.user  # for the record of a request that is refused later
