@@ -122,6 +122,8 @@ class EngineSettings(BaseSettings):
         engine: `local` (in-process, CPU or one GPU) or `sglang` (production GPUs, deploy/).
         dtype: float32 by default: logprobs used for learning must not drift between batched
             and unbatched runs, which bf16 does by up to 0.13 nats (shared/DESIGN.md).
+        kv_cache_mb: SmolLM2-135M in float32 needs 46 KB per token, so the default holds about
+            45k tokens: ten agent conversations of 4k tokens. A 4B model in bf16 needs ~150 KB.
     """
 
     model_config = _ENV
@@ -139,7 +141,12 @@ class EngineSettings(BaseSettings):
     device: Literal["auto", "cpu", "cuda"] = "auto"
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     max_concurrent_generations: int = Field(
-        8, ge=1, description="Generations decoded at once by the local engine; the rest queue."
+        8, ge=1, description="Generations decoded at once (in one batch) by the local engine; the rest queue."
+    )
+    kv_cache_mb: int = Field(
+        2048, ge=0,
+        description="Memory the local engine keeps finished sequences' KV caches in, so a conversation's next "
+        "request prefills only its new tokens (least recently used first out; 0 = off).",
     )
 
 

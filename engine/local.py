@@ -4,9 +4,9 @@ One worker thread owns the model. Every generation, score and adapter change is 
 queue, so nothing ever touches the model concurrently (no interleaving corruption) and the
 asyncio loop never blocks on a forward pass. Each round of the worker loop takes new jobs,
 lets the `Scheduler` pick who runs (users first, background work in short steps), and has the
-`ModelRunner` advance each picked job by one forward pass; active generations are thus decoded
-round-robin, one token each per round, so concurrent streams all make progress and a long
-generation cannot starve a short one.
+`ModelRunner` advance them: every decoding generation of an adapter by one token in one
+batched forward pass, each prompt still being prefilled by one pass of its own. Concurrent
+streams thus all make progress, and a long generation cannot starve a short one.
 """
 
 from __future__ import annotations
@@ -35,9 +35,12 @@ log = logging.getLogger(__name__)
 class LocalEngine:
     """In-process engine. Construct with `await LocalEngine.open(...)`; loading takes seconds."""
 
-    def __init__(self, model_dir: str | Path, *, device: str = "auto", dtype: str = "float32", max_active: int = 8):
+    def __init__(
+        self, model_dir: str | Path, *, device: str = "auto", dtype: str = "float32", max_active: int = 8,
+        kv_cache_mb: int = 2048, batching: bool = True,
+    ):
         self.model_dir = Path(model_dir)
-        self.runner = ModelRunner(self.model_dir, device=device, dtype=dtype)
+        self.runner = ModelRunner(self.model_dir, device=device, dtype=dtype, kv_cache_mb=kv_cache_mb, batching=batching)
         self.info = self.runner.info
         self.device = self.runner.device
         self._scheduler = Scheduler(max_active)
@@ -154,8 +157,7 @@ class LocalEngine:
                 self._take_jobs(block=scheduler.idle)
                 scheduler.admit()
                 runnable = scheduler.runnable()
-                for job in runnable:
-                    self._step(job)
+                self._advance(runnable)
                 for call in scheduler.due_calls():
                     self._execute(call)
                 if not runnable and scheduler.active:
@@ -196,10 +198,37 @@ class LocalEngine:
         else:
             call.resolve(result=result)
 
+    def _advance(self, runnable: list[Job]) -> None:
+        """One forward pass per decode batch with a picked job in it (all its rows advance),
+        then one per picked job still prefilling; a job whose first token comes out here
+        joins its batch for the next round."""
+        batches, alone = [], []
+        for job in runnable:
+            if job.cancelled.is_set():
+                self._finish(job)
+            elif job.batch is None:
+                alone.append(job)
+            elif job.batch not in batches:
+                batches.append(job.batch)
+        for batch in batches:
+            for job in [job for job in batch.rows if job.cancelled.is_set()]:
+                self._finish(job)
+            if not batch.rows:
+                continue
+            rows = list(batch.rows)
+            try:
+                finished = self.runner.step_batch(batch)
+            except Exception as exc:  # noqa: BLE001 - a failing step must not kill the worker
+                log.exception("generation failed")
+                for job in rows:
+                    job.deliver(EngineError(f"generation failed: {exc}"))
+                finished = rows
+            for job in finished:
+                self._finish(job)
+        for job in alone:
+            self._step(job)
+
     def _step(self, job: Job) -> None:
-        if job.cancelled.is_set():
-            self._scheduler.finish(job)
-            return
         try:
             done = self.runner.step(job)
         except EngineError as exc:  # refused (a schema that cannot be compiled): the caller's fault
@@ -210,4 +239,12 @@ class LocalEngine:
             job.deliver(EngineError(f"generation failed: {exc}"))
             done = True
         if done:
-            self._scheduler.finish(job)
+            self._finish(job)
+
+    def _finish(self, job: Job) -> None:
+        try:
+            self.runner.release(job)
+        except Exception:  # noqa: BLE001 - keeping a cache is an optimisation; serving goes on
+            log.exception("could not keep a finished sequence's cache")
+            job.batch = None
+        self._scheduler.finish(job)

@@ -1,9 +1,12 @@
-"""Forward passes of the embedded engine: one step of one job at a time, with its KV cache.
+"""Forward passes of the embedded engine, with each sequence's KV cache.
 
-A step feeds a job's next prompt chunk (prefill) or its last sampled token (decode) through
-the model under the job's adapter, then samples the next token, or, for a scoring job, keeps
-the logprobs of the tokens it was asked to score. Sampling and scoring take their logprobs
-from `modelio.logprobs`, the definition the learner trains with.
+A job's prompt goes through the model on its own (prefill: all at once for users, in short
+chunks in the background), starting from the longest prefix the `PrefixCache` already holds.
+Once its first token is sampled, a generation joins the `DecodeBatch` of its adapter and
+decodes in one forward pass with the others (`step_batch`). When a job ends its cache goes back
+to the prefix cache, so the conversation's next request, or the judge's pass over the same
+turn, prefills only what is new. Sampling and scoring take their logprobs from
+`modelio.logprobs`, the definition the learner trains with.
 
 Not thread-safe: only the engine's worker thread calls it.
 """
@@ -11,21 +14,37 @@ Not thread-safe: only the engine's worker thread calls it.
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from nextstate.engine import kv_cache
 from nextstate.engine.adapter_slots import AdapterFiles, AdapterSlots
 from nextstate.engine.base import EngineInfo, EngineRejected, GeneratedToken
 from nextstate.engine.constraints import ConstraintCompiler, ConstraintError
+from nextstate.engine.decode_batch import DecodeBatch
 from nextstate.engine.devices import DTYPES, resolve_device
+from nextstate.engine.prefix_cache import PrefixCache
 from nextstate.engine.sampling import sample_token
 from nextstate.engine.scheduler import Job
 from nextstate.modelio.logprobs import token_logprobs
 
 
+@dataclass
+class RunnerStats:
+    """What the model computed: for benchmarks, tests and metrics."""
+
+    forward_passes: int = 0
+    prompt_tokens_computed: int = 0  # prefilled, not taken from the prefix cache
+    decoded_rows: int = 0  # tokens decoded in batches (rows x steps)
+
+
 class ModelRunner:
-    def __init__(self, model_dir: Path, device: str = "auto", dtype: str = "float32") -> None:
+    def __init__(
+        self, model_dir: Path, device: str = "auto", dtype: str = "float32", kv_cache_mb: int = 2048,
+        batching: bool = True,
+    ) -> None:
         from transformers import AutoModelForCausalLM
 
         self.device = resolve_device(device)
@@ -33,6 +52,10 @@ class ModelRunner:
         base.eval()
         self.adapters = AdapterSlots(base)
         self.constraints = ConstraintCompiler(model_dir)
+        self.prefix = PrefixCache(kv_cache_mb * 2**20)
+        self.batching = batching
+        self._batches: dict[tuple[str | None, bool], DecodeBatch] = {}
+        self.stats = RunnerStats()
         self.info = EngineInfo(
             model_name=model_dir.name,
             max_context=int(getattr(base.config, "max_position_embeddings", 2048)),
@@ -40,6 +63,8 @@ class ModelRunner:
             dtype=dtype,
             vocab_size=int(base.config.vocab_size),
         )
+
+    # ------------------------------------------------------------- one job: prefill, scoring
 
     def step(self, job: Job) -> bool:
         """Advance `job` by one forward pass; True once it is finished (result delivered)."""
@@ -50,6 +75,7 @@ class ModelRunner:
                 raise EngineRejected(str(exc)) from exc
         prompt_len = len(job.input_ids)
         if job.fed < prompt_len:
+            self._reuse_prefix(job)
             ids = job.input_ids[job.fed : job.fed + job.prefill_chunk]
         else:
             ids = [job.last_token]
@@ -62,14 +88,75 @@ class ModelRunner:
             )
         job.cache = out.past_key_values
         job.last_step = time.monotonic()
+        self.stats.forward_passes += 1
         first = job.fed
         if job.fed < prompt_len:
             job.fed += len(ids)
+            self.stats.prompt_tokens_computed += len(ids)
+            if job.fed < prompt_len and kv_cache.reusable(job.cache):
+                # Progress is shared at once: a vote on the same prompt continues from here.
+                self.prefix.put(job.adapter, job.input_ids[: job.fed], kv_cache.tensors(job.cache))
         if job.score_from is not None:
             return self._collect_scores(job, out.logits[0], first)
         if job.fed < prompt_len:
             return False  # more of the prompt to feed before the first token
-        return self._sample(job, out.logits[0, -1])
+        finished = self._sample(job, out.logits[0, -1])
+        if not finished and self.batching and kv_cache.reusable(job.cache):
+            key = (job.adapter, job.background)
+            batch = self._batches.get(key)
+            if batch is None:
+                batch = self._batches[key] = DecodeBatch(job.adapter, job.background)
+            batch.join(job, kv_cache.tensors(job.cache))
+            job.cache = None
+        return finished
+
+    def _reuse_prefix(self, job: Job) -> None:
+        """Skip the part of the prompt whose keys and values are cached. A scoring job must
+        still compute the logits it scores, from position score_from - 1 on."""
+        limit = len(job.input_ids) - 1 if job.score_from is None else job.score_from - 1
+        if job.fed >= limit:
+            return
+        hit = self.prefix.longest(job.adapter, job.input_ids, limit)
+        if hit is None or hit.length <= job.fed:
+            return
+        self.prefix.note_reused(hit.length - job.fed)
+        job.cache = kv_cache.to_cache(hit.kv)
+        job.fed = hit.length
+
+    # ------------------------------------------------------------- decoding in batches
+
+    def step_batch(self, batch: DecodeBatch) -> list[Job]:
+        """One decoding step for every row of `batch`; returns the jobs that finished."""
+        with self.adapters.use(batch.adapter):
+            out = self.adapters.model(**batch.inputs(self.device), use_cache=True, logits_to_keep=1)
+        batch.advanced(kv_cache.tensors(out.past_key_values))
+        self.stats.forward_passes += 1
+        self.stats.decoded_rows += len(batch.rows)
+        now = time.monotonic()
+        finished = []
+        for i, job in enumerate(batch.rows):
+            job.last_step = now
+            if self._sample(job, out.logits[i, -1]):
+                finished.append(job)
+        return finished
+
+    # ------------------------------------------------------------- shared
+
+    def release(self, job: Job) -> None:
+        """The job is over (finished, failed or cancelled): its cache goes to the prefix cache."""
+        if job.batch is not None:
+            batch = job.batch
+            kv = batch.leave([job])[job]
+            if not batch.rows:
+                self._batches.pop((batch.adapter, batch.background), None)
+        elif job.cache is not None and kv_cache.reusable(job.cache):
+            kv = kv_cache.tensors(job.cache)
+        else:
+            kv = None
+        job.cache = None
+        if kv is not None and (job.adapter is None or job.adapter in self.adapters):
+            n = kv_cache.length(kv)
+            self.prefix.put(job.adapter, (job.input_ids + job.output_ids)[:n], kv)
 
     def _sample(self, job: Job, logits: torch.Tensor) -> bool:
         allowed = job.constraint.apply(logits) if job.constraint is not None else None
@@ -77,11 +164,12 @@ class ModelRunner:
         if job.constraint is not None and token not in job.sampling.stop_token_ids:
             job.constraint.advance(token)
         job.last_token = token
-        job.produced += 1
+        job.output_ids.append(token)
         finish = None
+        produced = len(job.output_ids)
         if token in job.sampling.stop_token_ids:
             finish = "stop"
-        elif job.produced >= job.sampling.max_new_tokens or len(job.input_ids) + job.produced >= self.info.max_context:
+        elif produced >= job.sampling.max_new_tokens or len(job.input_ids) + produced >= self.info.max_context:
             finish = "length"
         job.deliver(GeneratedToken(token, logprob, top, finish))
         return finish is not None
@@ -107,7 +195,9 @@ class ModelRunner:
         return token_logprobs(logits[:-1], tensor[0, start:], temperature).tolist()
 
     def load_adapter(self, name: str, path: str, files: AdapterFiles) -> None:
+        self.prefix.drop(name)
         self.adapters.load(name, path, files)
 
     def unload_adapter(self, name: str) -> None:
         self.adapters.unload(name)
+        self.prefix.drop(name)

@@ -49,7 +49,6 @@ class Job:
     generator: torch.Generator | None = None
     cache: Any = None
     last_token: int | None = None
-    produced: int = 0
     fed: int = 0  # prompt tokens already through the model
     # A scoring job (the judge's teacher pass): logprobs of input_ids[score_from:], no sampling.
     score_from: int | None = None
@@ -57,6 +56,8 @@ class Job:
     scores: list[float] = field(default_factory=list)
     last_step: float = field(default_factory=time.monotonic)
     constraint: Any = None  # a JsonConstraint when sampling.json_schema is set
+    output_ids: list[int] = field(default_factory=list)  # sampled so far
+    batch: Any = None  # the DecodeBatch it decodes in, once its prompt is through
 
     @property
     def prefill_chunk(self) -> int:

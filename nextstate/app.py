@@ -102,7 +102,9 @@ async def open_engine(model_dir: Path, settings: Settings) -> Engine:
         return engine
     from nextstate.engine.local import LocalEngine
 
-    return await LocalEngine.open(model_dir, device=es.device, dtype=es.dtype, max_active=es.max_concurrent_generations)
+    return await LocalEngine.open(
+        model_dir, device=es.device, dtype=es.dtype, max_active=es.max_concurrent_generations, kv_cache_mb=es.kv_cache_mb
+    )
 
 
 def make_judge_client(settings: Settings, engine: Engine, renderer: ChatRenderer, model_name: str) -> JudgeClient:
