@@ -14,6 +14,11 @@ The engine is an SGLang-shaped server in its own process (tests/fake_sglang.py, 
   alone, without the judge's work on the same cores.
 * **embedded** — the same engine server runs the real embedded model (tiny, or SmolLM2 with
   --smol); a third column serves it in-process inside nextstate (the default deployment).
+* **litellm** — for scale, the LiteLLM proxy (`litellm[proxy]`, installed on first use into
+  bench/.venv-litellm, never into nextstate's environment; a generated master key, since it
+  refuses the known default ones) in front of an OpenAI-shaped stub (bench/openai_stub.py)
+  streaming the same reply in the same tokens, driven by the same client in the same run;
+  "direct" is then the stub's own /v1/chat/completions. `--no-litellm` skips it.
 
 "direct": a client streams `/generate` with the prompt's token ids (rendered beforehand, so
 templating counts as proxy cost). "nextstate": a stock client (no session headers) streams
@@ -33,6 +38,7 @@ import argparse
 import asyncio
 import json
 import os
+import secrets
 import subprocess
 import sys
 import tempfile
@@ -48,6 +54,8 @@ from nextstate.modelio.chat_template import ChatRenderer
 from nextstate.proxy.keys import KeyStore
 
 TURNS_PER_CONVERSATION = 10
+LITELLM_VENV = Path(__file__).resolve().parent / ".venv-litellm"
+LITELLM_REQUIREMENT = "litellm[proxy]"
 STUB_REPLY = "The quick brown fox jumps over the lazy dog, and then it naps in the warm sun all afternoon."
 
 
@@ -203,6 +211,58 @@ class Stack:
         self.tmp.cleanup()
 
 
+def litellm_bin() -> Path:
+    """The `litellm` command of bench/.venv-litellm, made on first use (needs PyPI)."""
+    exe = LITELLM_VENV / "bin" / "litellm"
+    if not exe.exists():
+        print(f"installing {LITELLM_REQUIREMENT} into {LITELLM_VENV} (once)", flush=True)
+        subprocess.run([sys.executable, "-m", "venv", str(LITELLM_VENV)], check=True)
+        subprocess.run([str(LITELLM_VENV / "bin" / "pip"), "install", "-q", LITELLM_REQUIREMENT], check=True)
+    return exe
+
+
+class LiteLLMStack:
+    """The OpenAI-shaped stub and the LiteLLM proxy in front of it, each in its own process."""
+
+    def __init__(self, model_dir: Path, token_ms: float) -> None:
+        self.procs: list[subprocess.Popen] = []
+        self.tmp = tempfile.TemporaryDirectory()
+        self.key = "sk-" + secrets.token_hex(16)
+        try:
+            port = free_port()
+            self.procs.append(_spawn(["-m", "bench.openai_stub", str(port), str(model_dir), "--reply", STUB_REPLY,
+                                      "--token-ms", str(token_ms)]))
+            self.stub_url = f"http://127.0.0.1:{port}"
+            _wait_up(f"{self.stub_url}/health", self.procs[-1])
+            config = Path(self.tmp.name) / "litellm.yaml"
+            config.write_text(json.dumps({  # JSON is YAML
+                "model_list": [{"model_name": "m", "litellm_params": {
+                    "model": "openai/m", "api_base": f"{self.stub_url}/v1", "api_key": "stub"}}],
+                "general_settings": {"master_key": "os.environ/LITELLM_MASTER_KEY"},
+            }))
+            port = free_port()
+            self.procs.append(subprocess.Popen(
+                [str(litellm_bin()), "--config", str(config), "--host", "127.0.0.1", "--port", str(port)],
+                env={**os.environ, "LITELLM_MASTER_KEY": self.key, "LITELLM_LOG": "ERROR"},
+                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
+            self.proxy_url = f"http://127.0.0.1:{port}"
+            _wait_up(f"{self.proxy_url}/health/liveliness", self.procs[-1])
+        except BaseException:
+            self.close()
+            raise
+
+    def measure(self, clients: int, turns: int) -> dict:
+        renderer = None  # both legs speak chat completions: no pre-rendering
+        direct = asyncio.run(_drive("proxy", self.stub_url, clients, turns, 64, renderer, self.key))
+        proxied = asyncio.run(_drive("proxy", self.proxy_url, clients, turns, 64, renderer, self.key))
+        return _summary(direct, proxied)
+
+    def close(self) -> None:
+        for proc in reversed(self.procs):
+            _stop(proc)
+        self.tmp.cleanup()
+
+
 def measure(stack: Stack, renderer: ChatRenderer, clients: int, turns: int, max_tokens: int, direct_url: str | None) -> dict:
     key = stack.keys[0]
     runs = {}
@@ -219,6 +279,9 @@ def headline(result: dict) -> str:
     off = [r for r in result["rows"] if r["setup"] == "stub, judging off"]
     if off:
         text += f"; judging off, 1 client +{off[0]['total_p50']['added_ms']:.1f} ms"
+    lite = [r for r in result["rows"] if r["setup"] == "litellm" and r["clients"] == 1]
+    if lite:
+        text += f"; LiteLLM, 1 client +{lite[0]['total_p50']['added_ms']:.1f} ms"
     return text
 
 
@@ -227,7 +290,7 @@ def plot(result: dict):
     plt = pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
     for ax, metric, label in ((axes[0], "ttft", "first token"), (axes[1], "total", "whole reply")):
-        for setup, marker in (("stub", "o"), ("stub, judging off", "^"), ("embedded", "s")):
+        for setup, marker in (("stub", "o"), ("stub, judging off", "^"), ("embedded", "s"), ("litellm", "x")):
             pts = [r for r in rows if r["setup"] == setup]
             if not pts:
                 continue
@@ -252,6 +315,8 @@ def main() -> None:
     parser.add_argument("--token-ms", type=float, default=0.0, help="stub engine: delay between tokens")
     parser.add_argument("--smol", action="store_true", help="embedded run on SmolLM2 instead of the tiny model")
     parser.add_argument("--embedded-clients", type=int, nargs="+", default=[1, 8])
+    parser.add_argument("--no-litellm", action="store_true", help="skip the LiteLLM comparison")
+    parser.add_argument("--no-embedded", action="store_true", help="skip the embedded-model rows")
     args = parser.parse_args()
 
     tiny = bench_model()
@@ -275,11 +340,21 @@ def main() -> None:
     finally:
         stack.close()
 
+    if not args.no_litellm:
+        lite = LiteLLMStack(tiny, args.token_ms)
+        try:
+            for clients in args.clients:
+                turns = args.turns or max(4, 200 // clients + 1)
+                rows.append({"setup": "litellm", "clients": clients, **lite.measure(clients, turns)})
+                print(json.dumps(rows[-1]), flush=True)
+        finally:
+            lite.close()
+
     model_dir = bench_model(smol=args.smol)
     renderer = ChatRenderer.from_dir(model_dir)
-    stack, local = Stack(model_dir, []), Stack(model_dir, [], in_process=True)
+    stack, local = (None, None) if args.no_embedded else (Stack(model_dir, []), Stack(model_dir, [], in_process=True))
     try:
-        for clients in args.embedded_clients:
+        for clients in [] if args.no_embedded else args.embedded_clients:
             turns = args.turns or (4 if args.smol else 12)
             runs = measure(stack, renderer, clients, turns, 16, stack.engine_url)
             in_process = measure(local, renderer, clients, turns, 16, None)["nextstate"]
@@ -289,8 +364,9 @@ def main() -> None:
             rows.append(row)
             print(json.dumps(row), flush=True)
     finally:
-        stack.close()
-        local.close()
+        for s in (stack, local):
+            if s is not None:
+                s.close()
 
     result = {
         "benchmark": "proxy_overhead",

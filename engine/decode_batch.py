@@ -22,6 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+from transformers.cache_utils import DynamicCache
 
 from nextstate.engine import kv_cache
 from nextstate.engine.kv_cache import KV
@@ -33,16 +34,24 @@ class DecodeBatch:
     background: bool
     rows: list = field(default_factory=list)  # Jobs, in the order of the cache's rows
     pads: list[int] = field(default_factory=list)  # left padding of each row
-    kv: KV | None = None
+    cache: DynamicCache | None = None  # kept across steps: its layers append in place
     length: int = 0  # positions in the cache, padding included
 
     def __len__(self) -> int:
         return len(self.rows)
 
+    @property
+    def kv(self) -> KV | None:
+        return None if self.cache is None else kv_cache.tensors(self.cache)
+
+    @kv.setter
+    def kv(self, kv: KV | None) -> None:
+        self.cache = None if kv is None else kv_cache.to_cache(kv)
+
     def join(self, job, kv: KV) -> None:
         """Add a sequence whose cache is `kv` (a batch of one); its last sampled token is fed next."""
         n = kv_cache.length(kv)
-        if self.kv is None:
+        if self.cache is None:
             self.kv, self.pads, self.length = kv, [0], n
         else:
             if n > self.length:
@@ -68,7 +77,7 @@ class DecodeBatch:
         if not out:
             return out
         if not keep:
-            self.rows, self.pads, self.kv, self.length = [], [], None, 0
+            self.rows, self.pads, self.cache, self.length = [], [], None, 0
             return out
         self.kv = kv_cache.select_rows(self.kv, keep)
         self.rows = [self.rows[i] for i in keep]
@@ -91,10 +100,9 @@ class DecodeBatch:
                 mask[i, :pad] = 0
         return {
             "input_ids": ids, "position_ids": positions, "attention_mask": mask,
-            "past_key_values": kv_cache.to_cache(self.kv),
+            "past_key_values": self.cache,
         }
 
-    def advanced(self, kv: KV) -> None:
-        """The step ran: its cache now holds one more position per row."""
-        self.kv = kv
+    def advanced(self) -> None:
+        """The step ran: the cache (appended to in place) holds one more position per row."""
         self.length += 1

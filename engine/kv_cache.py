@@ -2,14 +2,18 @@
 
 Prefix reuse and batched decoding both move a sequence's attention cache around: keep it after
 a reply, cut it to the prefix a later prompt shares, pad it on the left to sit in a batch beside
-longer sequences, take a finished row out. transformers' `DynamicCache` keeps one
-`DynamicLayer` per decoder layer whose `keys`/`values` are [batch, heads, tokens, head_dim]
-tensors, and every append makes new tensors (`torch.cat`), so a snapshot of the tensors stays
-valid while the cache goes on growing. `DynamicCache(ddp_cache_data=...)` would copy them once
-more; building the layers here does not.
+longer sequences, take a finished row out. transformers' `DynamicCache` keeps one layer object
+per decoder layer whose `keys`/`values` are [batch, heads, tokens, head_dim] tensors.
 
-Only caches made of plain `DynamicLayer`s are handled (sliding-window or linear-attention
-layers cannot be cut to an arbitrary prefix): `reusable` says whether a model's cache is one.
+Its `DynamicLayer` appends with `torch.cat`, copying the whole cache at every decoding step:
+36% of a SmolLM2 step for six 800-token sequences on 2 CPU cores. `GrowingLayer` appends in
+place into spare room instead (a quarter more than needed when it runs out), and hands the
+model views of the filled part. A view taken earlier never changes: positions are only ever
+written past the end of every view of the buffer, and a cache built from views (`to_cache`)
+owns no room, so its first append copies them into a buffer of its own.
+
+Only caches of such plain layers are handled (sliding-window or linear-attention layers cannot
+be cut to an arbitrary prefix): `reusable` says whether a cache is one.
 """
 
 from __future__ import annotations
@@ -21,12 +25,52 @@ from transformers.cache_utils import DynamicCache, DynamicLayer
 KV = tuple[tuple[torch.Tensor, torch.Tensor], ...]
 
 
+# Spare positions a GrowingLayer adds when it runs out of room: this fraction of what it holds.
+GROWTH = 0.25
+MIN_GROWTH = 64
+
+
+class GrowingLayer(DynamicLayer):
+    """A DynamicLayer that appends in place (see the module's docstring)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._room: tuple[torch.Tensor, torch.Tensor] | None = None  # buffers `keys`/`values` view
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+            self.keys = key_states.new_empty((*key_states.shape[:2], 0, key_states.shape[3]))
+            self.values = value_states.new_empty((*value_states.shape[:2], 0, value_states.shape[3]))
+        n, add = self.keys.shape[2], key_states.shape[2]
+        if self._room is None or n + add > self._room[0].shape[2]:
+            size = n + add + max(MIN_GROWTH, int(GROWTH * (n + add)))
+            room = []
+            for old, new in ((self.keys, key_states), (self.values, value_states)):
+                buffer = new.new_empty((*new.shape[:2], size, new.shape[3]))
+                buffer[:, :, :n].copy_(old)
+                room.append(buffer)
+            self._room = (room[0], room[1])
+        keys, values = self._room
+        keys[:, :, n : n + add].copy_(key_states)
+        values[:, :, n : n + add].copy_(value_states)
+        self.keys, self.values = keys[:, :, : n + add], values[:, :, : n + add]
+        return self.keys, self.values
+
+
+def new_cache() -> DynamicCache:
+    """An empty cache whose layers append in place."""
+    cache = DynamicCache()
+    cache.layer_class_to_replicate = GrowingLayer
+    return cache
+
+
 def reusable(cache: object) -> bool:
-    """True if `cache` is a DynamicCache of plain, initialised DynamicLayers."""
+    """True if `cache` is a DynamicCache of plain, initialised layers."""
     layers = getattr(cache, "layers", None)
     return (
         type(cache) is DynamicCache and bool(layers)
-        and all(type(layer) is DynamicLayer and layer.is_initialized for layer in layers)
+        and all(type(layer) in (DynamicLayer, GrowingLayer) and layer.is_initialized for layer in layers)
     )
 
 
@@ -35,10 +79,11 @@ def tensors(cache: DynamicCache) -> KV:
 
 
 def to_cache(kv: KV) -> DynamicCache:
-    cache = DynamicCache()
+    """A cache holding `kv` as it is (no copy until its first append)."""
+    cache = new_cache()
     layers = []
     for keys, values in kv:
-        layer = DynamicLayer()
+        layer = GrowingLayer()
         layer.lazy_initialization(keys, values)
         layer.keys, layer.values = keys, values
         layers.append(layer)
@@ -51,7 +96,8 @@ def length(kv: KV) -> int:
 
 
 def nbytes(kv: KV) -> int:
-    return sum(keys.nbytes + values.nbytes for keys, values in kv)
+    """Memory held by `kv`: whole buffers, spare room included, not just the viewed part."""
+    return sum(keys.untyped_storage().nbytes() + values.untyped_storage().nbytes() for keys, values in kv)
 
 
 def tokens(kv: KV, start: int, stop: int, row: int | None = None, copy: bool = False) -> KV:

@@ -83,7 +83,8 @@ class ModelRunner:
         keep = len(ids) if job.score_from is not None else 1
         with self.adapters.use(job.adapter):
             out = self.adapters.model(
-                input_ids=torch.tensor([ids], device=self.device), past_key_values=job.cache, use_cache=True,
+                input_ids=torch.tensor([ids], device=self.device), use_cache=True,
+                past_key_values=kv_cache.new_cache() if job.cache is None else job.cache,
                 logits_to_keep=keep,
             )
         job.cache = out.past_key_values
@@ -129,7 +130,7 @@ class ModelRunner:
         """One decoding step for every row of `batch`; returns the jobs that finished."""
         with self.adapters.use(batch.adapter):
             out = self.adapters.model(**batch.inputs(self.device), use_cache=True, logits_to_keep=1)
-        batch.advanced(kv_cache.tensors(out.past_key_values))
+        batch.advanced()
         self.stats.forward_passes += 1
         self.stats.decoded_rows += len(batch.rows)
         now = time.monotonic()

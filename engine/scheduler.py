@@ -143,6 +143,7 @@ class Scheduler:
             # at most one short step.
             if not background or now - self._last_user_step < BACKGROUND_IDLE_GAP_S:
                 return []
+            self._last_background_step = now
             return [min(background, key=lambda job: job.last_step)]
         self._last_user_step = now
         if background and now - self._last_background_step >= BACKGROUND_MAX_WAIT_S:
