@@ -46,6 +46,12 @@ class Delta:
     def __bool__(self) -> bool:
         return bool(self.content or self.tool_calls or self.logprobs)
 
+    def extend(self, other: Delta) -> None:
+        """Append a later delta (tokens that arrived together go out as one chunk)."""
+        self.content += other.content
+        self.tool_calls += other.tool_calls
+        self.logprobs += other.logprobs
+
 
 @dataclass
 class Finished:

@@ -8,6 +8,7 @@ disk, and the last state written is always the newest. `flush()` waits for the q
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import logging
 import queue
@@ -61,6 +62,13 @@ class SessionDB:
             self._idle.clear()
         self._queue.put(item)
 
+    def written(self) -> concurrent.futures.Future:
+        """Done once every write queued so far is committed: a request awaits this (one
+        wake-up from the writer thread) rather than a thread of its own blocking in flush()."""
+        done: concurrent.futures.Future = concurrent.futures.Future()
+        self._put(("barrier", None, None, done))
+        return done
+
     def flush(self, timeout: float = 30.0) -> bool:
         return self._idle.wait(timeout)
 
@@ -77,7 +85,10 @@ class SessionDB:
                 return
             op, user, session_id, data = item
             try:
-                if op == "save":
+                if op == "barrier":
+                    if data.set_running_or_notify_cancel():  # False: the waiter gave up
+                        data.set_result(None)
+                elif op == "save":
                     self._conn.execute(
                         "INSERT INTO sessions (user, id, data) VALUES (?, ?, ?) "
                         "ON CONFLICT (user, id) DO UPDATE SET data = excluded.data",

@@ -35,6 +35,7 @@ writes the sessions, so that a crash between the two can lose neither.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import secrets
 import time
@@ -159,7 +160,8 @@ class SessionStore:
             else:
                 self._db.save(s.user, s.id, s.to_json())
         if dirty:
-            await asyncio.to_thread(self._db.flush, wait_s)
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(asyncio.wrap_future(self._db.written()), wait_s)
 
     def get(self, user: str, session_id: str) -> Session | None:
         return self._sessions.get((user, session_id))

@@ -43,6 +43,10 @@ _ADMITTED = object()  # in a turn's token queue: the engine took the request
 _END = object()  # in a turn's token queue: the engine finished
 
 
+def _is_token(item: object) -> bool:
+    return item is not _END and item is not _ADMITTED and not isinstance(item, BaseException)
+
+
 def engine_error(exc: EngineError) -> OpenAIError:
     """The engine's failure as the client should see it: 502/503/504 for an engine that is
     down, slow or broken (retry later), 400 for a request it refused."""
@@ -260,14 +264,18 @@ class TurnService:
         tokens: asyncio.Queue = asyncio.Queue()
         pump = asyncio.create_task(self._pump(prep, tokens), name=f"generate-{prep.id}")
         self.metrics.in_flight.inc()
+        held: Any = None  # taken from the queue behind a run of tokens, handled next
         with self.activity.request():
             try:
                 while True:
-                    try:
-                        item = await asyncio.wait_for(tokens.get(), self.keepalive_s)
-                    except asyncio.TimeoutError:
-                        yield StillWorking()
-                        continue
+                    if held is not None:
+                        item, held = held, None
+                    else:
+                        try:
+                            item = await asyncio.wait_for(tokens.get(), self.keepalive_s)
+                        except asyncio.TimeoutError:
+                            yield StillWorking()
+                            continue
                     if item is _END:
                         break
                     if isinstance(item, BaseException):
@@ -277,9 +285,19 @@ class TurnService:
                         continue
                     if not response_ids:
                         self.metrics.ttft.observe(time.monotonic() - prep.started)
-                    response_ids.append(item.token_id)
-                    sampled_logprobs.append(item.logprob)
-                    delta = decoder.push(item)
+                    delta = Delta()
+                    # Tokens that are already waiting go out together, as one chunk: when the
+                    # engine outpaces the client, one write per token is what costs most.
+                    while True:
+                        response_ids.append(item.token_id)
+                        sampled_logprobs.append(item.logprob)
+                        delta.extend(decoder.push(item))
+                        if decoder.stopped or tokens.empty():
+                            break
+                        item = tokens.get_nowait()
+                        if not _is_token(item):
+                            held = item
+                            break
                     if delta.content or delta.tool_calls:
                         yield delta
                     if decoder.stopped:

@@ -89,6 +89,22 @@ def test_first_chunk_arrives_before_generation_ends(scripted):
     assert arrivals[0] < total / 3, f"first content after {arrivals[0]:.2f}s of {total:.2f}s"
 
 
+def test_tokens_that_arrive_together_go_out_in_one_chunk_with_all_their_logprobs(scripted):
+    """An engine faster than the client: the ready tokens are joined, nothing is lost."""
+    server, engine = scripted
+    reply = "one two three four five six seven eight nine ten eleven twelve"
+    engine.script(reply)
+    client = server.client(server.key("alice"))
+    chunks = list(client.chat.completions.create(model="tiny", messages=HELLO, stream=True, logprobs=True))
+    content = [c.choices[0] for c in chunks if c.choices and c.choices[0].delta.content]
+    record = [r for r in server.records() if r["kind"] == "request"][-1]
+    assert "".join(c.delta.content for c in content) == reply == record["response"]["content"]
+    assert len(content) < len(record["response_ids"]), "ready tokens were sent one chunk each"
+    streamed = [e.logprob for c in content for e in c.logprobs.content]
+    assert streamed == pytest.approx(record["response_logprobs"][: len(streamed)])
+    assert len(streamed) >= len(record["response_ids"]) - 1  # all but a stop token
+
+
 def test_logprobs_have_openai_shape(server, alice):
     raw = alice.chat.completions.with_raw_response.create(
         model="tiny", messages=HELLO, max_tokens=6, logprobs=True, top_logprobs=3
