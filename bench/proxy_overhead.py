@@ -179,7 +179,9 @@ class Stack:
         self.tmp = tempfile.TemporaryDirectory()
         self.engine_url = None
         env = {"NEXTSTATE_DATA_DIR": self.tmp.name, "NEXTSTATE_MODEL": str(model_dir), "NEXTSTATE_SERVED_MODEL_NAME": "m",
-               "NEXTSTATE_LEARN": "0", "NEXTSTATE_LOG_LEVEL": "warning", "NEXTSTATE_MAX_CONCURRENT_GENERATIONS": "64"}
+               "NEXTSTATE_LEARN": "0", "NEXTSTATE_LOG_LEVEL": "warning", "NEXTSTATE_MAX_CONCURRENT_GENERATIONS": "64",
+               # one key drives every client here: its per-user limit would turn the load into 429s
+               "NEXTSTATE_MAX_PARALLEL_PER_USER": "1000"}
         try:
             if not in_process:
                 port = free_port()

@@ -25,6 +25,9 @@ class Metrics:
         self.transitions = Counter("nextstate_transitions", "Turns handed to the judge, by reason.", ["reason"], registry=r)
         self.judged = Counter("nextstate_judged_samples", "Judged turns by mode and outcome.", ["mode", "status"], registry=r)
         self.prompt_tokens = Counter("nextstate_prompt_tokens", "Prompt tokens processed.", registry=r)
+        self.prompt_tokens_cached = Counter(
+            "nextstate_prompt_tokens_cached", "Prompt tokens whose keys and values the engine had cached.", registry=r
+        )
         self.completion_tokens = Counter("nextstate_completion_tokens", "Tokens generated.", registry=r)
         self.ttft = Histogram("nextstate_time_to_first_token_seconds", "Time to first token.", buckets=_LATENCY_BUCKETS, registry=r)
         self.latency = Histogram("nextstate_request_seconds", "Whole request latency.", buckets=_LATENCY_BUCKETS, registry=r)

@@ -121,6 +121,7 @@ class ModelRunner:
         if hit is None or hit.length <= job.fed:
             return
         self.prefix.note_reused(hit.length - job.fed)
+        job.cached += hit.length - job.fed
         job.cache = kv_cache.to_cache(hit.kv)
         job.fed = hit.length
 
@@ -172,7 +173,7 @@ class ModelRunner:
             finish = "stop"
         elif produced >= job.sampling.max_new_tokens or len(job.input_ids) + produced >= self.info.max_context:
             finish = "length"
-        job.deliver(GeneratedToken(token, logprob, top, finish))
+        job.deliver(GeneratedToken(token, logprob, top, finish, job.cached if produced == 1 else None))
         return finish is not None
 
     def _collect_scores(self, job: Job, logits: torch.Tensor, first: int) -> bool:

@@ -50,6 +50,7 @@ class Job:
     cache: Any = None
     last_token: int | None = None
     fed: int = 0  # prompt tokens already through the model
+    cached: int = 0  # ... of which were taken from the prefix cache
     # A scoring job (the judge's teacher pass): logprobs of input_ids[score_from:], no sampling.
     score_from: int | None = None
     score_temperature: float = 1.0

@@ -32,6 +32,7 @@ timeout) only while that is safe: before any token reached the caller.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 from collections.abc import AsyncIterator, Callable
@@ -200,10 +201,12 @@ class SGLangEngine:
                         return
                     event = self._parse(data)
                     tokens, finish = self._new_tokens(event, seen)
+                    if not seen and tokens and isinstance(event["meta_info"].get("cached_tokens"), int):
+                        tokens[0] = dataclasses.replace(tokens[0], cached_prompt_tokens=event["meta_info"]["cached_tokens"])
                     for i, token in enumerate(tokens):
                         seen += 1
                         last = i == len(tokens) - 1
-                        yield token if not (last and finish) else GeneratedToken(token.token_id, token.logprob, token.top_logprobs, finish)
+                        yield dataclasses.replace(token, finish_reason=finish) if last and finish else token
                     if finish:
                         return
         except httpx.TimeoutException as exc:

@@ -63,14 +63,18 @@ class Finished:
     logprobs: list[TokenLogprob]
     prompt_tokens: int
     completion_tokens: int
+    cached_tokens: int | None = None  # prompt tokens the engine had cached, if it says
 
     @property
-    def usage(self) -> dict[str, int]:
-        return {
+    def usage(self) -> dict[str, Any]:
+        usage: dict[str, Any] = {
             "prompt_tokens": self.prompt_tokens,
             "completion_tokens": self.completion_tokens,
             "total_tokens": self.prompt_tokens + self.completion_tokens,
         }
+        if self.cached_tokens is not None:
+            usage["prompt_tokens_details"] = {"cached_tokens": self.cached_tokens}
+        return usage
 
     def message(self) -> dict[str, Any]:
         """The assistant message as OpenAI's chat shape has it: what sessions chain on and
@@ -146,7 +150,7 @@ class Decoder:
             self.finish_reason = "tool_calls"
         return tail
 
-    def finished(self, prompt_tokens: int, completion_tokens: int) -> Finished:
+    def finished(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None) -> Finished:
         return Finished(
             finish_reason=self.finish_reason,
             content="".join(self._content),
@@ -154,6 +158,7 @@ class Decoder:
             logprobs=self._logprobs,
             prompt_tokens=prompt_tokens,
             completion_tokens=completion_tokens,
+            cached_tokens=cached_tokens,
         )
 
     def _absorb(self, text: str, out: Delta | None = None) -> Delta:

@@ -265,6 +265,7 @@ class TurnService:
         pump = asyncio.create_task(self._pump(prep, tokens), name=f"generate-{prep.id}")
         self.metrics.in_flight.inc()
         held: Any = None  # taken from the queue behind a run of tokens, handled next
+        cached: int | None = None
         with self.activity.request():
             try:
                 while True:
@@ -285,6 +286,7 @@ class TurnService:
                         continue
                     if not response_ids:
                         self.metrics.ttft.observe(time.monotonic() - prep.started)
+                        cached = item.cached_prompt_tokens
                     delta = Delta()
                     # Tokens that are already waiting go out together, as one chunk: when the
                     # engine outpaces the client, one write per token is what costs most.
@@ -308,7 +310,7 @@ class TurnService:
                 with contextlib.suppress(asyncio.CancelledError):
                     await pump
         tail = decoder.flush()
-        done = decoder.finished(len(prep.prompt.ids), len(response_ids))
+        done = decoder.finished(len(prep.prompt.ids), len(response_ids), cached)
         if request.forced_tool_call and not done.tool_calls:
             raise OpenAIError(
                 400,
@@ -352,6 +354,7 @@ class TurnService:
         """Record the request and, for a main turn, hand its tokens to the session."""
         plan, message, request = prep.plan, done.message(), prep.request
         self.metrics.prompt_tokens.inc(done.prompt_tokens)
+        self.metrics.prompt_tokens_cached.inc(done.cached_tokens or 0)
         self.metrics.completion_tokens.inc(done.completion_tokens)
         self.metrics.latency.observe(time.monotonic() - prep.started)
         record: dict[str, Any] = {

@@ -89,6 +89,20 @@ def test_first_chunk_arrives_before_generation_ends(scripted):
     assert arrivals[0] < total / 3, f"first content after {arrivals[0]:.2f}s of {total:.2f}s"
 
 
+def test_usage_says_how_much_of_the_prompt_was_cached(server, alice):
+    """The next request of a conversation is prefilled from the last one's KV cache."""
+    messages = [{"role": "system", "content": "You are terse. " * 20}, *HELLO]
+    first = alice.chat.completions.create(model="tiny", messages=messages, max_tokens=8, temperature=0)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    messages += [{"role": "assistant", "content": first.choices[0].message.content},
+                 {"role": "user", "content": "And then?"}]
+    stream = alice.chat.completions.create(
+        model="tiny", messages=messages, max_tokens=8, stream=True, stream_options={"include_usage": True})
+    usage = list(stream)[-1].usage
+    assert_valid("CompletionUsage", usage.model_dump(exclude_unset=True))
+    assert first.usage.prompt_tokens < usage.prompt_tokens_details.cached_tokens < usage.prompt_tokens
+
+
 def test_tokens_that_arrive_together_go_out_in_one_chunk_with_all_their_logprobs(scripted):
     """An engine faster than the client: the ready tokens are joined, nothing is lost."""
     server, engine = scripted

@@ -269,10 +269,23 @@ class Choice(BaseModel):
     finish_reason: str
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
+
+    @model_serializer(mode="wrap")
+    def _without_unknown_details(self, handler: Any) -> dict[str, Any]:
+        """An engine that does not say what it had cached leaves the field out, not null."""
+        data = handler(self)
+        if data.get("prompt_tokens_details") is None:
+            data.pop("prompt_tokens_details", None)
+        return data
 
 
 class ChatCompletionResponse(BaseModel):
