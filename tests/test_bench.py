@@ -135,3 +135,13 @@ def test_learner_memory_measures_an_update_on_a_model_built_from_a_config():
     rows = measure("tiny", [64], 2, "cpu")
     assert rows[0]["error"] is None and rows[0]["seconds"] > 0 and rows[0]["peak_gib"] > 0
     assert "tiny 64 tok x2" in headline({"rows": rows})
+
+
+def test_engine_throughput_runs_every_level_in_both_modes(tiny_model_dir):
+    import asyncio
+
+    from bench.engine_throughput import LEVELS, throughput
+
+    for batching in (True, False):
+        out = asyncio.run(throughput(tiny_model_dir, "cpu", batching, max_tokens=4, rounds=1))
+        assert set(out) == {str(level) for level in LEVELS} and all(rate > 0 for rate in out.values())
