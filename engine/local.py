@@ -222,13 +222,15 @@ class LocalEngine:
                 log.exception("generation failed")
                 for job in rows:
                     job.deliver(EngineError(f"generation failed: {exc}"))
-                finished = rows
+                    self._finish(job, keep=False)
+                continue
             for job in finished:
                 self._finish(job)
         for job in alone:
             self._step(job)
 
     def _step(self, job: Job) -> None:
+        keep = True
         try:
             done = self.runner.step(job)
         except EngineError as exc:  # refused (a schema that cannot be compiled): the caller's fault
@@ -237,13 +239,13 @@ class LocalEngine:
         except Exception as exc:  # noqa: BLE001 - a failing request must not kill the worker
             log.exception("generation failed")
             job.deliver(EngineError(f"generation failed: {exc}"))
-            done = True
+            done, keep = True, False
         if done:
-            self._finish(job)
+            self._finish(job, keep)
 
-    def _finish(self, job: Job) -> None:
+    def _finish(self, job: Job, keep: bool = True) -> None:
         try:
-            self.runner.release(job)
+            self.runner.release(job, keep)
         except Exception:  # noqa: BLE001 - keeping a cache is an optimisation; serving goes on
             log.exception("could not keep a finished sequence's cache")
             job.batch = None

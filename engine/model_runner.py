@@ -144,8 +144,10 @@ class ModelRunner:
 
     # ------------------------------------------------------------- shared
 
-    def release(self, job: Job) -> None:
-        """The job is over (finished, failed or cancelled): its cache goes to the prefix cache."""
+    def release(self, job: Job, keep: bool = True) -> None:
+        """The job is over (finished, failed or cancelled): its cache goes to the prefix cache,
+        unless `keep` is False (a forward pass failed half-way: some layers may hold a
+        position the others lack, and such a cache must never be reused)."""
         if job.batch is not None:
             batch = job.batch
             kv = batch.leave([job])[job]
@@ -156,9 +158,11 @@ class ModelRunner:
         else:
             kv = None
         job.cache = None
-        if kv is not None and (job.adapter is None or job.adapter in self.adapters):
-            n = kv_cache.length(kv)
-            self.prefix.put(job.adapter, (job.input_ids + job.output_ids)[:n], kv)
+        if not keep or kv is None or not (job.adapter is None or job.adapter in self.adapters):
+            return
+        n, ids = kv_cache.length(kv), job.input_ids + job.output_ids
+        if n <= len(ids) and all(keys.shape[2] == values.shape[2] == n for keys, values in kv):
+            self.prefix.put(job.adapter, ids[:n], kv)
 
     def _sample(self, job: Job, logits: torch.Tensor) -> bool:
         allowed = job.constraint.apply(logits) if job.constraint is not None else None

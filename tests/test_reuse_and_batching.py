@@ -184,3 +184,28 @@ def test_prefix_cache_bookkeeping():
     assert len(cache) == 1 and cache.longest(None, [1, 2], 5) is None
     cache.put(None, list(range(50)), kv(50))  # larger than the whole budget: not kept
     assert cache.longest(None, list(range(50)), 50) is None
+
+
+@pytest.mark.parametrize("fail_on_call", [1, 3])  # in the prefill, in a batched step
+async def test_a_step_that_fails_half_way_leaves_no_cache_behind(fast, plain, fail_on_call):
+    """Layers before the failing one have appended a position the rest lack: never reused."""
+    from nextstate.engine.base import EngineError
+
+    last = fast.runner.adapters.model.model.layers[-1]
+    forward, calls = last.forward, {"n": 0}
+
+    def flaky(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == fail_on_call:
+            raise RuntimeError("boom")
+        return forward(*args, **kwargs)
+
+    prompt, params = list(range(5, 40)), SamplingParams(max_new_tokens=10, temperature=1.0, seed=2)
+    last.forward = flaky
+    try:
+        with pytest.raises(EngineError, match="boom"):
+            await run(fast, prompt, params)
+    finally:
+        last.forward = forward
+    assert fast.runner.prefix.longest(None, prompt, len(prompt)) is None
+    assert_same(await run(fast, prompt, params), await run(plain, prompt, params))
