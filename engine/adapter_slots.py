@@ -31,6 +31,8 @@ from nextstate.engine.base import EngineError, UnknownAdapterError
 
 # Freed slots kept for the next versions; more are deleted (their memory given back).
 MAX_FREE_SLOTS = 2
+# peft's name for "no adapter" in a mixed batch (`adapter_names=`).
+BASE_ROW = "__base__"
 _LORA_KEY = re.compile(r"\.(lora_[AB])\.weight$")
 
 
@@ -120,6 +122,16 @@ class AdapterSlots:
             self._peft.set_adapter(slot)
             self._active = slot
         return contextlib.nullcontext()
+
+    def row_names(self, names: list[str | None]) -> list[str] | None:
+        """peft's per-row adapter names for a batch mixing `names` (None: the base model), or
+        None when all rows use one and `use` routes the whole pass."""
+        if self._peft is None or len(set(names)) == 1:
+            return None
+        for name in names:
+            if name is not None and name not in self._served:
+                raise UnknownAdapterError(f"adapter {name!r} is not loaded")
+        return [BASE_ROW if name is None else self._served[name].slot for name in names]
 
     def load(self, name: str, path: str, files: AdapterFiles) -> None:
         if name in self._served:

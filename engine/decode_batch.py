@@ -2,7 +2,9 @@
 
 On 2 CPU cores one SmolLM2 decoding step costs about as much for eight sequences as for one
 (the time goes to reading the weights and to Python, not to arithmetic), so concurrent streams
-and the judge's m votes on a turn advance together, one token each per pass. Sequences join
+and the judge's m votes on a turn advance together, one token each per pass. Rows may use
+different adapters (every user has their own): peft then applies each row's LoRA to its row
+(`adapter_names=`), so users of different versions still share the pass. Sequences join
 after their prompt is prefilled and leave when they finish or are cancelled, between steps
 (continuous batching).
 
@@ -30,7 +32,6 @@ from nextstate.engine.kv_cache import KV
 
 @dataclass(eq=False)
 class DecodeBatch:
-    adapter: str | None
     background: bool
     rows: list = field(default_factory=list)  # Jobs, in the order of the cache's rows
     pads: list[int] = field(default_factory=list)  # left padding of each row

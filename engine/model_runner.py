@@ -2,8 +2,8 @@
 
 A job's prompt goes through the model on its own (prefill: all at once for users, in short
 chunks in the background), starting from the longest prefix the `PrefixCache` already holds.
-Once its first token is sampled, a generation joins the `DecodeBatch` of its adapter and
-decodes in one forward pass with the others (`step_batch`). When a job ends its cache goes back
+Once its first token is sampled, a generation joins the `DecodeBatch` (users', or background
+work's) and decodes in one forward pass with the others, whatever their adapters (`step_batch`). When a job ends its cache goes back
 to the prefix cache, so the conversation's next request, or the judge's pass over the same
 turn, prefills only what is new. Sampling and scoring take their logprobs from
 `modelio.logprobs`, the definition the learner trains with.
@@ -54,7 +54,7 @@ class ModelRunner:
         self.constraints = ConstraintCompiler(model_dir)
         self.prefix = PrefixCache(kv_cache_mb * 2**20)
         self.batching = batching
-        self._batches: dict[tuple[str | None, bool], DecodeBatch] = {}
+        self._batches: dict[bool, DecodeBatch] = {}  # users', and background work's
         self.stats = RunnerStats()
         self.info = EngineInfo(
             model_name=model_dir.name,
@@ -103,10 +103,9 @@ class ModelRunner:
             return False  # more of the prompt to feed before the first token
         finished = self._sample(job, out.logits[0, -1])
         if not finished and self.batching and kv_cache.reusable(job.cache):
-            key = (job.adapter, job.background)
-            batch = self._batches.get(key)
+            batch = self._batches.get(job.background)
             if batch is None:
-                batch = self._batches[key] = DecodeBatch(job.adapter, job.background)
+                batch = self._batches[job.background] = DecodeBatch(job.background)
             batch.join(job, kv_cache.tensors(job.cache))
             job.cache = None
         return finished
@@ -129,8 +128,13 @@ class ModelRunner:
 
     def step_batch(self, batch: DecodeBatch) -> list[Job]:
         """One decoding step for every row of `batch`; returns the jobs that finished."""
-        with self.adapters.use(batch.adapter):
-            out = self.adapters.model(**batch.inputs(self.device), use_cache=True, logits_to_keep=1)
+        adapters = [job.adapter for job in batch.rows]
+        row_names = self.adapters.row_names(adapters)
+        if row_names is None:  # one adapter for every row: routed as for a single job
+            with self.adapters.use(adapters[0]):
+                out = self.adapters.model(**batch.inputs(self.device), use_cache=True, logits_to_keep=1)
+        else:  # several: peft applies each row's LoRA to its own row
+            out = self.adapters.model(**batch.inputs(self.device), use_cache=True, logits_to_keep=1, adapter_names=row_names)
         batch.advanced()
         self.stats.forward_passes += 1
         self.stats.decoded_rows += len(batch.rows)
@@ -152,7 +156,7 @@ class ModelRunner:
             batch = job.batch
             kv = batch.leave([job])[job]
             if not batch.rows:
-                self._batches.pop((batch.adapter, batch.background), None)
+                self._batches.pop(batch.background, None)
         elif job.cache is not None and kv_cache.reusable(job.cache):
             kv = kv_cache.tensors(job.cache)
         else:

@@ -117,7 +117,7 @@ async def test_a_cancelled_row_leaves_the_batch_and_the_others_go_on(fast, plain
     assert_same(got, await run(plain, list(range(5, 30)), params))
 
 
-async def test_adapters_batch_apart(fast, plain, tiny_model_dir, tmp_path):
+async def test_rows_of_different_adapters_share_a_pass_and_keep_their_own_results(fast, plain, tiny_model_dir, tmp_path):
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
@@ -128,10 +128,14 @@ async def test_adapters_batch_apart(fast, plain, tiny_model_dir, tmp_path):
     for engine in (fast, plain):
         await engine.load_adapter("a", str(tmp_path / "a"))
     prompt, params = list(range(5, 50)), SamplingParams(max_new_tokens=15, temperature=1.0, seed=4)
-    want = [await run(plain, prompt, params, adapter) for adapter in (None, "a")]
-    got = await asyncio.gather(*(run(fast, prompt, params, adapter) for adapter in (None, "a")))
+    adapters = (None, "a", None, "a")
+    want = [await run(plain, prompt, params, adapter) for adapter in adapters]
+    assert want[0][0] != want[1][0], "the adapter changes what is sampled"
+    passes = fast.runner.stats.forward_passes
+    got = await asyncio.gather(*(run(fast, prompt, params, adapter) for adapter in adapters))
     for g, w in zip(got, want, strict=True):
         assert_same(g, w)
+    assert fast.runner.stats.forward_passes - passes < 15 + 4 + 5, "the adapters decoded apart"
     # the adapter's cache is dropped with it: a reloaded name never meets stale keys and values
     await fast.unload_adapter("a")
     assert all(entry.adapter is None for entry in fast.runner.prefix._entries)
