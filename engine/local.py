@@ -4,8 +4,8 @@ One worker thread owns the model. Every generation, score and adapter change is 
 queue, so nothing ever touches the model concurrently (no interleaving corruption) and the
 asyncio loop never blocks on a forward pass. Each round of the worker loop takes new jobs,
 lets the `Scheduler` pick who runs (users first, background work in short steps), and has the
-`ModelRunner` advance them: every decoding generation of an adapter by one token in one
-batched forward pass, each prompt still being prefilled by one pass of its own. Concurrent
+`ModelRunner` advance them: every decoding generation by one token in one batched forward
+pass (whatever its adapter), each prompt still being prefilled by one pass of its own. Concurrent
 streams thus all make progress, and a long generation cannot starve a short one.
 """
 
