@@ -88,13 +88,15 @@ class StopStringMatcher:
         self._stops = [s for s in stops if s]
         self._held = ""
         self.stopped = False
+        self.matched: str | None = None  # the stop string that ended the text
 
     def push(self, text: str) -> str:
         if self.stopped or not self._stops:
             return "" if self.stopped else text
         buf = self._held + text
-        cut = min((i for i in (buf.find(s) for s in self._stops) if i >= 0), default=-1)
-        if cut >= 0:
+        found = [(i, s) for s in self._stops if (i := buf.find(s)) >= 0]
+        if found:
+            cut, self.matched = min(found, key=lambda pair: pair[0])
             self.stopped = True
             self._held = ""
             return buf[:cut]

@@ -29,6 +29,8 @@ from nextstate.proxy import access_log
 from nextstate.proxy.body_limit import BodyLimitMiddleware
 from nextstate.proxy.chat_completion.api_router import router as chat_router
 from nextstate.proxy.chat_completion.serving import ChatCompletionServing
+from nextstate.proxy.messages.api_router import router as messages_router
+from nextstate.proxy.messages.serving import MessagesServing
 from nextstate.proxy.turns import TurnService
 from nextstate.proxy.errors import install_error_handlers
 from nextstate.proxy.keys import KeyStore
@@ -194,6 +196,7 @@ def create_app(settings: Settings | None = None, *, engine_factory: EngineFactor
         app.state.samples = samples
         app.state.turns = turns
         app.state.chat = ChatCompletionServing(turns)
+        app.state.messages = MessagesServing(turns)
         app.state.forget_user = lambda user: forget_online(app.state, user)
         sweeper = asyncio.create_task(_sweep(sessions, metrics), name="session-sweeper")
         background = [sweeper]
@@ -230,6 +233,7 @@ def create_app(settings: Settings | None = None, *, engine_factory: EngineFactor
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.server.max_body_bytes)
     install_error_handlers(app)
     app.include_router(chat_router)
+    app.include_router(messages_router)
     app.include_router(info_router)
     app.include_router(session_router)
     app.include_router(feedback_router)

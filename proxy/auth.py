@@ -1,4 +1,4 @@
-"""Bearer-key authentication as FastAPI dependencies."""
+"""API-key authentication as FastAPI dependencies: a bearer token, or Anthropic's x-api-key."""
 
 from __future__ import annotations
 
@@ -18,12 +18,17 @@ def bearer_secret(request: Request) -> str | None:
     return secret.strip() if scheme.lower() == "bearer" and secret.strip() else None
 
 
+def request_secret(request: Request) -> str | None:
+    """The key of a request: a bearer token (OpenAI's clients), or `x-api-key` (Anthropic's)."""
+    return bearer_secret(request) or request.headers.get("x-api-key", "").strip() or None
+
+
 async def authenticate(request: Request) -> ApiKey:
-    secret = bearer_secret(request)
+    secret = request_secret(request)
     if secret is None:
         raise OpenAIError(
             401,
-            "You didn't provide an API key. Send it as 'Authorization: Bearer <key>'; "
+            "You didn't provide an API key. Send it as 'Authorization: Bearer <key>' (or 'x-api-key: <key>'); "
             "create one with 'nextstate keys create --user NAME'.",
             code="missing_api_key",
             headers=_WWW,

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from nextstate.proxy.errors import OpenAIError
+from nextstate.proxy.errors import ANTHROPIC_ROUTES, OpenAIError
 
 
 def too_large(limit: int) -> OpenAIError:
@@ -31,7 +31,8 @@ class BodyLimitMiddleware:
             return
         declared = dict(scope.get("headers") or []).get(b"content-length", b"")
         if declared.isdigit() and int(declared) > self.max_bytes:
-            await too_large(self.max_bytes).response()(scope, receive, send)
+            anthropic = str(scope.get("path", "")).startswith(ANTHROPIC_ROUTES)
+            await too_large(self.max_bytes).response(anthropic)(scope, receive, send)
             return
         received = 0
 

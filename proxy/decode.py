@@ -64,6 +64,7 @@ class Finished:
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int | None = None  # prompt tokens the engine had cached, if it says
+    stop_sequence: str | None = None  # the request's stop string that ended the reply
 
     @property
     def usage(self) -> dict[str, Any]:
@@ -159,6 +160,7 @@ class Decoder:
             prompt_tokens=prompt_tokens,
             completion_tokens=completion_tokens,
             cached_tokens=cached_tokens,
+            stop_sequence=self._stops.matched,
         )
 
     def _absorb(self, text: str, out: Delta | None = None) -> Delta:

@@ -1,8 +1,10 @@
-"""Every error leaves in OpenAI's shape: {"error": {"message", "type", "param", "code"}}.
+"""Every error leaves in OpenAI's shape: {"error": {"message", "type", "param", "code"}}, or,
+under Anthropic's routes (/v1/messages), in Anthropic's: {"type": "error", "error": {"type",
+"message"}}.
 
-Clients written against OpenAI (the official SDKs among them) parse this shape to raise the
-right exception class, so a 500 with a stack trace or FastAPI's own `{"detail": ...}` would
-surface as an unhelpful error in the user's agent.
+Clients written against OpenAI or Anthropic (the official SDKs among them) parse their shape to
+raise the right exception class, so a 500 with a stack trace or FastAPI's own `{"detail": ...}`
+would surface as an unhelpful error in the user's agent.
 """
 
 from __future__ import annotations
@@ -40,8 +42,21 @@ class OpenAIError(Exception):
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
-    def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+    def anthropic_body(self) -> dict:
+        kind = _ANTHROPIC_TYPES.get(self.status, "api_error" if self.status >= 500 else "invalid_request_error")
+        return {"type": "error", "error": {"type": kind, "message": self.message}}
+
+    def response(self, anthropic: bool = False) -> JSONResponse:
+        body = self.anthropic_body() if anthropic else self.body()
+        return JSONResponse(body, status_code=self.status, headers=self.headers)
+
+
+# Anthropic's error types by HTTP status (docs.anthropic.com, "Errors").
+_ANTHROPIC_TYPES = {
+    400: "invalid_request_error", 401: "authentication_error", 403: "permission_error", 404: "not_found_error",
+    413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error",
+}
+ANTHROPIC_ROUTES = "/v1/messages"
 
 
 def invalid_request(message: str, param: str | None = None, code: str | None = None) -> OpenAIError:
@@ -94,7 +109,7 @@ def refused(request: Request, error: OpenAIError) -> JSONResponse:
                 "status": error.status, "code": error.code, "param": error.param, "message": error.message[:500],
             },
         )
-    return error.response()
+    return error.response(anthropic=request.url.path.startswith(ANTHROPIC_ROUTES))
 
 
 def install_error_handlers(app: FastAPI) -> None:

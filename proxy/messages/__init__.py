@@ -1,0 +1,1 @@
+"""`POST /v1/messages` (Anthropic): routes (api_router), wire models (protocol), serving."""

@@ -1,0 +1,24 @@
+"""Anthropic's Messages route: authenticate (x-api-key or a bearer key), parse, prepare, then
+answer or stream; errors leave in Anthropic's shape (proxy/errors.py)."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import Response
+
+from nextstate.proxy.auth import authenticate
+from nextstate.proxy.keys import ApiKey
+from nextstate.proxy.messages.protocol import MessagesRequest
+from nextstate.proxy.messages.serving import MessagesServing
+from nextstate.proxy.request_body import read_model, request_body_schema
+from nextstate.proxy.turn_response import turn_response
+
+router = APIRouter()
+
+
+@router.post("/v1/messages", openapi_extra=request_body_schema(MessagesRequest))
+async def messages(request: Request, key: ApiKey = Depends(authenticate)) -> Response:
+    body = await read_model(request, MessagesRequest)
+    serving: MessagesServing = request.app.state.messages
+    prep = await serving.prepare(body, request.headers, key)
+    return await turn_response(request, prep, bool(body.stream), lambda: serving.stream(prep), lambda: serving.complete(prep))

@@ -1,0 +1,69 @@
+"""The HTTP side of serving one turn, shared by every API's route: answer or stream, count it,
+and record a reply whose client left before its end (never committed, so never trained)."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from nextstate.proxy.errors import OpenAIError
+from nextstate.proxy.request_body import ClientGone, unless_disconnected
+from nextstate.proxy.turns import PreparedTurn
+
+
+async def turn_response(
+    request: Request,
+    prep: PreparedTurn,
+    stream: bool,
+    events: Callable[[], AsyncIterator[str]],
+    complete: Callable[[], Awaitable[dict[str, Any]]],
+) -> Response:
+    """A JSON reply, or an SSE stream whose first event is awaited here, so that an engine
+    failure before the first token keeps its HTTP status."""
+    requests = request.app.state.metrics.requests
+    stream_label = "true" if stream else "false"
+    try:
+        if stream:
+            lines = events()
+            first = await anext(lines)
+        else:
+            result = await unless_disconnected(request, complete())
+    except OpenAIError as exc:
+        requests.labels(str(exc.status), stream_label).inc()
+        raise
+    except ClientGone:
+        aborted(request, prep, "the client disconnected before its reply was ready")
+        return Response(status_code=499)  # nobody reads it: the connection is gone
+    requests.labels("200", stream_label).inc()
+    if not stream:
+        return JSONResponse(result, headers=prep.headers)
+
+    async def body() -> AsyncIterator[str]:
+        finished = False
+        try:
+            yield first
+            async for line in lines:
+                yield line
+            finished = True
+        finally:
+            if not finished:  # the client went away (or the server is stopping): nothing is trained
+                aborted(request, prep, "the client closed the stream before its end")
+
+    return StreamingResponse(
+        body(), media_type="text/event-stream",
+        headers={**prep.headers, "Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+    )
+
+
+def aborted(request: Request, prep: PreparedTurn, reason: str) -> None:
+    """A reply whose client left: counted and recorded; it was never committed, so never trained."""
+    request.app.state.metrics.aborted.labels(prep.plan.turn_type).inc()
+    request.app.state.records.write(
+        "aborted",
+        {"id": prep.id, "user": prep.key.user, "session_id": prep.plan.session_id, "turn_type": prep.plan.turn_type,
+         "turn_index": prep.plan.turn_index, "reason": reason},
+        version=prep.policy.version,
+    )
