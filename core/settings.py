@@ -375,6 +375,10 @@ class Settings(BaseModel):
         return self.data_dir / "sessions.sqlite3"
 
     @property
+    def responses_db(self) -> Path:
+        return self.data_dir / "responses.sqlite3"
+
+    @property
     def adapters_dir(self) -> Path:
         return self.data_dir / "adapters"
 

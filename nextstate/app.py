@@ -31,6 +31,9 @@ from nextstate.proxy.chat_completion.api_router import router as chat_router
 from nextstate.proxy.chat_completion.serving import ChatCompletionServing
 from nextstate.proxy.messages.api_router import router as messages_router
 from nextstate.proxy.messages.serving import MessagesServing
+from nextstate.proxy.responses.api_router import router as responses_router
+from nextstate.proxy.responses.serving import ResponsesServing
+from nextstate.proxy.responses.store import ResponseStore
 from nextstate.proxy.turns import TurnService
 from nextstate.proxy.errors import install_error_handlers
 from nextstate.proxy.keys import KeyStore
@@ -197,6 +200,8 @@ def create_app(settings: Settings | None = None, *, engine_factory: EngineFactor
         app.state.turns = turns
         app.state.chat = ChatCompletionServing(turns)
         app.state.messages = MessagesServing(turns)
+        responses = ResponseStore(settings.responses_db)
+        app.state.responses = ResponsesServing(turns, responses)
         app.state.forget_user = lambda user: forget_online(app.state, user)
         sweeper = asyncio.create_task(_sweep(sessions, metrics), name="session-sweeper")
         background = [sweeper]
@@ -223,6 +228,7 @@ def create_app(settings: Settings | None = None, *, engine_factory: EngineFactor
             await engine.close()
             samples.close()
             keys.close()
+            responses.close()
 
     docs = settings.server.docs  # off by default: the API's shape is no business of strangers
     app = FastAPI(
@@ -234,6 +240,7 @@ def create_app(settings: Settings | None = None, *, engine_factory: EngineFactor
     install_error_handlers(app)
     app.include_router(chat_router)
     app.include_router(messages_router)
+    app.include_router(responses_router)
     app.include_router(info_router)
     app.include_router(session_router)
     app.include_router(feedback_router)

@@ -1,4 +1,4 @@
-"""Forgetting a user: their keys, sessions, records, samples and own adapters, deleted.
+"""Forgetting a user: their keys, sessions, records, samples, stored responses and own adapters, deleted.
 
 Online (`DELETE /v1/admin/users/{name}`, admin key) through the running components, so nothing
 writes while their data goes; or offline (`nextstate forget --user NAME`) on the data dir of a
@@ -21,6 +21,7 @@ from nextstate.core.sample_store import SampleStore
 from nextstate.core.settings import Settings
 from nextstate.learner.versions import AdapterVersions
 from nextstate.proxy.keys import KeyStore
+from nextstate.proxy.responses.store import ResponseStore
 from nextstate.proxy.session_db import SessionDB
 
 log = logging.getLogger(__name__)
@@ -39,8 +40,9 @@ async def forget_online(state: Any, user: str) -> dict[str, Any]:
     await state.judge.drain(timeout=30)  # what is being judged for them lands, then goes
     samples = await asyncio.to_thread(state.samples.forget, user)
     records = await state.records.purge(_of(user))
+    responses = await asyncio.to_thread(state.responses.store.forget, user)
     adapters = await state.learner.forget(user) if state.learner is not None else False
-    return _summary(user, keys, sessions, samples, records, adapters, state.settings.learner.adapter_scope)
+    return _summary(user, keys, sessions, samples, records, adapters, state.settings.learner.adapter_scope, responses)
 
 
 def forget_offline(settings: Settings, user: str) -> dict[str, Any]:
@@ -61,15 +63,20 @@ def forget_offline(settings: Settings, user: str) -> dict[str, Any]:
     finally:
         store.close()
     records = purge_records(settings.records_dir, _of(user)) if settings.records_dir.is_dir() else 0
+    stored = ResponseStore(settings.responses_db)
+    try:
+        responses = stored.forget(user)
+    finally:
+        stored.close()
     scope_root = AdapterVersions(settings.adapters_dir).scope_root(user)
     adapters = scope_root.is_dir()
     shutil.rmtree(scope_root, ignore_errors=True)
-    return _summary(user, deleted_keys, sessions, samples, records, adapters, settings.learner.adapter_scope)
+    return _summary(user, deleted_keys, sessions, samples, records, adapters, settings.learner.adapter_scope, responses)
 
 
-def _summary(user, keys, sessions, samples, records, adapters, scope) -> dict[str, Any]:
+def _summary(user, keys, sessions, samples, records, adapters, scope, responses=0) -> dict[str, Any]:
     out = {"object": "user.forgotten", "user": user, "keys": keys, "sessions": sessions, "samples": samples,
-           "records": records, "adapter_deleted": bool(adapters)}
+           "records": records, "responses": responses, "adapter_deleted": bool(adapters)}
     if scope == "shared":
         out["note"] = SHARED_NOTE
     return out
@@ -114,6 +121,8 @@ async def keep_for(state: Any, days: float, every_s: float = 6 * 3600) -> None:
         cutoff = time.time() - days * 86400
         records = await state.records.purge(lambda record: record.get("ts", cutoff) >= cutoff)
         samples = await asyncio.to_thread(state.samples.expire, cutoff)
-        if records or samples:
-            log.info("retention (%g days): deleted %d records and %d samples and transitions", days, records, samples)
+        responses = await asyncio.to_thread(state.responses.store.expire, cutoff)
+        if records or samples or responses:
+            log.info("retention (%g days): deleted %d records, %d samples and transitions, %d stored responses",
+                     days, records, samples, responses)
         await asyncio.sleep(every_s)

@@ -10,7 +10,9 @@ import anthropic
 import httpx
 import pytest
 
-from tests.conftest import scripted_factory
+from tests.turn_summary import (
+    CALL_TEXT, FIRST, FOLLOW_UPS, SYSTEM, TOOL_RESULT, WEATHER, conversation_summary, judged_scripted_server, play_chat,
+)
 
 HELLO = [{"role": "user", "content": "Say hello."}]
 WEATHER_TOOL = {
@@ -18,7 +20,6 @@ WEATHER_TOOL = {
     "description": "The weather in a city.",
     "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
 }
-CALL_TEXT = 'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
 
 
 def claude(server, key: str | None = None, **kwargs) -> anthropic.Anthropic:
@@ -132,58 +133,25 @@ def test_the_same_conversation_through_both_apis_gives_the_same_sessions_transit
     server_factory, judge,
 ):
     """Turn for turn: identical prompt ids, sessions, next states and judged samples."""
-    factory, holder = scripted_factory()
-    server = server_factory(engine_factory=factory, judge_base_url=judge.base_url, judge_model="judge", prm_votes=3)
-    replies = [CALL_TEXT, "It is sunny in Paris.", "Bonjour !", "You are welcome."]
-    holder["engine"].script(*replies, *replies)
-    system, tools = "You are a helpful assistant.", [WEATHER_TOOL]
-
-    chat = server.client(server.key("chat-user"))
-    messages = [{"role": "system", "content": system}, {"role": "user", "content": "Weather in Paris?"}]
-    openai_tools = [{"type": "function", "function": {"name": t["name"], "description": t["description"],
-                                                      "parameters": t["input_schema"]}} for t in tools]
-    for follow_up in ("tool", "No, say it in French.", "Thanks, that's great!", None):
-        reply = chat.chat.completions.create(model="tiny", messages=messages, tools=openai_tools, max_tokens=60)
-        message = reply.choices[0].message
-        messages.append(message.model_dump(exclude_none=True))
-        if follow_up == "tool":
-            messages.append({"role": "tool", "tool_call_id": message.tool_calls[0].id, "content": "22 C, sunny"})
-        elif follow_up:
-            messages.append({"role": "user", "content": follow_up})
-
+    server = judged_scripted_server(server_factory, judge)
+    play_chat(server, "chat-user")
     client = claude(server, server.key("claude-user"))
-    messages = [{"role": "user", "content": "Weather in Paris?"}]
-    for follow_up in ("tool", "No, say it in French.", "Thanks, that's great!", None):
-        reply = client.messages.create(model="tiny", system=system, messages=messages, tools=tools, max_tokens=60)
+    tools = [{"name": WEATHER["name"], "description": WEATHER["description"], "input_schema": WEATHER["parameters"]}]
+    messages = [{"role": "user", "content": FIRST}]
+    for follow_up in FOLLOW_UPS:
+        reply = client.messages.create(model="tiny", system=SYSTEM, messages=messages, tools=tools, max_tokens=60)
         messages.append({"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in reply.content]})
         if follow_up == "tool":
             call = next(b for b in reply.content if b.type == "tool_use")
-            messages.append({"role": "user", "content": [{"type": "tool_result", "tool_use_id": call.id, "content": "22 C, sunny"}]})
+            messages.append({"role": "user", "content": [{"type": "tool_result", "tool_use_id": call.id, "content": TOOL_RESULT}]})
         elif follow_up:
             messages.append({"role": "user", "content": follow_up})
-
     server.end_conversations()
     server.drain_judge()
 
-    def of(user: str) -> dict:
-        records = [r for r in server.records() if r.get("user") == user]
-        requests = [r for r in records if r["kind"] == "request"]
-        transitions = [r for r in records if r["kind"] == "transition"]
-        samples = [s for s in server.app.state.samples.samples() if s.user == user]
-        return {
-            "sessions": len({r["session_id"] for r in requests}),
-            "turns": [(r["turn_type"], r["turn_index"], r["prompt_ids"], r["response_ids"]) for r in requests],
-            "transitions": sorted((t["turn_index"], t["reason"], _plain(t["next_state"])) for t in transitions),
-            "samples": sorted((s.turn_index, s.status, s.reward, s.hint) for s in samples),
-        }
-
-    via_chat, via_messages = of("chat-user"), of("claude-user")
+    via_chat = conversation_summary(server, "chat-user")
+    via_messages = conversation_summary(server, "claude-user")
     assert via_chat["sessions"] == via_messages["sessions"] == 1
     assert len(via_chat["turns"]) == 4
     assert via_messages == via_chat
     assert len(via_chat["samples"]) == 3 and "ready" in {s[1] for s in via_chat["samples"]}
-
-
-def _plain(next_state: list[dict] | None) -> str:
-    """A next state's roles and texts (tool call ids are each API's own)."""
-    return repr([(m["role"], m.get("content")) for m in next_state or []])

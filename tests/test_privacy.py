@@ -43,12 +43,15 @@ def test_a_user_can_be_forgotten_while_the_server_runs(server_factory):
     server = learning_server(server_factory, adapter_scope="user")
     alice, bob, admin = server.key("alice"), server.key("bob"), server.key("root", admin=True)
     chat(server, alice, messages=[{"role": "user", "content": "alice's password is swordfish"}])
+    stored = server.client(alice).responses.create(model="tiny", input="my pin is 4711", max_output_tokens=3)
     chat(server, bob)
     feed(server, served_samples(server, 4, user="alice"))
     wait_for(lambda: server.app.state.policies.current("alice").version == 1)
     assert httpx.delete(f"{server.base_url}/admin/users/alice", headers={"Authorization": f"Bearer {bob}"}).status_code == 403
     resp = httpx.delete(f"{server.base_url}/admin/users/alice", headers={"Authorization": f"Bearer {admin}"}, timeout=60)
     assert resp.status_code == 200 and resp.json()["adapter_deleted"] and resp.json()["keys"] == 1
+    assert resp.json()["responses"] == 1
+    assert server.app.state.responses.store.conversation("alice", stored.id) is None
     records = server.records()
     assert records and not [r for r in records if r.get("user") == "alice"]
     assert [r["user"] for r in records if r["kind"] == "request"] == ["bob"]

@@ -1,0 +1,1 @@
+"""`POST /v1/responses` (OpenAI Responses): routes (api_router), wire models (protocol), serving, stored responses."""

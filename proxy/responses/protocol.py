@@ -1,0 +1,189 @@
+"""OpenAI's Responses API: the request nextstate accepts, and its conversion to a turn.
+
+The OpenAI Agents SDK and Codex send `POST /v1/responses`: `input` as a string or a list of
+items (messages, `function_call`, `function_call_output`), `instructions` as the system
+prompt, flat function tools, and optionally `previous_response_id` to continue a stored
+response instead of resending the conversation. `ResponsesRequest.to_turn_messages` turns
+that into the OpenAI chat shape the rest of nextstate speaks — an assistant's text and the
+function calls after it become one assistant message with `tool_calls`, as chat completions
+would have returned it — so a Responses conversation is rendered, matched to its session,
+judged and trained like the same conversation through chat completions.
+
+Unknown fields are ignored; known ones nextstate cannot honour (images and files, built-in
+tools, background mode, structured output formats) are a 400 that says so.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from nextstate.modelio.chat_template import parse_arguments
+from nextstate.proxy.sessions import SESSION_ID_PATTERN
+
+
+class _Open(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)
+
+
+class Part(_Open):
+    type: str
+    text: str | None = None
+
+    @model_validator(mode="after")
+    def _text_only(self) -> Part:
+        if self.type not in ("input_text", "output_text", "text", "refusal"):
+            raise ValueError(f"content parts of type '{self.type}' are not supported; this model takes text only")
+        if self.text is None and self.type != "refusal":
+            raise ValueError("a text content part needs 'text'")
+        return self
+
+
+class Item(_Open):
+    """An input item: a message (with or without `type`), a function call or its output."""
+
+    type: str | None = None
+    role: Literal["user", "assistant", "system", "developer"] | None = None
+    content: str | list[Part] | None = None
+    call_id: str | None = None  # function_call, function_call_output
+    name: str | None = None  # function_call
+    arguments: str | None = None  # function_call
+    output: str | list[Part] | None = None  # function_call_output
+
+    @model_validator(mode="after")
+    def _known(self) -> Item:
+        kind = self.kind
+        if kind == "message":
+            if self.role is None or self.content is None:
+                raise ValueError("a message item needs 'role' and 'content'")
+        elif kind == "function_call":
+            if not self.call_id or not self.name or self.arguments is None:
+                raise ValueError("a function_call item needs 'call_id', 'name' and 'arguments'")
+        elif kind == "function_call_output":
+            if not self.call_id or self.output is None:
+                raise ValueError("a function_call_output item needs 'call_id' and 'output'")
+        elif kind != "reasoning":  # an earlier reply's reasoning, sent back: this model has none
+            raise ValueError(f"input items of type '{kind}' are not supported here")
+        return self
+
+    @property
+    def kind(self) -> str:
+        return self.type or "message"
+
+    def text(self) -> str:
+        value = self.output if self.kind == "function_call_output" else self.content
+        if isinstance(value, str):
+            return value
+        return "".join(part.text or "" for part in value or [])
+
+
+class FunctionTool(_Open):
+    type: str
+    name: str | None = Field(None, pattern=r"^[a-zA-Z0-9_.\-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+    @model_validator(mode="after")
+    def _functions_only(self) -> FunctionTool:
+        if self.type != "function":
+            raise ValueError(f"tools of type '{self.type}' are not supported; only function tools are")
+        if not self.name:
+            raise ValueError("a function tool needs 'name'")
+        return self
+
+
+class NamedFunction(_Open):
+    type: Literal["function"]
+    name: str
+
+
+class TextFormat(_Open):
+    type: str
+
+    @model_validator(mode="after")
+    def _text(self) -> TextFormat:
+        if self.type != "text":
+            raise ValueError(f"text.format '{self.type}' is not supported; only 'text' is")
+        return self
+
+
+class TextOptions(_Open):
+    format: TextFormat | None = None
+
+
+class ResponsesRequest(_Open):
+    model: str
+    input: str | list[Item]
+    instructions: str | None = None
+    tools: list[FunctionTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedFunction | None = None
+    parallel_tool_calls: bool | None = None
+    max_output_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, gt=0, le=1)
+    stream: bool | None = False
+    previous_response_id: str | None = Field(None, max_length=200)
+    store: bool | None = True
+    background: bool | None = None
+    text: TextOptions | None = None
+    metadata: dict[str, Any] | None = None
+    user: str | None = None
+    # nextstate extensions, as on chat completions (or the X-Session-Id, ... headers)
+    session_id: str | None = Field(None, pattern=SESSION_ID_PATTERN)
+    turn_type: Literal["main", "side"] | None = None
+    session_done: bool | None = None
+    outcome_expected: bool | None = None
+
+    @model_validator(mode="after")
+    def _consistent(self) -> ResponsesRequest:
+        if self.background:
+            raise ValueError("background responses are not supported; stream instead")
+        if isinstance(self.input, list) and not self.input:
+            raise ValueError("input must be a string or a non-empty list of items")
+        if isinstance(self.tool_choice, NamedFunction):
+            if self.tool_choice.name not in {t.name for t in self.tools or []}:
+                raise ValueError(f"tool_choice names '{self.tool_choice.name}', which is not in tools")
+        elif self.tool_choice == "required" and not self.tools:
+            raise ValueError("tool_choice 'required' needs tools")
+        return self
+
+    # ------------------------------------------------------------------ the turn's shapes
+
+    def new_messages(self) -> list[dict[str, Any]]:
+        """This request's input in chat shape (without instructions and earlier responses)."""
+        items = [Item(role="user", content=self.input)] if isinstance(self.input, str) else self.input
+        out: list[dict[str, Any]] = []
+        for item in items:
+            kind = item.kind
+            if kind == "message":
+                role = "system" if item.role == "developer" else item.role
+                out.append({"role": role, "content": item.text()})
+            elif kind == "function_call":
+                call = {"id": item.call_id, "type": "function",
+                        "function": {"name": item.name, "arguments": parse_arguments(item.arguments)}}
+                last = out[-1] if out else None
+                if last is not None and last["role"] == "assistant":
+                    last.setdefault("tool_calls", []).append(call)  # the text it followed, one message
+                else:
+                    out.append({"role": "assistant", "content": "", "tool_calls": [call]})
+            elif kind == "function_call_output":
+                out.append({"role": "tool", "tool_call_id": item.call_id, "content": item.text()})
+        return out
+
+    def tool_dicts(self) -> list[dict[str, Any]] | None:
+        if not self.tools:
+            return None
+        return [
+            {"type": "function", "function": {
+                "name": t.name, **({"description": t.description} if t.description else {}),
+                **({"parameters": t.parameters} if t.parameters is not None else {}),
+            }}
+            for t in self.tools
+        ]
+
+    def tool_choice_plain(self) -> str | dict[str, Any] | None:
+        if isinstance(self.tool_choice, NamedFunction):
+            return {"type": "function", "function": {"name": self.tool_choice.name}}
+        return self.tool_choice

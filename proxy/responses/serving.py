@@ -1,0 +1,208 @@
+"""OpenAI Responses on top of the API-neutral turn path.
+
+`ResponsesServing` builds the turn's conversation — instructions, the stored conversation of
+`previous_response_id` (the user's own only), then the new input — as the same `TurnRequest`
+chat completions makes, and turns the reply into a Response object (a `message` output item
+with `output_text`, then one `function_call` item per call) or its event stream:
+`response.created`, `response.in_progress`, per item `response.output_item.added` …
+`response.output_item.done` (with `response.output_text.delta`s, or a call's
+`response.function_call_arguments.delta`/`.done`: calls are only released once complete),
+then `response.completed` (`response.incomplete` at `max_output_tokens`). With `store` (the
+default) the conversation is kept for a later `previous_response_id`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator, Mapping
+from typing import Any
+
+from nextstate.modelio.chat_template import parse_arguments
+from nextstate.modelio.tool_calls import ParsedToolCall
+from nextstate.proxy.decode import Admitted, Finished, StillWorking
+from nextstate.proxy.decode import Delta as TurnDelta
+from nextstate.proxy.errors import OpenAIError
+from nextstate.proxy.keys import ApiKey
+from nextstate.proxy.responses.protocol import ResponsesRequest
+from nextstate.proxy.responses.store import ResponseStore
+from nextstate.proxy.sse import sse_comment
+from nextstate.proxy.turns import PreparedTurn, TurnHints, TurnRequest, TurnService
+
+
+def stored_reply(done: Finished) -> dict[str, Any]:
+    """The reply as a message of a stored conversation (chat shape, arguments as objects)."""
+    reply: dict[str, Any] = {"role": "assistant", "content": done.content}
+    if done.tool_calls:
+        reply["tool_calls"] = [
+            {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": parse_arguments(c.arguments)}}
+            for c in done.tool_calls
+        ]
+    return reply
+
+
+def usage(done: Finished) -> dict[str, Any]:
+    return {
+        "input_tokens": done.prompt_tokens, "input_tokens_details": {"cached_tokens": done.cached_tokens or 0},
+        "output_tokens": done.completion_tokens, "output_tokens_details": {"reasoning_tokens": 0},
+        "total_tokens": done.prompt_tokens + done.completion_tokens,
+    }
+
+
+class ResponseBuilder:
+    """The Response object and its stream events for one reply."""
+
+    def __init__(self, prep: PreparedTurn, model: str, body: ResponsesRequest) -> None:
+        self.key = prep.id.removeprefix("chatcmpl-")
+        self.id = "resp_" + self.key
+        self.message_id = "msg_" + self.key
+        self.model = model
+        self.created_at = prep.created
+        self.body = body
+        self._sequence = 0
+        self._index = -1  # output index of the item being streamed
+        self._text: str | None = None  # the open message item's text so far
+
+    def response(self, status: str, output: list[dict[str, Any]], done: Finished | None = None) -> dict[str, Any]:
+        body = self.body
+        incomplete = {"reason": "max_output_tokens"} if status == "incomplete" else None
+        return {
+            "id": self.id, "object": "response", "created_at": self.created_at, "status": status, "error": None,
+            "incomplete_details": incomplete, "instructions": body.instructions, "max_output_tokens": body.max_output_tokens,
+            "model": self.model, "output": output, "parallel_tool_calls": body.parallel_tool_calls is not False,
+            "previous_response_id": body.previous_response_id, "temperature": body.temperature, "top_p": body.top_p,
+            "tool_choice": body.tool_choice.model_dump() if hasattr(body.tool_choice, "model_dump") else body.tool_choice or "auto",
+            "tools": [t.model_dump(exclude_none=True) for t in body.tools or []], "text": {"format": {"type": "text"}},
+            "truncation": "disabled", "store": body.store is not False, "metadata": body.metadata or {},
+            "usage": usage(done) if done is not None else None,
+        }
+
+    def final(self, done: Finished) -> dict[str, Any]:
+        output = [self._message_item(done.content, "completed")] if done.content else []
+        output += [self._call_item(call, "completed") for call in done.tool_calls]
+        return self.response("incomplete" if done.finish_reason == "length" else "completed", output, done)
+
+    def _message_item(self, text: str, status: str) -> dict[str, Any]:
+        content = [{"type": "output_text", "text": text, "annotations": []}] if status == "completed" else []
+        return {"id": self.message_id, "type": "message", "status": status, "role": "assistant", "content": content}
+
+    @staticmethod
+    def _call_item(call: ParsedToolCall, status: str) -> dict[str, Any]:
+        return {"id": "fc_" + call.id.removeprefix("call_"), "type": "function_call", "status": status,
+                "call_id": call.id, "name": call.name, "arguments": call.arguments if status == "completed" else ""}
+
+    # ------------------------------------------------------------------ events
+
+    def event(self, kind: str, **data: Any) -> str:
+        self._sequence += 1
+        payload = {"type": kind, "sequence_number": self._sequence, **data}
+        return f"event: {kind}\ndata: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+    def start(self) -> list[str]:
+        response = self.response("in_progress", [])
+        return [self.event("response.created", response=response), self.event("response.in_progress", response=response)]
+
+    def delta(self, turn_delta: TurnDelta) -> list[str]:
+        out = []
+        if turn_delta.content:
+            if self._text is None:
+                self._index += 1
+                self._text = ""
+                out.append(self.event("response.output_item.added", output_index=self._index,
+                                      item=self._message_item("", "in_progress")))
+                out.append(self.event("response.content_part.added", item_id=self.message_id, output_index=self._index,
+                                      content_index=0, part={"type": "output_text", "text": "", "annotations": []}))
+            self._text += turn_delta.content
+            out.append(self.event("response.output_text.delta", item_id=self.message_id, output_index=self._index,
+                                  content_index=0, delta=turn_delta.content, logprobs=[]))
+        for call in turn_delta.tool_calls:
+            out += self._close_text()
+            self._index += 1
+            item = self._call_item(call, "completed")
+            out.append(self.event("response.output_item.added", output_index=self._index, item=self._call_item(call, "in_progress")))
+            out.append(self.event("response.function_call_arguments.delta", item_id=item["id"], output_index=self._index,
+                                  delta=call.arguments))
+            out.append(self.event("response.function_call_arguments.done", item_id=item["id"], output_index=self._index,
+                                  arguments=call.arguments))
+            out.append(self.event("response.output_item.done", output_index=self._index, item=item))
+        return out
+
+    def finish(self, done: Finished) -> list[str]:
+        response = self.final(done)
+        kind = "response.incomplete" if response["status"] == "incomplete" else "response.completed"
+        return [*self._close_text(), self.event(kind, response=response)]
+
+    def _close_text(self) -> list[str]:
+        if self._text is None:
+            return []
+        text, self._text = self._text, None
+        part = {"type": "output_text", "text": text, "annotations": []}
+        return [
+            self.event("response.output_text.done", item_id=self.message_id, output_index=self._index, content_index=0,
+                       text=text, logprobs=[]),
+            self.event("response.content_part.done", item_id=self.message_id, output_index=self._index, content_index=0,
+                       part=part),
+            self.event("response.output_item.done", output_index=self._index, item=self._message_item(text, "completed")),
+        ]
+
+
+class ResponsesServing:
+    def __init__(self, turns: TurnService, store: ResponseStore) -> None:
+        self.turns = turns
+        self.store = store
+
+    @property
+    def model_name(self) -> str:
+        return self.turns.model_name
+
+    async def prepare(self, body: ResponsesRequest, headers: Mapping[str, str], key: ApiKey) -> tuple[PreparedTurn, list]:
+        """The prepared turn, and its conversation without instructions (what is stored)."""
+        history: list[dict[str, Any]] = []
+        if body.previous_response_id:
+            found = await asyncio.to_thread(self.store.conversation, key.user, body.previous_response_id)
+            if found is None:  # another user's id is as unknown as one that never existed
+                raise OpenAIError(404, f"Response with id '{body.previous_response_id}' not found.",
+                                  param="previous_response_id", code="response_not_found")
+            history = found
+        conversation = history + body.new_messages()
+        system = [{"role": "system", "content": body.instructions}] if body.instructions else []
+        request = TurnRequest(
+            model=body.model, messages=system + conversation, hints=TurnHints.from_request(headers, body),
+            tools=body.tool_dicts(), tool_choice=body.tool_choice_plain(), max_tokens=body.max_output_tokens,
+            temperature=body.temperature, top_p=body.top_p, parallel_tool_calls=body.parallel_tool_calls is not False,
+        )
+        return await self.turns.prepare(request, key), conversation
+
+    async def _keep(self, prep: PreparedTurn, body: ResponsesRequest, conversation: list, done: Finished, build: ResponseBuilder) -> None:
+        if body.store is not False:
+            await asyncio.to_thread(self.store.save, prep.key.user, build.id, [*conversation, stored_reply(done)])
+
+    async def complete(self, prep: PreparedTurn, body: ResponsesRequest, conversation: list) -> dict[str, Any]:
+        build = ResponseBuilder(prep, self.model_name, body)
+        done = await self.turns.complete(prep)
+        await self._keep(prep, body, conversation, done, build)
+        return build.final(done)
+
+    async def stream(self, prep: PreparedTurn, body: ResponsesRequest, conversation: list) -> AsyncIterator[str]:
+        """SSE events; the first two once the engine admitted the request (an engine that is
+        down is still an HTTP error with its status), an `error` event after that."""
+        build = ResponseBuilder(prep, self.model_name, body)
+        started = False
+        try:
+            async for item in self.turns.run(prep):
+                if isinstance(item, Admitted):
+                    started = True
+                    yield "".join(build.start())
+                elif isinstance(item, StillWorking):
+                    yield sse_comment()
+                elif isinstance(item, TurnDelta):
+                    for line in build.delta(item):
+                        yield line
+                else:
+                    await self._keep(prep, body, conversation, item, build)
+                    for line in build.finish(item):
+                        yield line
+        except OpenAIError as exc:
+            if not started:
+                raise
+            yield build.event("error", code=exc.code or exc.type, message=exc.message, param=exc.param)

@@ -1,0 +1,59 @@
+"""Stored responses, so that `previous_response_id` continues a conversation the client did
+not resend.
+
+Each stored response is its whole conversation in chat shape (without the instructions, which
+OpenAI does not carry over either) ending with the reply, under (user, response id): another
+user's id is simply not found. Stored in the data dir's `responses.sqlite3`; forgetting a user
+and the retention period delete them like the rest of a user's data.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from nextstate.core.sqlite_store import open_sqlite
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS responses (
+    user TEXT NOT NULL,
+    id TEXT NOT NULL,
+    created_at REAL NOT NULL,
+    messages TEXT NOT NULL,
+    PRIMARY KEY (user, id)
+);
+"""
+
+
+class ResponseStore:
+    def __init__(self, path: Path) -> None:
+        self._conn = open_sqlite(path, _SCHEMA, "synchronous=NORMAL")
+        self._lock = threading.Lock()
+
+    def save(self, user: str, response_id: str, messages: list[dict[str, Any]]) -> None:
+        with self._lock:
+            self._conn.execute(
+                "INSERT OR REPLACE INTO responses (user, id, created_at, messages) VALUES (?, ?, ?, ?)",
+                (user, response_id, time.time(), json.dumps(messages, ensure_ascii=False)),
+            )
+
+    def conversation(self, user: str, response_id: str) -> list[dict[str, Any]] | None:
+        with self._lock:
+            row = self._conn.execute(
+                "SELECT messages FROM responses WHERE user = ? AND id = ?", (user, response_id)
+            ).fetchone()
+        return None if row is None else json.loads(row[0])
+
+    def forget(self, user: str) -> int:
+        with self._lock:
+            return self._conn.execute("DELETE FROM responses WHERE user = ?", (user,)).rowcount
+
+    def expire(self, cutoff: float) -> int:
+        with self._lock:
+            return self._conn.execute("DELETE FROM responses WHERE created_at < ?", (cutoff,)).rowcount
+
+    def close(self) -> None:
+        self._conn.close()

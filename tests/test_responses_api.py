@@ -1,0 +1,134 @@
+"""OpenAI's Responses API, driven by the official `openai` client's `responses`: plain and
+streamed replies, function calls over several turns, `previous_response_id` and `store`, the
+errors, and a conversation that gives the same sessions, transitions and samples as through
+chat completions."""
+
+from __future__ import annotations
+
+import openai
+import pytest
+
+from tests.turn_summary import (
+    CALL_TEXT, FIRST, FOLLOW_UPS, SYSTEM, TOOL_RESULT, WEATHER, conversation_summary, judged_scripted_server, play_chat,
+)
+
+TOOLS = [{"type": "function", **WEATHER}]
+
+
+def last_request(server) -> dict:
+    return [r for r in server.records() if r["kind"] == "request"][-1]
+
+
+def test_a_reply_has_the_responses_shape_and_is_recorded_as_a_turn(server, alice):
+    response = alice.responses.create(model="tiny", input="Say hello.", instructions="Be brief.", max_output_tokens=12)
+    assert response.object == "response" and response.id.startswith("resp_")
+    assert response.status in ("completed", "incomplete") and response.model == "tiny"
+    (item,) = response.output
+    assert item.type == "message" and item.role == "assistant" and item.content[0].type == "output_text"
+    record = last_request(server)
+    assert response.output_text == record["response"]["content"]
+    assert response.usage.input_tokens == record["usage"]["prompt_tokens"]
+    assert response.usage.output_tokens == record["usage"]["completion_tokens"]
+    assert record["messages"] == [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Say hello."}]
+    if response.status == "incomplete":
+        assert response.incomplete_details.reason == "max_output_tokens"
+
+
+def test_a_streamed_reply_gives_the_same_text_as_the_record(scripted):
+    server, engine = scripted
+    engine.script("Hello there, my friend.", "Hello there, my friend.")
+    client = server.client(server.key("alice"))
+    deltas, kinds = [], []
+    with client.responses.stream(model="tiny", input="Say hello.", max_output_tokens=40) as stream:
+        for event in stream:
+            kinds.append(event.type)
+            if event.type == "response.output_text.delta":
+                deltas.append(event.delta)
+        final = stream.get_final_response()
+    assert kinds[:4] == ["response.created", "response.in_progress", "response.output_item.added", "response.content_part.added"]
+    assert kinds[-4:] == ["response.output_text.done", "response.content_part.done", "response.output_item.done", "response.completed"]
+    assert "".join(deltas) == final.output_text == "Hello there, my friend." == last_request(server)["response"]["content"]
+    # cut at max_output_tokens: the stream ends with response.incomplete, as OpenAI's does
+    with client.responses.stream(model="tiny", input="Say hello.", max_output_tokens=2) as stream:
+        last = [event for event in stream][-1]
+    assert last.type == "response.incomplete" and last.response.incomplete_details.reason == "max_output_tokens"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_function_calls_over_several_turns_by_resending_and_by_previous_response_id(scripted, stream):
+    server, engine = scripted
+    engine.script(CALL_TEXT, "It is sunny in Paris.", CALL_TEXT, "It is sunny in Paris.")
+    client = server.client(server.key("alice"))
+
+    def ask(**kwargs):
+        if not stream:
+            return client.responses.create(model="tiny", tools=TOOLS, max_output_tokens=60, **kwargs)
+        with client.responses.stream(model="tiny", tools=TOOLS, max_output_tokens=60, **kwargs) as s:
+            return s.get_final_response()
+
+    first = ask(input=FIRST)
+    message, call = first.output
+    assert message.type == "message" and message.content[0].text.strip() == "Let me check."
+    assert call.type == "function_call" and call.name == "get_weather" and call.arguments == '{"city": "Paris"}'
+    result = {"type": "function_call_output", "call_id": call.call_id, "output": TOOL_RESULT}
+    # the client resends everything ...
+    resent = ask(input=[{"role": "user", "content": FIRST}, *[item.model_dump(exclude_none=True) for item in first.output], result])
+    assert resent.output_text == "It is sunny in Paris."
+    requests = [r for r in server.records() if r["kind"] == "request"]
+    assert requests[-1]["session_id"] == requests[-2]["session_id"]
+    assert requests[-1]["messages"][-1] == {"role": "tool", "tool_call_id": call.call_id, "content": TOOL_RESULT}
+    # ... or only what is new, after the stored response: the model sees the same prompt
+    again = ask(input=FIRST)
+    chained = ask(input=[{**result, "call_id": again.output[1].call_id}], previous_response_id=again.id)
+    assert chained.output_text == "It is sunny in Paris." and chained.previous_response_id == again.id
+    requests = [r for r in server.records() if r["kind"] == "request"]
+    assert requests[-1]["prompt_ids"] == requests[-3]["prompt_ids"]
+
+
+def test_previous_response_ids_are_per_user_and_store_false_keeps_nothing(server, alice):
+    kept = alice.responses.create(model="tiny", input="Remember me.", max_output_tokens=4)
+    unkept = alice.responses.create(model="tiny", input="Forget me.", max_output_tokens=4, store=False)
+    assert alice.responses.create(model="tiny", input="And?", previous_response_id=kept.id, max_output_tokens=4).output
+    bob = server.client(server.key("bob"))
+    with pytest.raises(openai.NotFoundError):
+        bob.responses.create(model="tiny", input="Steal.", previous_response_id=kept.id, max_output_tokens=4)
+    with pytest.raises(openai.NotFoundError):
+        alice.responses.create(model="tiny", input="And?", previous_response_id=unkept.id, max_output_tokens=4)
+
+
+def test_what_cannot_be_honoured_is_a_400_that_says_so(server, alice):
+    image = [{"role": "user", "content": [{"type": "input_image", "image_url": "https://example.com/a.png"}]}]
+    cases = [
+        ({"input": image}, "input_image"),
+        ({"input": "Hi", "tools": [{"type": "web_search"}]}, "web_search"),
+        ({"input": "Hi", "background": True}, "background"),
+        ({"input": "Hi", "text": {"format": {"type": "json_schema", "name": "x", "schema": {}}}}, "json_schema"),
+    ]
+    for request, word in cases:
+        with pytest.raises(openai.BadRequestError) as refused:
+            alice.responses.create(model="tiny", max_output_tokens=4, **request)
+        assert word in str(refused.value)
+
+
+def test_the_same_conversation_through_responses_and_chat_gives_the_same_sessions_transitions_and_samples(
+    server_factory, judge,
+):
+    server = judged_scripted_server(server_factory, judge)
+    play_chat(server, "chat-user")
+    client = server.client(server.key("responses-user"))
+    items: list = [{"role": "user", "content": FIRST}]
+    for follow_up in FOLLOW_UPS:
+        reply = client.responses.create(model="tiny", instructions=SYSTEM, input=items, tools=TOOLS, max_output_tokens=60)
+        items += [item.model_dump(exclude_none=True) for item in reply.output]
+        if follow_up == "tool":
+            call = next(item for item in reply.output if item.type == "function_call")
+            items.append({"type": "function_call_output", "call_id": call.call_id, "output": TOOL_RESULT})
+        elif follow_up:
+            items.append({"role": "user", "content": follow_up})
+    server.end_conversations()
+    server.drain_judge()
+
+    via_chat = conversation_summary(server, "chat-user")
+    via_responses = conversation_summary(server, "responses-user")
+    assert via_chat["sessions"] == 1 and len(via_chat["turns"]) == 4
+    assert via_responses == via_chat
