@@ -132,3 +132,24 @@ def test_the_same_conversation_through_responses_and_chat_gives_the_same_session
     via_responses = conversation_summary(server, "responses-user")
     assert via_chat["sessions"] == 1 and len(via_chat["turns"]) == 4
     assert via_responses == via_chat
+
+
+def test_a_conversation_that_switches_api_keeps_its_session(server):
+    """Chat completions, then Anthropic Messages, then Responses: one session, one turn each."""
+    import anthropic
+
+    key = server.key("alice")
+    chat = server.client(key).chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hi."}], max_tokens=5)
+    first = chat.choices[0].message.content
+    claude = anthropic.Anthropic(base_url=server.root, api_key=key, max_retries=0)
+    second = claude.messages.create(model="tiny", max_tokens=5, messages=[
+        {"role": "user", "content": "Hi."}, {"role": "assistant", "content": first}, {"role": "user", "content": "More."},
+    ]).content[0].text
+    server.client(key).responses.create(model="tiny", max_output_tokens=5, input=[
+        {"role": "user", "content": "Hi."}, {"role": "assistant", "content": first}, {"role": "user", "content": "More."},
+        {"role": "assistant", "content": second}, {"role": "user", "content": "Again."},
+    ])
+    requests = [r for r in server.records() if r["kind"] == "request"]
+    assert len({r["session_id"] for r in requests}) == 1
+    assert [r["turn_index"] for r in requests] == [requests[0]["turn_index"] + i for i in range(3)]
+    assert {r["turn_type"] for r in requests} == {"main"}
