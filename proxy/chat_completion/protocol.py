@@ -11,18 +11,13 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer, model_validator
+from pydantic import BaseModel, Field, field_validator, model_serializer, model_validator
 
 from nextstate.modelio.chat_template import parse_arguments
-from nextstate.proxy.sessions import SESSION_ID_PATTERN
+from nextstate.proxy.wire import OpenModel, SessionFields
 
 
-class _Open(BaseModel):
-    # Strict like OpenAI's API: "stream": "yes" or "max_tokens": "5" is an error, not a guess.
-    model_config = ConfigDict(extra="allow", strict=True)
-
-
-class ContentPart(_Open):
+class ContentPart(OpenModel):
     type: str
     text: str | None = None
 
@@ -35,18 +30,18 @@ class ContentPart(_Open):
         return self
 
 
-class FunctionCall(_Open):
+class FunctionCall(OpenModel):
     name: str
     arguments: str | dict[str, Any] = "{}"
 
 
-class ToolCall(_Open):
+class ToolCall(OpenModel):
     id: str | None = None
     type: Literal["function"] = "function"
     function: FunctionCall
 
 
-class ChatMessage(_Open):
+class ChatMessage(OpenModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = Field(None, max_length=256)
@@ -90,14 +85,14 @@ class ChatMessage(_Open):
         return out
 
 
-class FunctionDefinition(_Open):
+class FunctionDefinition(OpenModel):
     name: str = Field(pattern=r"^[a-zA-Z0-9_.\-]{1,64}$")
     description: str | None = None
     parameters: dict[str, Any] | None = None
     strict: bool | None = None
 
 
-class Tool(_Open):
+class Tool(OpenModel):
     type: Literal["function"]
     function: FunctionDefinition
 
@@ -111,11 +106,11 @@ class NamedToolChoice(BaseModel):
     function: NamedFunction
 
 
-class StreamOptions(_Open):
+class StreamOptions(OpenModel):
     include_usage: bool = False
 
 
-class ResponseFormat(_Open):
+class ResponseFormat(OpenModel):
     type: str
 
     @field_validator("type")
@@ -126,7 +121,7 @@ class ResponseFormat(_Open):
         return value
 
 
-class ChatCompletionRequest(_Open):
+class ChatCompletionRequest(SessionFields):
     model: str
     messages: list[ChatMessage] = Field(min_length=1)
     tools: list[Tool] | None = None
@@ -148,12 +143,6 @@ class ChatCompletionRequest(_Open):
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
     logit_bias: dict[str, float] | None = None
     user: str | None = None
-    # nextstate extensions, also accepted as X-Session-Id / X-Turn-Type / X-Session-Done /
-    # X-Outcome-Expected headers.
-    session_id: str | None = Field(None, pattern=SESSION_ID_PATTERN)
-    turn_type: Literal["main", "side"] | None = None
-    session_done: bool | None = None
-    outcome_expected: bool | None = None
 
     @field_validator("n")
     @classmethod

@@ -16,16 +16,12 @@ from __future__ import annotations
 import json
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import Field, model_validator
 
-from nextstate.proxy.sessions import SESSION_ID_PATTERN
-
-
-class _Open(BaseModel):
-    model_config = ConfigDict(extra="allow", strict=True)
+from nextstate.proxy.wire import OpenModel, SessionFields
 
 
-class TextPart(_Open):
+class TextPart(OpenModel):
     """A text block inside a tool_result or `system` (no tool blocks nest there)."""
 
     type: str
@@ -38,7 +34,7 @@ class TextPart(_Open):
         return self
 
 
-class Block(_Open):
+class Block(OpenModel):
     """A content block of a request message; only text and the two tool blocks are taken."""
 
     type: str
@@ -74,7 +70,7 @@ class Block(_Open):
         return "".join(part.text or "" for part in self.content or [])
 
 
-class InputMessage(_Open):
+class InputMessage(OpenModel):
     role: Literal["user", "assistant"]
     content: str | list[Block]
 
@@ -85,7 +81,7 @@ class InputMessage(_Open):
         return self
 
 
-class Tool(_Open):
+class Tool(OpenModel):
     name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")
     description: str | None = None
     input_schema: dict[str, Any]
@@ -98,13 +94,13 @@ class Tool(_Open):
         return self
 
 
-class ToolChoice(_Open):
+class ToolChoice(OpenModel):
     type: Literal["auto", "any", "tool", "none"]
     name: str | None = None
     disable_parallel_tool_use: bool | None = None
 
 
-class Thinking(_Open):
+class Thinking(OpenModel):
     type: str
 
     @model_validator(mode="after")
@@ -114,7 +110,7 @@ class Thinking(_Open):
         return self
 
 
-class MessagesRequest(_Open):
+class MessagesRequest(SessionFields):
     model: str
     max_tokens: int = Field(ge=1)
     messages: list[InputMessage] = Field(min_length=1)
@@ -128,11 +124,6 @@ class MessagesRequest(_Open):
     tool_choice: ToolChoice | None = None
     thinking: Thinking | None = None
     metadata: dict[str, Any] | None = None
-    # nextstate extensions, as on chat completions (or the X-Session-Id, ... headers)
-    session_id: str | None = Field(None, pattern=SESSION_ID_PATTERN)
-    turn_type: Literal["main", "side"] | None = None
-    session_done: bool | None = None
-    outcome_expected: bool | None = None
 
     @model_validator(mode="after")
     def _consistent(self) -> MessagesRequest:

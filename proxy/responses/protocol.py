@@ -17,17 +17,13 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import Field, model_validator
 
 from nextstate.modelio.chat_template import parse_arguments
-from nextstate.proxy.sessions import SESSION_ID_PATTERN
+from nextstate.proxy.wire import OpenModel, SessionFields
 
 
-class _Open(BaseModel):
-    model_config = ConfigDict(extra="allow", strict=True)
-
-
-class Part(_Open):
+class Part(OpenModel):
     type: str
     text: str | None = None
 
@@ -40,7 +36,7 @@ class Part(_Open):
         return self
 
 
-class Item(_Open):
+class Item(OpenModel):
     """An input item: a message (with or without `type`), a function call or its output."""
 
     type: str | None = None
@@ -78,7 +74,7 @@ class Item(_Open):
         return "".join(part.text or "" for part in value or [])
 
 
-class FunctionTool(_Open):
+class FunctionTool(OpenModel):
     type: str
     name: str | None = Field(None, pattern=r"^[a-zA-Z0-9_.\-]{1,64}$")
     description: str | None = None
@@ -94,12 +90,12 @@ class FunctionTool(_Open):
         return self
 
 
-class NamedFunction(_Open):
+class NamedFunction(OpenModel):
     type: Literal["function"]
     name: str
 
 
-class TextFormat(_Open):
+class TextFormat(OpenModel):
     type: str
 
     @model_validator(mode="after")
@@ -109,11 +105,11 @@ class TextFormat(_Open):
         return self
 
 
-class TextOptions(_Open):
+class TextOptions(OpenModel):
     format: TextFormat | None = None
 
 
-class ResponsesRequest(_Open):
+class ResponsesRequest(SessionFields):
     model: str
     input: str | list[Item]
     instructions: str | None = None
@@ -130,11 +126,6 @@ class ResponsesRequest(_Open):
     text: TextOptions | None = None
     metadata: dict[str, Any] | None = None
     user: str | None = None
-    # nextstate extensions, as on chat completions (or the X-Session-Id, ... headers)
-    session_id: str | None = Field(None, pattern=SESSION_ID_PATTERN)
-    turn_type: Literal["main", "side"] | None = None
-    session_done: bool | None = None
-    outcome_expected: bool | None = None
 
     @model_validator(mode="after")
     def _consistent(self) -> ResponsesRequest:
