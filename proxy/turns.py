@@ -170,14 +170,7 @@ class TurnService:
     # ------------------------------------------------------------------ preparation
 
     async def prepare(self, request: TurnRequest, key: ApiKey) -> PreparedTurn:
-        if request.model != self.model_name:
-            raise OpenAIError(
-                404,
-                f"The model '{request.model}' does not exist here; this server serves '{self.model_name}'.",
-                param="model",
-                code="model_not_found",
-            )
-        prompt = await asyncio.to_thread(self.renderer.render, request.messages, request.tools, request.tool_choice)
+        prompt = await self.render(request)
         sampling = self._sampling(request, len(prompt.ids))
         quota = await self.limiter.admit(key, len(prompt.ids))
         hints = request.hints
@@ -189,6 +182,17 @@ class TurnService:
         prep = PreparedTurn(request, key, prompt, sampling, plan, self.policies.current(key.user))
         prep.extra_headers.update(quota.headers)
         return prep
+
+    async def render(self, request: TurnRequest) -> RenderedPrompt:
+        """The prompt the model would read for `request` (nothing else happens)."""
+        if request.model != self.model_name:
+            raise OpenAIError(
+                404,
+                f"The model '{request.model}' does not exist here; this server serves '{self.model_name}'.",
+                param="model",
+                code="model_not_found",
+            )
+        return await asyncio.to_thread(self.renderer.render, request.messages, request.tools, request.tool_choice)
 
     def _sampling(self, request: TurnRequest, prompt_len: int) -> SamplingParams:
         limit = self.engine.info.max_context

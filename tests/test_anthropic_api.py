@@ -155,3 +155,13 @@ def test_the_same_conversation_through_both_apis_gives_the_same_sessions_transit
     assert len(via_chat["turns"]) == 4
     assert via_messages == via_chat
     assert len(via_chat["samples"]) == 3 and "ready" in {s[1] for s in via_chat["samples"]}
+
+
+def test_count_tokens_gives_the_prompt_length_a_reply_reports(server):
+    client = claude(server)
+    request = {"model": "tiny", "system": "Be brief.", "messages": HELLO, "tools": [
+        {"name": WEATHER["name"], "description": WEATHER["description"], "input_schema": WEATHER["parameters"]}]}
+    counted = client.messages.count_tokens(**request)
+    assert counted.input_tokens == client.messages.create(max_tokens=2, **request).usage.input_tokens
+    with pytest.raises(anthropic.NotFoundError):
+        client.messages.count_tokens(model="claude-opus", messages=HELLO)

@@ -8,7 +8,7 @@ from fastapi.responses import Response
 
 from nextstate.proxy.auth import authenticate
 from nextstate.proxy.keys import ApiKey
-from nextstate.proxy.messages.protocol import MessagesRequest
+from nextstate.proxy.messages.protocol import CountTokensRequest, MessagesRequest
 from nextstate.proxy.messages.serving import MessagesServing
 from nextstate.proxy.request_body import read_model, request_body_schema
 from nextstate.proxy.turn_response import turn_response
@@ -22,3 +22,9 @@ async def messages(request: Request, key: ApiKey = Depends(authenticate)) -> Res
     serving: MessagesServing = request.app.state.messages
     prep = await serving.prepare(body, request.headers, key)
     return await turn_response(request, prep, bool(body.stream), lambda: serving.stream(prep), lambda: serving.complete(prep))
+
+
+@router.post("/v1/messages/count_tokens", openapi_extra=request_body_schema(CountTokensRequest))
+async def count_tokens(request: Request, key: ApiKey = Depends(authenticate)) -> dict[str, int]:
+    body = await read_model(request, CountTokensRequest)
+    return await request.app.state.messages.count_tokens(body, request.headers)

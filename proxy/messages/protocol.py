@@ -189,6 +189,12 @@ class MessagesRequest(SessionFields):
         return not (self.tool_choice and self.tool_choice.disable_parallel_tool_use)
 
 
+class CountTokensRequest(MessagesRequest):
+    """`POST /v1/messages/count_tokens`: a Messages request without `max_tokens`."""
+
+    max_tokens: int = Field(1, ge=1)
+
+
 def tool_input(arguments: str) -> dict[str, Any]:
     """A call's JSON arguments as the object a tool_use block's `input` is."""
     try:

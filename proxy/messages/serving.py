@@ -129,6 +129,11 @@ class MessagesServing:
     async def prepare(self, body: MessagesRequest, headers: Mapping[str, str], key: ApiKey) -> PreparedTurn:
         return await self.turns.prepare(turn_request(body, headers), key)
 
+    async def count_tokens(self, body: MessagesRequest, headers: Mapping[str, str]) -> dict[str, int]:
+        """The prompt's length as the model would read it: rendered exactly as a reply would be."""
+        prompt = await self.turns.render(turn_request(body, headers))
+        return {"input_tokens": len(prompt.ids)}
+
     async def complete(self, prep: PreparedTurn) -> dict[str, Any]:
         done = await self.turns.complete(prep)
         return MessageBuilder(prep, self.model_name).message(done)
