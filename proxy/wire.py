@@ -3,7 +3,7 @@ nextstate's own session fields."""
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -24,3 +24,13 @@ class SessionFields(OpenModel):
     turn_type: Literal["main", "side"] | None = None
     session_done: bool | None = None
     outcome_expected: bool | None = None
+
+
+def function_tool(name: str, description: str | None, parameters: dict[str, Any] | None) -> dict[str, Any]:
+    """A tool in chat completions' shape, the one every template and the session chain see."""
+    function: dict[str, Any] = {"name": name}
+    if description:
+        function["description"] = description
+    if parameters is not None:
+        function["parameters"] = parameters
+    return {"type": "function", "function": function}

@@ -18,7 +18,7 @@ from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
-from nextstate.proxy.wire import OpenModel, SessionFields
+from nextstate.proxy.wire import OpenModel, SessionFields, function_tool
 
 
 class TextPart(OpenModel):
@@ -169,12 +169,7 @@ class MessagesRequest(SessionFields):
     def tool_dicts(self) -> list[dict[str, Any]] | None:
         if not self.tools:
             return None
-        return [
-            {"type": "function", "function": {
-                "name": t.name, **({"description": t.description} if t.description else {}), "parameters": t.input_schema,
-            }}
-            for t in self.tools
-        ]
+        return [function_tool(t.name, t.description, t.input_schema) for t in self.tools]
 
     def tool_choice_plain(self) -> str | dict[str, Any] | None:
         choice = self.tool_choice

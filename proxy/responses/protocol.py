@@ -20,7 +20,7 @@ from typing import Any, Literal
 from pydantic import Field, model_validator
 
 from nextstate.modelio.chat_template import parse_arguments
-from nextstate.proxy.wire import OpenModel, SessionFields
+from nextstate.proxy.wire import OpenModel, SessionFields, function_tool
 
 
 class Part(OpenModel):
@@ -166,13 +166,7 @@ class ResponsesRequest(SessionFields):
     def tool_dicts(self) -> list[dict[str, Any]] | None:
         if not self.tools:
             return None
-        return [
-            {"type": "function", "function": {
-                "name": t.name, **({"description": t.description} if t.description else {}),
-                **({"parameters": t.parameters} if t.parameters is not None else {}),
-            }}
-            for t in self.tools
-        ]
+        return [function_tool(t.name, t.description, t.parameters) for t in self.tools]
 
     def tool_choice_plain(self) -> str | dict[str, Any] | None:
         if isinstance(self.tool_choice, NamedFunction):
