@@ -30,6 +30,8 @@ def common_prefix(a: list[int], b: list[int]) -> int:
     i = 0
     while i < n and a[i : i + _COMPARE_BLOCK] == b[i : i + _COMPARE_BLOCK]:
         i += _COMPARE_BLOCK
+    if i >= n:  # the last block ran past the shorter list: it matched to its end
+        return n
     stop = min(i + _COMPARE_BLOCK, n)
     while i < stop and a[i] == b[i]:
         i += 1

@@ -175,11 +175,15 @@ def test_prefix_cache_bookkeeping():
 
     assert common_prefix(list(range(1000)), list(range(700)) + [0]) == 700
     assert common_prefix([1, 2], [3]) == 0
+    assert common_prefix([1, 2, 3], [1, 2, 3]) == 3
+    assert common_prefix(list(range(300)), list(range(300))) == 300
+    assert common_prefix(list(range(256)), list(range(300))) == 256
     cache = PrefixCache(budget_bytes=kv_cache.nbytes(kv(10)))
     cache.put(None, [1, 2, 3], kv(3))
     cache.put(None, [1, 2, 3, 4, 5], kv(5))  # extends the first: replaces it
     assert len(cache) == 1
     cache.put(None, [1, 2], kv(2))  # covered already
+    cache.put(None, [1, 2, 3, 4, 5], kv(5))  # the same tokens again: kept once
     assert len(cache) == 1
     assert cache.longest("other", [1, 2, 3], 10) is None
     hit = cache.longest(None, [1, 2, 3, 9], 10)
