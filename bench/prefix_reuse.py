@@ -22,7 +22,6 @@ import argparse
 import json
 import statistics
 import time
-from pathlib import Path
 
 from bench.models import bench_model, bench_server
 from bench.report import ROOT, pyplot, save

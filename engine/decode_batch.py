@@ -38,9 +38,6 @@ class DecodeBatch:
     cache: DynamicCache | None = None  # kept across steps: its layers append in place
     length: int = 0  # positions in the cache, padding included
 
-    def __len__(self) -> int:
-        return len(self.rows)
-
     @property
     def kv(self) -> KV | None:
         return None if self.cache is None else kv_cache.tensors(self.cache)
@@ -65,18 +62,12 @@ class DecodeBatch:
         self.rows.append(job)
         job.batch = self
 
-    def leave(self, jobs: list) -> dict:
-        """Take rows out; returns each leaving job's own cache (copied out of the batch)."""
-        leaving = {id(job) for job in jobs}
-        out, keep = {}, []
-        for i, job in enumerate(self.rows):
-            if id(job) in leaving:
-                out[job] = kv_cache.tokens(self.kv, self.pads[i], self.length, row=i, copy=True)
-                job.batch = None
-            else:
-                keep.append(i)
-        if not out:
-            return out
+    def leave(self, job) -> KV:
+        """Take a row out; returns its own cache (copied out of the batch)."""
+        row = next(i for i, other in enumerate(self.rows) if other is job)
+        out = kv_cache.tokens(self.kv, self.pads[row], self.length, row=row, copy=True)
+        job.batch = None
+        keep = [i for i in range(len(self.rows)) if i != row]
         if not keep:
             self.rows, self.pads, self.cache, self.length = [], [], None, 0
             return out

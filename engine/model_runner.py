@@ -37,7 +37,7 @@ class RunnerStats:
 
     forward_passes: int = 0
     prompt_tokens_computed: int = 0  # prefilled, not taken from the prefix cache
-    decoded_rows: int = 0  # tokens decoded in batches (rows x steps)
+    prompt_tokens_reused: int = 0  # taken from the prefix cache
 
 
 class ModelRunner:
@@ -119,7 +119,7 @@ class ModelRunner:
         hit = self.prefix.longest(job.adapter, job.input_ids, limit)
         if hit is None or hit.length <= job.fed:
             return
-        self.prefix.note_reused(hit.length - job.fed)
+        self.stats.prompt_tokens_reused += hit.length - job.fed
         job.cached += hit.length - job.fed
         job.cache = kv_cache.to_cache(hit.kv)
         job.fed = hit.length
@@ -137,7 +137,6 @@ class ModelRunner:
             out = self.adapters.model(**batch.inputs(self.device), use_cache=True, logits_to_keep=1, adapter_names=row_names)
         batch.advanced()
         self.stats.forward_passes += 1
-        self.stats.decoded_rows += len(batch.rows)
         now = time.monotonic()
         finished = []
         for i, job in enumerate(batch.rows):
@@ -154,7 +153,7 @@ class ModelRunner:
         position the others lack, and such a cache must never be reused)."""
         if job.batch is not None:
             batch = job.batch
-            kv = batch.leave([job])[job]
+            kv = batch.leave(job)
             if not batch.rows:
                 self._batches.pop(batch.background, None)
         elif job.cache is not None and kv_cache.reusable(job.cache):

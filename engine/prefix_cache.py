@@ -53,19 +53,11 @@ class Hit:
     kv: KV
 
 
-@dataclass
-class PrefixStats:
-    lookups: int = 0
-    hits: int = 0
-    reused_tokens: int = 0
-    evictions: int = 0
-
-
 class PrefixCache:
     def __init__(self, budget_bytes: int) -> None:
         self.budget = budget_bytes
         self._entries: list[Entry] = []
-        self.stats = PrefixStats()
+        self.evictions = 0  # entries pushed out by the budget
 
     @property
     def nbytes(self) -> int:
@@ -76,7 +68,6 @@ class PrefixCache:
 
     def longest(self, adapter: str | None, ids: list[int], limit: int) -> Hit | None:
         """The cached keys and values of the longest prefix of `ids` (at most `limit` tokens)."""
-        self.stats.lookups += 1
         best, best_len = None, 0
         for entry in self._entries:
             if entry.adapter != adapter:
@@ -87,11 +78,7 @@ class PrefixCache:
         if best is None:
             return None
         best.used = time.monotonic()
-        self.stats.hits += 1
         return Hit(best_len, kv_cache.tokens(best.kv, 0, best_len))
-
-    def note_reused(self, n: int) -> None:
-        self.stats.reused_tokens += n
 
     def put(self, adapter: str | None, ids: list[int], kv: KV) -> None:
         """Keep the cache of `ids` (kv covers exactly those tokens). An entry whose tokens are a
@@ -119,9 +106,6 @@ class PrefixCache:
         """Forget an adapter's caches (it was unloaded; its name may come back with new weights)."""
         self._entries = [entry for entry in self._entries if entry.adapter != adapter]
 
-    def clear(self) -> None:
-        self._entries = []
-
     def _evict(self) -> None:
         total = self.nbytes
         if total <= self.budget:
@@ -131,4 +115,4 @@ class PrefixCache:
                 break
             self._entries.remove(entry)
             total -= entry.nbytes
-            self.stats.evictions += 1
+            self.evictions += 1

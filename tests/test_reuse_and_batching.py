@@ -57,7 +57,7 @@ async def test_a_conversation_reuses_its_last_turn_and_gets_the_same_logprobs(fa
             assert computed <= len(prompt) - shared + 1, (turn, computed)
         shared = len(prompt) + len(got[0]) - 1
         prompt = prompt + got[0] + list(range(70, 70 + 9 * (turn + 1)))
-    assert fast.runner.prefix.stats.reused_tokens > 100
+    assert fast.runner.stats.prompt_tokens_reused > 100
 
 
 async def test_a_prompt_that_diverges_reuses_only_the_shared_prefix(fast, plain):
@@ -164,7 +164,7 @@ async def test_the_cache_stays_within_its_budget(tiny_model_dir):
             prompt = [(start + i) % 97 + 3 for i in range(300)]
             await run(engine, prompt, SamplingParams(max_new_tokens=2))
         assert 0 < engine.runner.prefix.nbytes <= 2**20
-        assert engine.runner.prefix.stats.evictions > 0
+        assert engine.runner.prefix.evictions > 0
     finally:
         await engine.close()
 
