@@ -257,6 +257,11 @@ class LearnerSettings(BaseSettings):
         max_train_tokens: a sample longer than this trains on its response with the prompt
             cut from the left to fit (agent prompts run to tens of thousands of tokens); a
             response longer than this alone is dropped, with the reason.
+        micro_batch_tokens: the samples of an optimizer step go through the model in
+            micro-batches of at most this many (padded) tokens, each sample longer than it
+            alone (learner/micro_batches.py): short chat samples share a forward pass, long
+            agent samples do not run out of memory together. It changes speed and memory,
+            not the update.
     """
 
     model_config = _ENV
@@ -295,6 +300,7 @@ class LearnerSettings(BaseSettings):
         "auto", description="The learner's frozen base weights: auto = bfloat16 on a GPU, float32 on the CPU."
     )
     max_train_tokens: int = Field(32768, ge=16, description="Longest sample trained; the prompt is cut from the left.")
+    micro_batch_tokens: int = Field(16384, ge=1, description="Padded tokens per training forward pass (samples packed).")
 
     @field_validator("lr")
     @classmethod

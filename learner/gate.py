@@ -34,7 +34,7 @@ class GateFigures:
     """What one version scores on the held-out samples."""
 
     liked_logprob: float | None  # mean per-token logprob of held-out rewarded replies
-    repetition: float | None  # mean share of repeated tokens in greedy replies to recent prompts
+    repetition: float | None  # mean share of repeated trigrams in greedy replies (not measured for the serving version)
 
 
 @dataclass

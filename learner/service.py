@@ -207,9 +207,11 @@ class Learner:
             return None
         return (liked if len(liked) >= MIN_HELD_OUT else []), prompts
 
-    def _gate_figures(self, scope: str, held: tuple[list[Sample], list[list[int]]]) -> GateFigures:
+    def _gate_figures(self, scope: str, held: tuple[list[Sample], list[list[int]]], *, greedy: bool = True) -> GateFigures:
+        """`greedy=False` for the serving version: its repetition is not compared with anything
+        (the anchor is the base model's), and greedy replies are most of the gate's cost."""
         liked, prompts = held
-        return self.trainer.gate_figures(scope, liked, prompts, GATE_NEW_TOKENS)
+        return self.trainer.gate_figures(scope, liked, prompts if greedy else [], GATE_NEW_TOKENS)
 
     def _gate(self, scope: str, held: tuple[list[Sample], list[list[int]]], serving: GateFigures) -> GateVerdict:
         liked, prompts = held
@@ -247,7 +249,7 @@ class Learner:
                 log.info("learner step %d (%s): no signal in %d samples, nothing published", step_index, scope, len(ids))
                 return None
             held = await asyncio.to_thread(self._held_out, scope, {x.id for x in batch})
-            serving = await asyncio.to_thread(self._gate_figures, scope, held) if held else None
+            serving = await asyncio.to_thread(self._gate_figures, scope, held, greedy=False) if held else None
             result = await asyncio.to_thread(self.trainer.step, scope, batch)
             ids = [x.id for x in batch if x.id is not None and x.id not in result.dropped]
             if result.dropped:
