@@ -88,6 +88,10 @@ class Finished:
         return msg
 
 
+# What `TurnService.run` yields, in this order: Admitted, then StillWorking / Delta, then Finished.
+TurnEvent = Admitted | StillWorking | Delta | Finished
+
+
 class Decoder:
     def __init__(
         self,

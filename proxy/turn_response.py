@@ -1,17 +1,68 @@
 """The HTTP side of serving one turn, shared by every API's route: answer or stream, count it,
-and record a reply whose client left before its end (never committed, so never trained)."""
+and record a reply whose client left before its end (never committed, so never trained).
+
+Every API streams a turn the same way — an opening event once the engine admitted the request,
+keep-alives while a long prompt is prefilled, deltas, the finish, and after the opening event
+errors as an error event — and differs only in the events' shapes: `stream_turn` holds the
+control flow once, each API's `StreamWriter` the shapes.
+"""
 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any
+from typing import Any, Protocol
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from nextstate.proxy.decode import Admitted, Delta, Finished, StillWorking, TurnEvent
 from nextstate.proxy.errors import OpenAIError
 from nextstate.proxy.request_body import ClientGone, unless_disconnected
 from nextstate.proxy.turns import PreparedTurn
+
+
+class StreamWriter(Protocol):
+    """One API's server-sent events for one reply."""
+
+    def start(self) -> str: ...  # the opening event(s): awaited by the route, so sent as one item
+    def keep_alive(self) -> str: ...
+    def delta(self, delta: Delta) -> list[str]: ...
+    def finish(self, done: Finished) -> list[str]: ...
+    def error(self, exc: OpenAIError) -> str: ...
+    def end(self) -> list[str]: ...  # after a finish, e.g. chat completions' `[DONE]`
+
+
+async def stream_turn(
+    events: AsyncIterator[TurnEvent], writer: StreamWriter,
+    on_finish: Callable[[Finished], Awaitable[None]] | None = None,
+) -> AsyncIterator[str]:
+    """The turn's events as SSE text. The opening event comes once the engine admitted the
+    request, so a caller awaiting it still sees an engine that is down as an exception with its
+    status; after it, errors arrive as the writer's error event. `on_finish` runs before the
+    finish events go out (Responses stores the conversation there)."""
+    started = False
+    try:
+        async for item in events:
+            if isinstance(item, Admitted):
+                started = True
+                yield writer.start()
+            elif isinstance(item, StillWorking):
+                yield writer.keep_alive()
+            elif isinstance(item, Delta):
+                for line in writer.delta(item):
+                    yield line
+            else:
+                if on_finish is not None:
+                    await on_finish(item)
+                for line in writer.finish(item):
+                    yield line
+    except OpenAIError as exc:
+        if not started:
+            raise
+        yield writer.error(exc)
+        return
+    for line in writer.end():
+        yield line
 
 
 async def turn_response(

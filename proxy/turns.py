@@ -29,7 +29,7 @@ from nextstate.core.types import Turn
 from nextstate.engine.base import Engine, EngineError, SamplingParams
 from nextstate.modelio.chat_template import ChatRenderer, RenderedPrompt
 from nextstate.modelio.tool_calls import forced_call_schema
-from nextstate.proxy.decode import Admitted, Decoder, Delta, Finished, StillWorking
+from nextstate.proxy.decode import Admitted, Decoder, Delta, Finished, StillWorking, TurnEvent
 from nextstate.proxy.errors import OpenAIError, invalid_request
 from nextstate.proxy.keys import ApiKey
 from nextstate.proxy.rate_limits import RateLimiter
@@ -218,7 +218,7 @@ class TurnService:
 
     # ------------------------------------------------------------------ generation
 
-    async def run(self, prep: PreparedTurn) -> AsyncIterator[Admitted | StillWorking | Delta | Finished]:
+    async def run(self, prep: PreparedTurn) -> AsyncIterator[TurnEvent]:
         """The decode loop: `Admitted` once the engine took the request, deltas as tokens
         arrive (`StillWorking` after `keepalive_s` without one), then the finished reply,
         committed. An engine failure before admission raises before anything is yielded; a

@@ -26,12 +26,13 @@ from nextstate.proxy.chat_completion.protocol import (
     TopLogprob,
     Usage,
 )
-from nextstate.proxy.decode import Admitted, Finished, StillWorking
+from nextstate.proxy.decode import Finished
 from nextstate.proxy.decode import Delta as TurnDelta
 from nextstate.proxy.decode import TokenLogprob as TurnLogprob
 from nextstate.proxy.errors import OpenAIError
 from nextstate.proxy.keys import ApiKey
 from nextstate.proxy.sse import sse_comment, sse_data, sse_done
+from nextstate.proxy.turn_response import stream_turn
 from nextstate.proxy.turns import PreparedTurn, TurnHints, TurnRequest, TurnService
 
 
@@ -102,6 +103,25 @@ class ChatCompletionBuilder:
         body = ChatCompletionChunk(**self.envelope, choices=[], usage=Usage(**done.usage))
         return sse_data(body.model_dump_json())
 
+    # the StreamWriter of proxy/turn_response.py
+    def start(self) -> str:
+        return self.chunk(Delta(role="assistant", content=""))
+
+    def keep_alive(self) -> str:
+        return sse_comment()
+
+    def delta(self, event: TurnDelta) -> list[str]:
+        return self.delta_chunks(event)
+
+    def finish(self, done: Finished) -> list[str]:
+        return [self.chunk(Delta(), finish_reason=done.finish_reason), *([self.usage_chunk(done)] if self.include_usage else [])]
+
+    def error(self, exc: OpenAIError) -> str:
+        return sse_data(exc.body())
+
+    def end(self) -> list[str]:
+        return [sse_done()]
+
 
 def _tool_call(call) -> ToolCallOut:
     return ToolCallOut(id=call.id, function=FunctionCallOut(name=call.name, arguments=call.arguments))
@@ -126,30 +146,8 @@ class ChatCompletionServing:
         done = await self.turns.complete(prep)
         return self._builder(prep, body).response(done).model_dump()
 
-    async def stream(self, prep: PreparedTurn, body: ChatCompletionRequest) -> AsyncIterator[str]:
-        """SSE lines. The first (the role chunk) is yielded once the engine has admitted the
-        request, so a caller that awaits it still sees an engine that is down as an exception
-        with its status; after that, errors arrive as an error event, and a long prefill sends
-        keep-alive comments."""
-        build = self._builder(prep, body)
-        started = False
-        try:
-            async for event in self.turns.run(prep):
-                if isinstance(event, Admitted):
-                    started = True
-                    yield build.chunk(Delta(role="assistant", content=""))
-                elif isinstance(event, StillWorking):
-                    yield sse_comment()
-                elif isinstance(event, TurnDelta):
-                    for line in build.delta_chunks(event):
-                        yield line
-                else:
-                    yield build.chunk(Delta(), finish_reason=event.finish_reason)
-                    if build.include_usage:
-                        yield build.usage_chunk(event)
-        except OpenAIError as exc:
-            if not started:
-                raise
-            yield sse_data(exc.body())
-            return
-        yield sse_done()
+    def stream(self, prep: PreparedTurn, body: ChatCompletionRequest) -> AsyncIterator[str]:
+        """SSE lines: the role chunk once the engine admitted the request, keep-alive comments
+        during a long prefill, then content / tool-call chunks, the finish, usage if asked and
+        `[DONE]` (proxy/turn_response.stream_turn)."""
+        return stream_turn(self.turns.run(prep), self._builder(prep, body))

@@ -14,11 +14,12 @@ import json
 from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
-from nextstate.proxy.decode import Admitted, Finished, StillWorking
+from nextstate.proxy.decode import Finished
 from nextstate.proxy.decode import Delta as TurnDelta
 from nextstate.proxy.errors import OpenAIError
 from nextstate.proxy.keys import ApiKey
 from nextstate.proxy.messages.protocol import MessagesRequest, tool_input
+from nextstate.proxy.turn_response import stream_turn
 from nextstate.proxy.turns import PreparedTurn, TurnHints, TurnRequest, TurnService
 from nextstate.modelio.tool_calls import ParsedToolCall
 
@@ -117,6 +118,16 @@ class MessageBuilder:
         self._open = None
         return [event("content_block_stop", {"index": self._index})]
 
+    # with start, delta and finish above: the StreamWriter of proxy/turn_response.py
+    def keep_alive(self) -> str:
+        return event("ping", {})
+
+    def error(self, exc: OpenAIError) -> str:
+        return event("error", {"error": exc.anthropic_body()["error"]})
+
+    def end(self) -> list[str]:
+        return []
+
 
 class MessagesServing:
     def __init__(self, turns: TurnService) -> None:
@@ -138,27 +149,7 @@ class MessagesServing:
         done = await self.turns.complete(prep)
         return MessageBuilder(prep, self.model_name).message(done)
 
-    async def stream(self, prep: PreparedTurn) -> AsyncIterator[str]:
-        """SSE events. The first (message_start) is yielded once the engine admitted the
-        request, so an engine that is down is still an HTTP error with its status; after that,
-        errors arrive as an `error` event."""
-        build = MessageBuilder(prep, self.model_name)
-        started = False
-        try:
-            async for item in self.turns.run(prep):
-                if isinstance(item, Admitted):
-                    started = True
-                    yield build.start()
-                elif isinstance(item, StillWorking):
-                    yield event("ping", {})
-                elif isinstance(item, TurnDelta):
-                    for line in build.delta(item):
-                        yield line
-                else:
-                    for line in build.finish(item):
-                        yield line
-        except OpenAIError as exc:
-            if not started:
-                raise
-            yield event("error", {"error": exc.anthropic_body()["error"]})
-
+    def stream(self, prep: PreparedTurn) -> AsyncIterator[str]:
+        """SSE events: message_start once the engine admitted the request, `ping` during a long
+        prefill, an `error` event after the start (proxy/turn_response.stream_turn)."""
+        return stream_turn(self.turns.run(prep), MessageBuilder(prep, self.model_name))

@@ -20,13 +20,14 @@ from typing import Any
 
 from nextstate.modelio.chat_template import parse_arguments
 from nextstate.modelio.tool_calls import ParsedToolCall
-from nextstate.proxy.decode import Admitted, Finished, StillWorking
+from nextstate.proxy.decode import Finished
 from nextstate.proxy.decode import Delta as TurnDelta
 from nextstate.proxy.errors import OpenAIError
 from nextstate.proxy.keys import ApiKey
 from nextstate.proxy.responses.protocol import ResponsesRequest
 from nextstate.proxy.responses.store import ResponseStore
 from nextstate.proxy.sse import sse_comment
+from nextstate.proxy.turn_response import stream_turn
 from nextstate.proxy.turns import PreparedTurn, TurnHints, TurnRequest, TurnService
 
 
@@ -98,9 +99,19 @@ class ResponseBuilder:
         payload = {"type": kind, "sequence_number": self._sequence, **data}
         return f"event: {kind}\ndata: {json.dumps(payload, ensure_ascii=False)}\n\n"
 
-    def start(self) -> list[str]:
+    # the StreamWriter of proxy/turn_response.py
+    def start(self) -> str:
         response = self.response("in_progress", [])
-        return [self.event("response.created", response=response), self.event("response.in_progress", response=response)]
+        return self.event("response.created", response=response) + self.event("response.in_progress", response=response)
+
+    def keep_alive(self) -> str:
+        return sse_comment()
+
+    def error(self, exc: OpenAIError) -> str:
+        return self.event("error", code=exc.code or exc.type, message=exc.message, param=exc.param)
+
+    def end(self) -> list[str]:
+        return []
 
     def delta(self, turn_delta: TurnDelta) -> list[str]:
         out = []
@@ -183,26 +194,13 @@ class ResponsesServing:
         await self._keep(prep, body, conversation, done, build)
         return build.final(done)
 
-    async def stream(self, prep: PreparedTurn, body: ResponsesRequest, conversation: list) -> AsyncIterator[str]:
-        """SSE events; the first two once the engine admitted the request (an engine that is
-        down is still an HTTP error with its status), an `error` event after that."""
+    def stream(self, prep: PreparedTurn, body: ResponsesRequest, conversation: list) -> AsyncIterator[str]:
+        """SSE events: response.created and .in_progress once the engine admitted the request,
+        an `error` event after that (proxy/turn_response.stream_turn); the conversation is
+        stored before response.completed goes out, so a client may chain on it at once."""
         build = ResponseBuilder(prep, self.model_name, body)
-        started = False
-        try:
-            async for item in self.turns.run(prep):
-                if isinstance(item, Admitted):
-                    started = True
-                    yield "".join(build.start())
-                elif isinstance(item, StillWorking):
-                    yield sse_comment()
-                elif isinstance(item, TurnDelta):
-                    for line in build.delta(item):
-                        yield line
-                else:
-                    await self._keep(prep, body, conversation, item, build)
-                    for line in build.finish(item):
-                        yield line
-        except OpenAIError as exc:
-            if not started:
-                raise
-            yield build.event("error", code=exc.code or exc.type, message=exc.message, param=exc.param)
+
+        async def keep(done: Finished) -> None:
+            await self._keep(prep, body, conversation, done, build)
+
+        return stream_turn(self.turns.run(prep), build, on_finish=keep)
