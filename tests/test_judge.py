@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 import time
 
@@ -300,3 +301,33 @@ def test_unfinished_judgements_resume_after_a_restart(server_factory, judge, tmp
         assert restarted.app.state.samples.pending_transitions() == []
     finally:
         restarted.stop()
+
+
+async def test_the_judge_client_retries_once_what_the_openai_sdk_would():
+    from nextstate.judge.client import JudgeHTTPError, OpenAIJudgeClient
+
+    seen: list[httpx.Request] = []
+    answers: list[httpx.Response] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        seen.append(request)
+        return answers.pop(0)
+
+    client = OpenAIJudgeClient("http://judge.test/v1/", "j", "sk-x", 5, transport=httpx.MockTransport(handler))
+    client.RETRY_PAUSE_S = 0
+    ok = {"choices": [{"message": {"role": "assistant", "content": r"\boxed{1}"}}]}
+    answers[:] = [httpx.Response(503, text="busy"), httpx.Response(200, json=ok)]
+    assert await client.complete([{"role": "user", "content": "q"}], temperature=0.6, max_tokens=8) == r"\boxed{1}"
+    assert [r.url.path for r in seen] == ["/v1/chat/completions"] * 2
+    body = json.loads(seen[0].content)
+    assert body == {"model": "j", "messages": [{"role": "user", "content": "q"}], "temperature": 0.6, "max_tokens": 8}
+    assert seen[0].headers["authorization"] == "Bearer sk-x"
+    answers[:] = [httpx.Response(400, json={"error": {"message": "bad"}})]
+    with pytest.raises(JudgeHTTPError, match="400"):
+        await client.complete([], temperature=0.6, max_tokens=8)  # a client error is not retried
+    answers[:] = [httpx.Response(500), httpx.Response(502, text="down")]
+    with pytest.raises(JudgeHTTPError, match="502: down"):
+        await client.complete([], temperature=0.6, max_tokens=8)
+    answers[:] = [httpx.Response(200, json={"choices": []})]
+    assert await client.complete([], temperature=0.6, max_tokens=8) == ""
+    await client.aclose()
