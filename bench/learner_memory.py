@@ -8,7 +8,7 @@ downloaded: memory and speed do not depend on what the weights are), in the lear
 dtype (bfloat16 on a GPU), and trained by the real `LoraTrainer` — LoRA r16 on every
 projection, gradient checkpointing, the LM head over response tokens in chunks — on one batch
 of `--batch` samples of each length (a quarter of it response, the rest prompt, as in agent
-turns). Peak memory is torch.cuda.max_memory_allocated over the update (on a CPU: the process's
+turns), packed into forward passes of up to `--micro-batch-tokens` (the default setting's). Peak memory is torch.cuda.max_memory_allocated over the update (on a CPU: the process's
 peak resident set, coarser). Writes bench/results/learner_memory[-<gpu>].json and a PNG; the
 numbers go into deploy/README.md's memory table.
 """
@@ -79,8 +79,8 @@ def peak_bytes(device: str) -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def measure(shape: str, lengths: list[int], batch: int, device: str) -> list[dict]:
-    settings = LearnerSettings(lr=1e-5, max_train_tokens=max(lengths) + 16, max_kl=1e9)
+def measure(shape: str, lengths: list[int], batch: int, device: str, micro_batch_tokens: int) -> list[dict]:
+    settings = LearnerSettings(lr=1e-5, max_train_tokens=max(lengths) + 16, max_kl=1e9, micro_batch_tokens=micro_batch_tokens)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         dtype = torch.bfloat16 if device == "cuda" else torch.float32
@@ -142,14 +142,16 @@ def main() -> None:
     parser.add_argument("--shapes", nargs="+", default=["Qwen3-4B", "Qwen3-8B"], choices=list(SHAPES))
     parser.add_argument("--lengths", nargs="+", type=int, default=[4096, 16384, 32768])
     parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--micro-batch-tokens", type=int, default=LearnerSettings().micro_batch_tokens,
+                        help="NEXTSTATE_MICRO_BATCH_TOKENS: padded tokens per forward pass (samples packed up to it)")
     args = parser.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     rows = []
     for shape in args.shapes:
-        rows += measure(shape, args.lengths, args.batch, device)
+        rows += measure(shape, args.lengths, args.batch, device, args.micro_batch_tokens)
     name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
     save({"benchmark": "learner_memory", "variant": None if device == "cuda" else "-".join(args.shapes), "device": name,
-          "batch": args.batch, "rows": rows})
+          "batch": args.batch, "micro_batch_tokens": args.micro_batch_tokens, "rows": rows})
 
 
 if __name__ == "__main__":

@@ -132,7 +132,7 @@ def test_personalization_with_explicit_feedback_trains_past_a_judge_that_cannot_
 def test_learner_memory_measures_an_update_on_a_model_built_from_a_config():
     from bench.learner_memory import headline, measure
 
-    rows = measure("tiny", [64], 2, "cpu")
+    rows = measure("tiny", [64], 2, "cpu", micro_batch_tokens=128)
     assert rows[0]["error"] is None and rows[0]["seconds"] > 0 and rows[0]["peak_gib"] > 0
     assert "tiny 64 tok x2" in headline({"rows": rows})
 
