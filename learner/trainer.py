@@ -231,6 +231,7 @@ class LoraTrainer:
                     for i, ((a, b), t, s) in enumerate(zip(spans, targets, samples))]
         backbone, head = parts
         hidden = backbone(input_ids=ids, attention_mask=mask).last_hidden_state
+
         def chunk(h: torch.Tensor, t: torch.Tensor, temperature: float) -> torch.Tensor:
             return token_logprobs(head(h), t, temperature)
 
