@@ -263,6 +263,8 @@ def run_mode(mode: str, policy: Path, tasks: list[str], args, judge: dict, user,
     )
     if getattr(args, "no_gate", False):
         tuned["publish_gate"] = False
+    if getattr(args, "gate_max_repetition_rise", None) is not None:
+        tuned["gate_max_repetition_rise"] = args.gate_max_repetition_rise
     with bench_server(
         policy, "policy", mode=mode if learning else "combined", learn=learning, judge_enabled=learning,
         **tuned, **judge, **engine_settings(args),
@@ -410,6 +412,8 @@ def main() -> None:
                         help="the user also rates every reply with POST /v1/feedback (a correction when it misses); "
                              "without --judge-url the server's own default judge is kept (the served model)")
     parser.add_argument("--no-gate", action="store_true", help="NEXTSTATE_PUBLISH_GATE=false: every update serves")
+    parser.add_argument("--gate-max-repetition-rise", type=float, default=None,
+                        help="NEXTSTATE_GATE_MAX_REPETITION_RISE (default: the setting's default)")
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--lr", type=float, default=None)
     parser.add_argument("--lora-r", type=int, default=None)
@@ -476,6 +480,8 @@ def main() -> None:
             "the default (the served model itself)" if args.feedback else "rules (PreferenceJudge)"),
         "explicit_feedback": args.feedback,
         "publish_gate": not args.no_gate,
+        "gate_max_repetition_rise": None if args.no_gate else (
+            args.gate_max_repetition_rise if args.gate_max_repetition_rise is not None else LearnerSettings().gate_max_repetition_rise),
         "scorer": args.scorer_url and f"{args.scorer_model} at {args.scorer_url}" or "rules",
         "settings": {k: getattr(args, k) for k in ("tasks", "seed", "max_attempts", "max_tokens", "temperature", "think_s",
                                                     "batch", "lr", "lora_r", "kl_coef", "votes")},
