@@ -91,19 +91,11 @@ class ChatCompletionBuilder:
         )
         return sse_data(body.model_dump_json(exclude=None if self.include_usage else {"usage"}))
 
-    def delta_chunks(self, event: TurnDelta) -> list[str]:
-        out = []
-        if event.content or (event.logprobs and not event.tool_calls):
-            out.append(self.chunk(Delta(content=event.content), logprobs=event.logprobs))
-        for call in event.tool_calls:
-            out.append(self.chunk(Delta(tool_calls=[ToolCallDelta(index=call.index, **_tool_call(call).model_dump())])))
-        return out
-
     def usage_chunk(self, done: Finished) -> str:
         body = ChatCompletionChunk(**self.envelope, choices=[], usage=Usage(**done.usage))
         return sse_data(body.model_dump_json())
 
-    # the StreamWriter of proxy/turn_response.py
+    # the StreamWriter of proxy/turn_response.py: start, keep_alive, delta, finish, error, end
     def start(self) -> str:
         return self.chunk(Delta(role="assistant", content=""))
 
@@ -111,7 +103,12 @@ class ChatCompletionBuilder:
         return sse_comment()
 
     def delta(self, event: TurnDelta) -> list[str]:
-        return self.delta_chunks(event)
+        out = []
+        if event.content or (event.logprobs and not event.tool_calls):
+            out.append(self.chunk(Delta(content=event.content), logprobs=event.logprobs))
+        for call in event.tool_calls:
+            out.append(self.chunk(Delta(tool_calls=[ToolCallDelta(index=call.index, **_tool_call(call).model_dump())])))
+        return out
 
     def finish(self, done: Finished) -> list[str]:
         return [self.chunk(Delta(), finish_reason=done.finish_reason), *([self.usage_chunk(done)] if self.include_usage else [])]
