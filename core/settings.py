@@ -187,7 +187,7 @@ class JudgeSettings(BaseSettings):
     judge_model: str | None = Field(None, description="Model name sent to the judge endpoint.")
     judge_api_key: str | None = None
     judge_timeout_s: float = Field(120.0, gt=0, description="Per judge call; a late vote counts as no vote.")
-    judge_concurrency: int = Field(4, ge=1, description="Judge calls in flight at once.")
+    judge_concurrency: int = Field(4, ge=1, description="Judge calls in flight at once (one call asks a prompt's m votes).")
     judge_temperature: float = Field(0.6, ge=0, le=2)
     judge_max_tokens: int = Field(512, ge=16)
     judge_max_chars: int = Field(6000, ge=200, description="Each text shown to the judge is cut to this.")

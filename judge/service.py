@@ -62,7 +62,7 @@ class JudgeStats:
 
     def __init__(self, window: int = 1000) -> None:
         self.sample_seconds: deque[float] = deque(maxlen=window)
-        self.vote_seconds: deque[float] = deque(maxlen=window)
+        self.call_seconds: deque[float] = deque(maxlen=window)  # one call asks a prompt's m votes
         self.votes = 0
         self.votes_failed = 0
         self.errors = 0
@@ -81,7 +81,7 @@ class JudgeStats:
 
         return {
             "per_sample": summary(self.sample_seconds),
-            "per_vote": summary(self.vote_seconds),
+            "per_call": summary(self.call_seconds),
             "votes": self.votes,
             "votes_failed": self.votes_failed,
             "errors": self.errors,
@@ -122,8 +122,11 @@ class Judge:
         self._samples = Durable("the sample store (judged samples)")
         self._harness = [re.compile(p) for p in settings.harness_patterns]
         self._tasks: set[asyncio.Task] = set()
-        # Accepted samples per open session, for the at-least-one guarantee.
+        # Accepted samples per open session, for the at-least-one guarantee; forgotten when the
+        # session closes, but only once its turns still being judged are done (they count too).
         self._effective: dict[tuple[str, str], int] = {}
+        self._judging: dict[tuple[str, str], int] = {}
+        self._closed: set[tuple[str, str]] = set()
         # Whether transitions are judged from their next state (implicit feedback); off when
         # judging is disabled or the judge failed its calibration. Explicit feedback always works.
         self.implicit = settings.judge_enabled
@@ -230,11 +233,19 @@ class Judge:
             # Nothing to judge (and the session is over for the guarantee too), but kept so that
             # the turn can still be rated explicitly.
             if transition.reason == "session_closed":
-                self._effective.pop((turn.user, turn.session_id), None)
+                self._session_over((turn.user, turn.session_id))
             self._spawn(self._keep(transition, durable))
             return durable
+        key = (turn.user, turn.session_id)
+        self._judging[key] = self._judging.get(key, 0) + 1
         self._spawn(self._accept(transition, durable))
         return durable
+
+    def _session_over(self, key: tuple[str, str]) -> None:
+        if self._judging.get(key):
+            self._closed.add(key)  # forgotten when its last judgement ends
+        else:
+            self._effective.pop(key, None)
 
     def _handed_over(self, transition: Transition, durable: asyncio.Future) -> None:
         """The transition is on disk (or never will be): feedback looks for it there from now
@@ -271,16 +282,25 @@ class Judge:
 
     async def _accept(self, transition: Transition, durable: asyncio.Future) -> None:
         try:
-            transition_id = await self._inbox.write(self.store.add_transition, transition)
-            if transition_id is None:  # the inbox has this turn already: it is judged once
-                log.info("turn %d of session %s was handed over again; judged once", transition.turn.turn_index,
-                         transition.turn.session_id)
-                return
-        except StorageUnavailable:
-            transition_id = None  # judged all the same; only a crash before it is stored loses it
+            try:
+                transition_id = await self._inbox.write(self.store.add_transition, transition)
+                if transition_id is None:  # the inbox has this turn already: it is judged once
+                    log.info("turn %d of session %s was handed over again; judged once", transition.turn.turn_index,
+                             transition.turn.session_id)
+                    return
+            except StorageUnavailable:
+                transition_id = None  # judged all the same; only a crash before it is stored loses it
+            finally:
+                self._handed_over(transition, durable)
+            await self._judge(transition_id, transition)
         finally:
-            self._handed_over(transition, durable)
-        await self._judge(transition_id, transition)
+            key = (transition.turn.user, transition.turn.session_id)
+            self._judging[key] -= 1
+            if not self._judging[key]:
+                del self._judging[key]
+                if key in self._closed:
+                    self._closed.discard(key)
+                    self._effective.pop(key, None)
 
     # ---------------------------------------------------------------- outcomes and batches
 
@@ -532,33 +552,36 @@ class Judge:
         return None
 
     async def _votes(self, prompt: str, values: dict[str, str], allowed: tuple[int, ...]) -> list[Vote]:
+        """m votes on one prompt, asked as one judge call (judge/client.py: `n` answers)."""
+        cfg = self.settings
+        m = cfg.prm_votes
         messages = self.prompts.render(prompt, **values)
         messages[0] = {**messages[0], "content": f"{messages[0]['content']}\n\n{FENCE_NOTE}"}
-        return list(await asyncio.gather(*(self._vote(messages, allowed) for _ in range(self.settings.prm_votes))))
-
-    async def _vote(self, messages: list[dict[str, str]], allowed: tuple[int, ...]) -> Vote:
-        cfg = self.settings
         async with self._sem:
             started = time.monotonic()
             error = None
-            text = ""
+            texts: list[str] = []
             try:
-                text = await asyncio.wait_for(
-                    self.client.complete(messages, temperature=cfg.judge_temperature, max_tokens=cfg.judge_max_tokens), cfg.judge_timeout_s
+                texts = await asyncio.wait_for(
+                    self.client.complete(messages, temperature=cfg.judge_temperature, max_tokens=cfg.judge_max_tokens, n=m),
+                    cfg.judge_timeout_s,
                 )
             except asyncio.TimeoutError:
                 error = f"timeout after {cfg.judge_timeout_s:g}s"
-            except Exception as exc:  # noqa: BLE001 - a failed vote is just a missing vote
+            except Exception as exc:  # noqa: BLE001 - failed votes are just missing votes
                 error = f"{type(exc).__name__}: {exc}"
-            seconds = time.monotonic() - started
+            seconds = round(time.monotonic() - started, 4)
+        self.stats.call_seconds.append(seconds)
+        return [self._vote(texts[i] if i < len(texts) else "", error, allowed, seconds) for i in range(m)]
+
+    def _vote(self, text: str, error: str | None, allowed: tuple[int, ...], seconds: float) -> Vote:
         self.stats.votes += 1
-        self.stats.vote_seconds.append(seconds)
         score = parse_score(text, allowed) if error is None else None
         if score is None:
             self.stats.votes_failed += 1
         hint = parse_hint(text) if error is None else None
         # what is kept of a vote is bounded: a judge that rambles for megabytes costs a line
-        return Vote(score, hint[:MAX_HINT_CHARS] if hint else hint, text[:MAX_VOTE_TEXT], error, round(seconds, 4))
+        return Vote(score, hint[:MAX_HINT_CHARS] if hint else hint, text[:MAX_VOTE_TEXT], error, seconds)
 
     def _sample(
         self,

@@ -37,15 +37,18 @@ class ScriptedJudge:
                 await asyncio.sleep(3600)
             if self.mode == "error":
                 return JSONResponse({"error": {"message": "boom", "type": "server_error", "param": None, "code": None}}, 500)
-            if self.mode == "garbage":
-                text = "I am not sure what to say here."
-            elif self.mode == "echo":  # a judge that quotes the text it judges after its verdict
-                text = "My verdict: \\boxed{0}. For the record, the text was: " + body["messages"][-1]["content"]
-            else:
-                text = self.verdict(body["messages"])
+            texts = []
+            for _ in range(body.get("n") or 1):  # n answers to one prompt, as OpenAI's endpoint gives
+                if self.mode == "garbage":
+                    texts.append("I am not sure what to say here.")
+                elif self.mode == "echo":  # a judge that quotes the text it judges after its verdict
+                    texts.append("My verdict: \\boxed{0}. For the record, the text was: " + body["messages"][-1]["content"])
+                else:
+                    texts.append(self.verdict(body["messages"]))
             return {
                 "id": "judge-1", "object": "chat.completion", "created": int(time.time()), "model": body["model"],
-                "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "stop"}],
+                "choices": [{"index": i, "message": {"role": "assistant", "content": text}, "finish_reason": "stop"}
+                            for i, text in enumerate(texts)],
                 "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2},
             }
 

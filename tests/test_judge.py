@@ -55,6 +55,7 @@ def test_combined_mode_rewards_hints_and_advantages(server_factory, judge):
     correction, tool_error, praise = samples[1], samples[2], samples[3]
     assert correction.reward == -1 and tool_error.reward == -1 and praise.reward == 1
     assert correction.votes == [-1, -1, -1]
+    assert len(judge.calls) == 2 * 3, "per judged turn one call for the 3 PRM votes and one for the 3 hint votes (n=3)"
     assert correction.hint == max(HINTS, key=len), "the longest valid hint wins"
     assert tool_error.hint is None and praise.hint is None
     assert {s.status for s in samples.values()} == {"ready"}
@@ -317,17 +318,51 @@ async def test_the_judge_client_retries_once_what_the_openai_sdk_would():
     client.RETRY_PAUSE_S = 0
     ok = {"choices": [{"message": {"role": "assistant", "content": r"\boxed{1}"}}]}
     answers[:] = [httpx.Response(503, text="busy"), httpx.Response(200, json=ok)]
-    assert await client.complete([{"role": "user", "content": "q"}], temperature=0.6, max_tokens=8) == r"\boxed{1}"
+    assert await client.complete([{"role": "user", "content": "q"}], temperature=0.6, max_tokens=8) == [r"\boxed{1}"]
     assert [r.url.path for r in seen] == ["/v1/chat/completions"] * 2
     body = json.loads(seen[0].content)
     assert body == {"model": "j", "messages": [{"role": "user", "content": "q"}], "temperature": 0.6, "max_tokens": 8}
     assert seen[0].headers["authorization"] == "Bearer sk-x"
-    answers[:] = [httpx.Response(400, json={"error": {"message": "bad"}})]
-    with pytest.raises(JudgeHTTPError, match="400"):
+    answers[:] = [httpx.Response(401, json={"error": {"message": "bad key"}})]
+    with pytest.raises(JudgeHTTPError, match="401"):
         await client.complete([], temperature=0.6, max_tokens=8)  # a client error is not retried
     answers[:] = [httpx.Response(500), httpx.Response(502, text="down")]
     with pytest.raises(JudgeHTTPError, match="502: down"):
         await client.complete([], temperature=0.6, max_tokens=8)
     answers[:] = [httpx.Response(200, json={"choices": []})]
-    assert await client.complete([], temperature=0.6, max_tokens=8) == ""
+    with pytest.raises(JudgeHTTPError, match="no choices"):
+        await client.complete([], temperature=0.6, max_tokens=8)
     await client.aclose()
+
+
+async def test_the_votes_on_a_prompt_are_one_call_where_the_endpoint_takes_n():
+    from nextstate.judge.client import OpenAIJudgeClient
+
+    seen: list[dict] = []
+
+    def choices(k: int) -> dict:
+        return {"choices": [{"message": {"content": f"vote {len(seen)}.{i}"}} for i in range(k)]}
+
+    def answering(behaviour):
+        def handler(request: httpx.Request) -> httpx.Response:
+            seen.append(json.loads(request.content))
+            return behaviour(seen[-1])
+        return httpx.MockTransport(handler)
+
+    # an endpoint that takes n: one call
+    client = OpenAIJudgeClient("http://j/v1", "j", None, 5, transport=answering(lambda body: httpx.Response(200, json=choices(body.get("n", 1)))))
+    assert await client.complete([], temperature=0.6, max_tokens=8, n=3) == ["vote 1.0", "vote 1.1", "vote 1.2"]
+    assert [b.get("n") for b in seen] == [3]
+    # one that ignores n (one choice back): asked again for the rest
+    seen.clear()
+    client = OpenAIJudgeClient("http://j/v1", "j", None, 5, transport=answering(lambda body: httpx.Response(200, json=choices(1))))
+    assert len(await client.complete([], temperature=0.6, max_tokens=8, n=3)) == 3
+    assert [b.get("n") for b in seen] == [3, 2, None]
+    # one that refuses n > 1: one answer at a time, from then on
+    seen.clear()
+    refusing = answering(lambda body: httpx.Response(400, json={"error": {"message": "only n=1"}}) if body.get("n", 1) > 1
+                         else httpx.Response(200, json=choices(1)))
+    client = OpenAIJudgeClient("http://j/v1", "j", None, 5, transport=refusing)
+    assert len(await client.complete([], temperature=0.6, max_tokens=8, n=3)) == 3
+    assert len(await client.complete([], temperature=0.6, max_tokens=8, n=2)) == 2
+    assert [b.get("n") for b in seen] == [3, None, None, None, None, None] and client.takes_n is False
