@@ -185,7 +185,11 @@ class SGLangEngine:
             await asyncio.sleep(self.backoff_s * attempt)
 
     async def _stream(self, payload: dict[str, Any], admit: Callable[[], None]) -> AsyncIterator[GeneratedToken]:
+        """SGLang's stream as tokens. After the finishing event (or `[DONE]`) the body is read to
+        its end: left unread, httpx closes the connection, and every request would pay a new TCP
+        connection to SGLang (bench/proxy_overhead)."""
         seen = 0
+        finished = False
         try:
             async with self._client.stream("POST", "/generate", json=payload) as response:
                 if response.status_code != 200:
@@ -197,8 +201,9 @@ class SGLangEngine:
                     if not line.startswith("data:"):
                         continue
                     data = line[5:].strip()
-                    if data == "[DONE]":
-                        return
+                    if data == "[DONE]" or finished:
+                        finished = True
+                        continue  # read on to the body's end, so the connection can be reused
                     event = self._parse(data)
                     tokens, finish = self._new_tokens(event, seen)
                     if not seen and tokens and isinstance(event["meta_info"].get("cached_tokens"), int):
@@ -207,8 +212,9 @@ class SGLangEngine:
                         seen += 1
                         last = i == len(tokens) - 1
                         yield dataclasses.replace(token, finish_reason=finish) if last and finish else token
-                    if finish:
-                        return
+                    finished = finished or bool(finish)
+                if finished:
+                    return
         except httpx.TimeoutException as exc:
             # not retried: a retry would only multiply the wait the client already had
             raise EngineTimeout(f"SGLang did not answer in time: {exc!r}") from None

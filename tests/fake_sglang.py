@@ -40,6 +40,7 @@ class FakeSGLang:
         self.return_original_logprob = return_original_logprob
         self.mode = "ok"
         self.requests: list[tuple[str, dict]] = []
+        self.generate_peers: list[int] = []  # the client port of each /generate: one per connection
         self.engine: LocalEngine | None = None
         open_engine = engine_factory or (lambda: LocalEngine.open(model_dir, device="cpu"))
 
@@ -59,6 +60,7 @@ class FakeSGLang:
         async def generate(request: Request):
             body = await request.json()
             self.requests.append(("/generate", body))
+            self.generate_peers.append(request.client.port if request.client else 0)
             if self.mode == "500":
                 return JSONResponse({"error": {"message": "internal error"}}, 500)
             if self.mode == "hang":
