@@ -41,7 +41,6 @@ log = logging.getLogger(__name__)
 _TRUE = {"1", "true", "yes", "on"}
 _ADMITTED = object()  # in a turn's token queue: the engine took the request
 _END = object()  # in a turn's token queue: the engine finished
-PUMP_DRAIN_S = 1.0  # how long the end of an engine's stream may take after its last token
 
 
 def _is_token(item: object) -> bool:
@@ -271,7 +270,6 @@ class TurnService:
         self.metrics.in_flight.inc()
         held: Any = None  # taken from the queue behind a run of tokens, handled next
         cached: int | None = None
-        engine_finished = False  # the engine's last token came: its stream ends by itself
         with self.activity.request():
             try:
                 while True:
@@ -297,7 +295,6 @@ class TurnService:
                     # Tokens that are already waiting go out together, as one chunk: when the
                     # engine outpaces the client, one write per token is what costs most.
                     while True:
-                        engine_finished = item.finish_reason is not None
                         response_ids.append(item.token_id)
                         sampled_logprobs.append(item.logprob)
                         delta.extend(decoder.push(item))
@@ -312,13 +309,8 @@ class TurnService:
                     if decoder.stopped:
                         break
             finally:
-                self.metrics.in_flight.dec()
-                if engine_finished and not pump.done():
-                    # let the engine's stream end by itself: an HTTP engine's connection is then
-                    # reused for the next request instead of closed (SGLang: read to [DONE])
-                    with contextlib.suppress(asyncio.TimeoutError, asyncio.CancelledError):
-                        await asyncio.wait_for(pump, PUMP_DRAIN_S)
                 pump.cancel()  # stop generating (the client left, or a stop was reached)
+                self.metrics.in_flight.dec()
                 with contextlib.suppress(asyncio.CancelledError):
                     await pump
         tail = decoder.flush()

@@ -41,6 +41,7 @@ class FakeSGLang:
         self.mode = "ok"
         self.requests: list[tuple[str, dict]] = []
         self.generate_peers: list[int] = []  # the client port of each /generate: one per connection
+        self.done_delay_s = 0.0
         self.engine: LocalEngine | None = None
         open_engine = engine_factory or (lambda: LocalEngine.open(model_dir, device="cpu"))
 
@@ -173,6 +174,8 @@ class FakeSGLang:
             if self.mode == "drop" and n == 3:
                 return  # connection closes without a finish
             yield f"data: {json.dumps(event)}\n\n"
+        if self.done_delay_s:
+            await asyncio.sleep(self.done_delay_s)  # [DONE] some time after the finishing event
         yield "data: [DONE]\n\n"
 
     async def _score(self, body, adapter, params):

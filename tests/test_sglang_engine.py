@@ -287,3 +287,28 @@ def test_per_user_adapters_on_one_sglang_server(server_factory, sglang):
     raw = server.client(server.key("alice")).chat.completions.with_raw_response.create(**ask)
     assert raw.status_code == 200 and raw.headers["x-policy-version"] == "1"
     assert sglang.requests[-2] == ("/load_lora_adapter", {"lora_name": "alice-v1", "lora_path": str(server.settings.adapters_dir / "alice" / "v1")})
+
+
+def test_a_reply_ending_on_its_stop_token_keeps_the_connection_to_sglang(server_factory, tiny_model_dir):
+    """A stop-token finish ends the turn only once the engine's stream ended (SGLang's [DONE],
+    here 0.2 s late): the stream is never cut short, so its connection serves the next reply."""
+    from transformers import AutoTokenizer
+
+    from tests.scripted_engine import ScriptedEngine
+
+    async def scripted():
+        return ScriptedEngine(AutoTokenizer.from_pretrained(tiny_model_dir), default_reply="Hello there, friend.")
+
+    fake = FakeSGLang(tiny_model_dir, incremental=True, engine_factory=scripted)
+    fake.done_delay_s = 0.2  # the stop token is decoded well before the stream's end arrives
+    try:
+        server = server_factory(engine="sglang", sglang_url=fake.url, judge_enabled=False, learn=False)
+        client = server.client(server.key("alice"))
+        for question in ("Hi.", "And now?", "Once more."):
+            chunks = list(client.chat.completions.create(
+                model="tiny", messages=[{"role": "user", "content": question}], max_tokens=50, stream=True))
+            assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
+        replies = fake.generate_peers[-3:]
+        assert len(replies) == 3 and len(set(replies)) == 1
+    finally:
+        fake.stop()
