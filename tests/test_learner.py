@@ -339,7 +339,6 @@ def test_a_consistent_reward_moves_the_policy(server_factory, peaked_model_dir):
         ])
         wait_for(lambda: policies.current("alice").version == update + 1)
         curve.append(float(first_token_distribution()[chosen]))
-    for st in server.app.state.learner.steps: print("STEP", {k: st.get(k) for k in ("loss","policy_kl","mismatch","mean_advantage","grad_norm","clip_fraction","tokens")})
     assert curve[-1] > 3 * curve[0] and curve[-1] > 0.2, f"P(chosen first token) per update: {curve}"
 
 
