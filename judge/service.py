@@ -19,7 +19,7 @@ import weakref
 from collections import deque
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from typing import Any, Literal
+from typing import Any
 
 from nextstate.engine.base import Engine, UnknownAdapterError
 from nextstate.judge.advantages import opd_delta, standardize_outcome_batch, step_reward, token_advantages, with_outcome
