@@ -48,7 +48,7 @@ class LocalEngine:
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="nextstate-engine", daemon=True)
         self._thread.start()
-        # Forced tool calls need the tokenizer indexed for grammars (seconds); do it now, aside.
+        # Forced tool calls need the tokenizer indexed for grammars (~0.35 s); do it now, aside.
         threading.Thread(target=self._warm_constraints, name="nextstate-grammar-warmup", daemon=True).start()
 
     def _warm_constraints(self) -> None:

@@ -39,8 +39,18 @@ def source_files(root: Path = ROOT) -> Iterator[tuple[str, Path]]:
             yield folder, path
 
 
+def _parse(source: str) -> ast.Module:
+    """CPython 3.11's AST builder keeps its depth count per interpreter, not per thread
+    (gh-106905): a parse racing another thread's (3.11's traceback module parses to draw its
+    carets) raises a spurious SystemError. Parsing again is then correct."""
+    try:
+        return ast.parse(source)
+    except SystemError:
+        return ast.parse(source)
+
+
 def imported_modules(source: str) -> Iterator[tuple[int, str]]:
-    for node in ast.walk(ast.parse(source)):
+    for node in ast.walk(_parse(source)):
         if isinstance(node, ast.Import):
             for alias in node.names:
                 yield node.lineno, alias.name

@@ -182,6 +182,29 @@ def test_constrained_decoding_makes_even_a_random_model_call_the_tool(server):
             assert choice == "required" and call.function.name == "get_weather" and isinstance(args, dict)
 
 
+def test_the_grammar_mask_unpacks_llguidances_bitmask_as_llguidance_does(tiny_model_dir):
+    """The mask is unpacked with plain torch ops (no torch.compile); it must allow exactly the
+    tokens llguidance's own reference kernel allows, and never the model's padding rows."""
+    import llguidance.numpy as lln
+    import numpy as np
+    import torch
+
+    from nextstate.engine.constraints import ConstraintCompiler
+
+    compiler = ConstraintCompiler(tiny_model_dir)
+    constraint = compiler.compile(json.dumps(WEATHER["function"]["parameters"]))
+    vocab = constraint._vocab
+    for _ in range(6):  # a few steps into the object
+        logits = torch.randn(vocab + 7)  # models pad their output rows past the tokenizer's
+        masked = constraint.apply(logits)
+        reference = logits[:vocab].numpy().copy()[None]
+        lln.apply_token_bitmask_inplace(reference, constraint._bitmask.numpy())
+        assert np.array_equal(np.isfinite(masked[:vocab].numpy()), np.isfinite(reference[0]))
+        assert torch.isinf(masked[vocab:]).all() and 0 < int(torch.isfinite(masked).sum()) < vocab
+        allowed = torch.isfinite(masked).nonzero().flatten().tolist()
+        constraint.advance(allowed[0])
+
+
 def test_invalid_tool_call_json_stays_content(scripted):
     server, engine = scripted
     engine.script("<tool_call>\n{not json}\n</tool_call>")
