@@ -53,6 +53,7 @@ from nextstate.engine.base import (
     UnknownAdapterError,
     check_request,
 )
+from nextstate.engine.sse import sse_data
 
 log = logging.getLogger(__name__)
 
@@ -197,11 +198,8 @@ class SGLangEngine:
                     error = self._http_error(response)
                     raise _Retryable(error) if isinstance(error, EngineBadGateway) else error
                 admit()
-                async for line in response.aiter_lines():
-                    if not line.startswith("data:"):
-                        continue
-                    data = line[5:].strip()
-                    if data == "[DONE]" or finished:
+                async for data in sse_data(response):
+                    if data == b"[DONE]" or finished:
                         finished = True
                         continue  # read on to the body's end, so the connection can be reused
                     event = self._parse(data)
@@ -223,11 +221,11 @@ class SGLangEngine:
         raise _Retryable(EngineBadGateway("SGLang closed the stream before the generation finished"))
 
     @staticmethod
-    def _parse(data: str) -> dict[str, Any]:
+    def _parse(data: bytes) -> dict[str, Any]:
         try:
             event = json.loads(data)
         except ValueError:
-            raise _Retryable(EngineBadGateway(f"SGLang sent unreadable data: {data[:200]!r}")) from None
+            raise _Retryable(EngineBadGateway(f"SGLang sent unreadable data: {data[:200].decode(errors='replace')!r}")) from None
         if not isinstance(event, dict):
             raise _Retryable(EngineBadGateway("SGLang sent an event that is not an object"))
         if "error" in event:

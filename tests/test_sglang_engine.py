@@ -312,3 +312,19 @@ def test_a_reply_ending_on_its_stop_token_keeps_the_connection_to_sglang(server_
         assert len(replies) == 3 and len(set(replies)) == 1
     finally:
         fake.stop()
+
+
+async def test_sse_data_splits_events_on_bytes_whatever_the_chunking():
+    """Events cut across network chunks, CRLF line ends, comments and a last line without its
+    newline: each `data:` value comes out whole, in order, as bytes."""
+    from nextstate.engine.sse import sse_data
+
+    body = b': ping\r\ndata: {"a": 1}\r\n\r\nevent: x\ndata:{"b": "\xc3\xa9"}\n\ndata: [DONE]'
+    for size in (1, 3, 7, len(body)):
+
+        async def chunks(size=size):
+            for i in range(0, len(body), size):
+                yield body[i : i + size]
+
+        got = [d async for d in sse_data(httpx.Response(200, content=chunks()))]
+        assert got == [b'{"a": 1}', b'{"b": "\xc3\xa9"}', b"[DONE]"]
