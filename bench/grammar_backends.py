@@ -69,9 +69,11 @@ def _llguidance(tok):
     def new():
         return llguidance.LLMatcher(lltok, grammar)
 
-    def mask(m, logits):
+    from nextstate.engine.constraints import masked_logits
+
+    def mask(m, logits):  # as the embedded engine masks: unpacked in eager torch, no torch.compile
         llt.fill_next_token_bitmask(m, bitmask, 0)
-        llt.apply_token_bitmask_inplace(logits, bitmask)
+        logits[0] = masked_logits(logits[0], bitmask[0], lltok.vocab_size)
 
     return index_s, new, mask, lambda m, t: m.consume_token(t)
 

@@ -41,6 +41,16 @@ class ConstraintError(ValueError):
     """The schema cannot be compiled, or the model's tokens left the grammar."""
 
 
+def masked_logits(logits: torch.Tensor, bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
+    """A float copy of `logits` ([rows]) keeping only the tokens set in llguidance's packed
+    `bitmask` ([ceil(vocab / 32)] int32: bit i of word w is token 32w + i); rows past `vocab`
+    (the model's padding) are never allowed."""
+    bits = (bitmask.unsqueeze(-1) >> _BIT_SHIFTS) & 1
+    allowed = torch.zeros(logits.shape[-1], dtype=torch.bool)
+    allowed[:vocab] = bits.flatten()[:vocab].bool()
+    return logits.float().masked_fill(~allowed.to(logits.device), float("-inf"))
+
+
 class JsonConstraint:
     """One generation's place in its schema: which tokens may come next."""
 
@@ -57,10 +67,7 @@ class JsonConstraint:
         import llguidance.torch as llt
 
         llt.fill_next_token_bitmask(self._matcher, self._bitmask, 0)
-        bits = (self._bitmask[0].unsqueeze(-1) >> _BIT_SHIFTS) & 1  # [words, 32], bit i of word w = token 32w+i
-        allowed = torch.zeros(logits.shape[-1], dtype=torch.bool)
-        allowed[: self._vocab] = bits.flatten()[: self._vocab].bool()
-        return logits.float().masked_fill(~allowed.to(logits.device), float("-inf"))
+        return masked_logits(logits, self._bitmask[0], self._vocab)
 
     def advance(self, token_id: int) -> None:
         if not self._matcher.consume_token(token_id):
