@@ -41,10 +41,11 @@ log = logging.getLogger(__name__)
 _TRUE = {"1", "true", "yes", "on"}
 _ADMITTED = object()  # in a turn's token queue: the engine took the request
 _END = object()  # in a turn's token queue: the engine finished
+_QUIET = object()  # in a turn's token queue: `keepalive_s` passed without a token
 
 
 def _is_token(item: object) -> bool:
-    return item is not _END and item is not _ADMITTED and not isinstance(item, BaseException)
+    return item is not _END and item is not _ADMITTED and item is not _QUIET and not isinstance(item, BaseException)
 
 
 def engine_error(exc: EngineError) -> OpenAIError:
@@ -266,6 +267,7 @@ class TurnService:
         response_ids: list[int] = []
         sampled_logprobs: list[float] = []
         tokens: asyncio.Queue = asyncio.Queue()
+        loop = asyncio.get_running_loop()
         pump = asyncio.create_task(self._pump(prep, tokens), name=f"generate-{prep.id}")
         self.metrics.in_flight.inc()
         held: Any = None  # taken from the queue behind a run of tokens, handled next
@@ -275,12 +277,19 @@ class TurnService:
                 while True:
                     if held is not None:
                         item, held = held, None
+                    elif not tokens.empty():
+                        item = tokens.get_nowait()
                     else:
+                        # A timer, not asyncio.wait_for: that costs a task per wait, i.e. per chunk.
+                        # A marker that fires as a token arrives only adds one harmless keep-alive.
+                        quiet = loop.call_later(self.keepalive_s, tokens.put_nowait, _QUIET)
                         try:
-                            item = await asyncio.wait_for(tokens.get(), self.keepalive_s)
-                        except asyncio.TimeoutError:
-                            yield StillWorking()
-                            continue
+                            item = await tokens.get()
+                        finally:
+                            quiet.cancel()
+                    if item is _QUIET:
+                        yield StillWorking()
+                        continue
                     if item is _END:
                         break
                     if isinstance(item, BaseException):
@@ -336,8 +345,14 @@ class TurnService:
             prep.prompt.ids, prep.sampling, prep.policy.adapter, on_admit=lambda: tokens.put_nowait(_ADMITTED)
         )
         try:
+            first = True
             async for token in stream:
                 tokens.put_nowait(token)
+                if first:
+                    # When the engine sends a burst, the stream yields it without waiting and
+                    # the decode loop would only see the first token after the last one.
+                    first = False
+                    await asyncio.sleep(0)
             tokens.put_nowait(_END)
         except Exception as exc:  # noqa: BLE001 - handed to the decode loop, which raises it
             tokens.put_nowait(exc)
