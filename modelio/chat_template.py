@@ -13,6 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from nextstate.modelio.prompt_encoder import PromptEncoder
+
 TOOL_CALL_OPEN = "<tool_call>"
 TOOL_CALL_CLOSE = "</tool_call>"
 
@@ -77,6 +79,7 @@ class ChatRenderer:
         if not getattr(tokenizer, "chat_template", None):
             raise ValueError("the model's tokenizer has no chat template; nextstate serves chat models only")
         self.tokenizer = tokenizer
+        self.encoder = PromptEncoder(tokenizer)  # the conversation so far is not tokenized again
         self.template_knows_tools = "tools" in tokenizer.chat_template
         stops = set(extra_stop_ids or [])
         if tokenizer.eos_token_id is not None:
@@ -119,8 +122,7 @@ class ChatRenderer:
         # engine then decodes the call's JSON under its schema (modelio.tool_calls).
         forced = tool_choice == "required" or isinstance(tool_choice, dict)
         prefill = f"{TOOL_CALL_OPEN}\n" if tool_dicts and forced else ""
-        ids = self.tokenizer(text + prefill, add_special_tokens=False)["input_ids"]
-        return RenderedPrompt(ids=list(ids), prefill=prefill)
+        return RenderedPrompt(ids=self.encoder.encode(text + prefill), prefill=prefill)
 
     def token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
