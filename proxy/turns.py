@@ -234,9 +234,12 @@ class TurnService:
         self._running[user] = self._running.get(user, 0) + 1
         admitted = False
         try:
-            async for event in self._run(prep):
-                admitted = admitted or isinstance(event, Admitted)
-                yield event
+            # A request is in flight until its reply is saved and sent: background work (the
+            # judge) waits for quiet, and must not start in the middle of the end-of-turn save.
+            with self.activity.request():
+                async for event in self._run(prep):
+                    admitted = admitted or isinstance(event, Admitted)
+                    yield event
         except OpenAIError as exc:
             if admitted:
                 self.metrics.failed.labels(exc.code or exc.type).inc()
@@ -272,56 +275,55 @@ class TurnService:
         self.metrics.in_flight.inc()
         held: Any = None  # taken from the queue behind a run of tokens, handled next
         cached: int | None = None
-        with self.activity.request():
-            try:
+        try:
+            while True:
+                if held is not None:
+                    item, held = held, None
+                elif not tokens.empty():
+                    item = tokens.get_nowait()
+                else:
+                    # A timer, not asyncio.wait_for: that costs a task per wait, i.e. per chunk.
+                    # A marker that fires as a token arrives only adds one harmless keep-alive.
+                    quiet = loop.call_later(self.keepalive_s, tokens.put_nowait, _QUIET)
+                    try:
+                        item = await tokens.get()
+                    finally:
+                        quiet.cancel()
+                if item is _QUIET:
+                    yield StillWorking()
+                    continue
+                if item is _END:
+                    break
+                if isinstance(item, BaseException):
+                    raise (engine_error(item) if isinstance(item, EngineError) else item) from item
+                if item is _ADMITTED:
+                    yield Admitted()
+                    continue
+                if not response_ids:
+                    self.metrics.ttft.observe(time.monotonic() - prep.started)
+                    cached = item.cached_prompt_tokens
+                delta = Delta()
+                # Tokens that are already waiting go out together, as one chunk: when the
+                # engine outpaces the client, one write per token is what costs most.
                 while True:
-                    if held is not None:
-                        item, held = held, None
-                    elif not tokens.empty():
-                        item = tokens.get_nowait()
-                    else:
-                        # A timer, not asyncio.wait_for: that costs a task per wait, i.e. per chunk.
-                        # A marker that fires as a token arrives only adds one harmless keep-alive.
-                        quiet = loop.call_later(self.keepalive_s, tokens.put_nowait, _QUIET)
-                        try:
-                            item = await tokens.get()
-                        finally:
-                            quiet.cancel()
-                    if item is _QUIET:
-                        yield StillWorking()
-                        continue
-                    if item is _END:
+                    response_ids.append(item.token_id)
+                    sampled_logprobs.append(item.logprob)
+                    delta.extend(decoder.push(item))
+                    if decoder.stopped or tokens.empty():
                         break
-                    if isinstance(item, BaseException):
-                        raise (engine_error(item) if isinstance(item, EngineError) else item) from item
-                    if item is _ADMITTED:
-                        yield Admitted()
-                        continue
-                    if not response_ids:
-                        self.metrics.ttft.observe(time.monotonic() - prep.started)
-                        cached = item.cached_prompt_tokens
-                    delta = Delta()
-                    # Tokens that are already waiting go out together, as one chunk: when the
-                    # engine outpaces the client, one write per token is what costs most.
-                    while True:
-                        response_ids.append(item.token_id)
-                        sampled_logprobs.append(item.logprob)
-                        delta.extend(decoder.push(item))
-                        if decoder.stopped or tokens.empty():
-                            break
-                        item = tokens.get_nowait()
-                        if not _is_token(item):
-                            held = item
-                            break
-                    if delta.content or delta.tool_calls:
-                        yield delta
-                    if decoder.stopped:
+                    item = tokens.get_nowait()
+                    if not _is_token(item):
+                        held = item
                         break
-            finally:
-                pump.cancel()  # stop generating (the client left, or a stop was reached)
-                self.metrics.in_flight.dec()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await pump
+                if delta.content or delta.tool_calls:
+                    yield delta
+                if decoder.stopped:
+                    break
+        finally:
+            pump.cancel()  # stop generating (the client left, or a stop was reached)
+            self.metrics.in_flight.dec()
+            with contextlib.suppress(asyncio.CancelledError):
+                await pump
         tail = decoder.flush()
         done = decoder.finished(len(prep.prompt.ids), len(response_ids), cached)
         if request.forced_tool_call and not done.tool_calls:
