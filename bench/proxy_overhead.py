@@ -203,6 +203,7 @@ class Stack:
             self.procs.append(_spawn(["-m", "nextstate.cli", "serve"], {**env, "NEXTSTATE_PORT": str(port)}))
             self.proxy_url = f"http://127.0.0.1:{port}"
             _wait_up(f"{self.proxy_url}/healthz", self.procs[-1])
+            self.serve_pid = self.procs[-1].pid
         except BaseException:
             self.close()
             raise
@@ -265,12 +266,27 @@ class LiteLLMStack:
         self.tmp.cleanup()
 
 
+def cpu_seconds(pid: int) -> float | None:
+    """User + system CPU time of a process so far (Linux), None where /proc has no answer."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def measure(stack: Stack, renderer: ChatRenderer, clients: int, turns: int, max_tokens: int, direct_url: str | None) -> dict:
+    """Latencies of both legs, and the CPU `nextstate serve` spent per reply: steadier than
+    latency on a few shared cores, where the client, the engine and the judge compete."""
     key = stack.keys[0]
     runs = {}
     if direct_url:
         runs["direct"] = asyncio.run(_drive("direct", direct_url, clients, turns, max_tokens, renderer, None))
+    before = cpu_seconds(stack.serve_pid)
     runs["nextstate"] = asyncio.run(_drive("proxy", stack.proxy_url, clients, turns, max_tokens, renderer, key))
+    after = cpu_seconds(stack.serve_pid)
+    if before is not None and after is not None:
+        runs["cpu_ms_per_reply"] = round(1000 * (after - before) / (clients * turns), 2)
     return runs
 
 
@@ -281,6 +297,8 @@ def headline(result: dict) -> str:
     off = [r for r in result["rows"] if r["setup"] == "stub, judging off"]
     if off:
         text += f"; judging off, 1 client +{off[0]['total_p50']['added_ms']:.1f} ms"
+        if off[0].get("nextstate_cpu_ms_per_reply") is not None:
+            text += f" ({off[0]['nextstate_cpu_ms_per_reply']:.1f} ms of nextstate's CPU per reply)"
     lite = [r for r in result["rows"] if r["setup"] == "litellm" and r["clients"] == 1]
     if lite:
         text += f"; LiteLLM, 1 client +{lite[0]['total_p50']['added_ms']:.1f} ms"
@@ -329,7 +347,8 @@ def main() -> None:
         for clients in args.clients:
             turns = args.turns or max(4, 200 // clients + 1)
             runs = measure(stack, renderer, clients, turns, 64, stack.engine_url)
-            rows.append({"setup": "stub", "clients": clients, **_summary(runs["direct"], runs["nextstate"])})
+            rows.append({"setup": "stub", "clients": clients, **_summary(runs["direct"], runs["nextstate"]),
+                         "nextstate_cpu_ms_per_reply": runs.get("cpu_ms_per_reply")})
             print(json.dumps(rows[-1]), flush=True)
     finally:
         stack.close()
@@ -337,7 +356,8 @@ def main() -> None:
     stack = Stack(tiny, ["--scripted", STUB_REPLY, "--token-ms", str(args.token_ms)], judge=False)
     try:
         runs = measure(stack, renderer, 1, args.turns or 201, 64, stack.engine_url)
-        rows.append({"setup": "stub, judging off", "clients": 1, **_summary(runs["direct"], runs["nextstate"])})
+        rows.append({"setup": "stub, judging off", "clients": 1, **_summary(runs["direct"], runs["nextstate"]),
+                     "nextstate_cpu_ms_per_reply": runs.get("cpu_ms_per_reply")})
         print(json.dumps(rows[-1]), flush=True)
     finally:
         stack.close()
