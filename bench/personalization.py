@@ -46,12 +46,14 @@ the hint, which it cannot understand, so opd is expected not to help there. Use 
 `--api-key-env`, default OPENAI_API_KEY) make any of the three an OpenAI-compatible model,
 with `--preference` in words; `--sglang-url` serves the policy from SGLang. `--lr`, `--kl-coef`
 and `--batch` set the learner; `--variant NAME` gives a run with other settings its own file.
-Writes bench/results/personalization-<policy>[-<variant>][-<gpu>].json and a PNG.
+Writes bench/results/personalization-<policy>[-<variant>][-<gpu>].json and a PNG;
+`--report FILE...` prints saved results as the table BENCHMARKS.md quotes.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import random
 import re
@@ -321,9 +323,35 @@ def repetition(text: str) -> float | None:
     return 1 - len(set(words)) / len(words) if len(words) >= 4 else None
 
 
-def mean_repetition(tasks: list[dict]) -> float | None:
-    values = [r for r in (repetition(t["first_reply"]) for t in tasks) if r is not None]
+def mean_repetition(tasks: list[dict], words: int | None = None) -> float | None:
+    """Mean repeated-word share of the tasks' first replies; with `words`, over the first
+    `words` words of the replies that have as many: longer replies repeat more ("the", "a")
+    without degenerating, and learning the preference lengthened SmolLM2's replies."""
+    texts = [t["first_reply"] for t in tasks]
+    if words is not None:
+        cut = [text.split() for text in texts]
+        texts = [" ".join(w[:words]) for w in cut if len(w) >= words]
+    values = [r for r in (repetition(text) for text in texts) if r is not None]
     return round(statistics.fmean(values), 3) if values else None
+
+
+LENGTH_MATCHED_WORDS = 16
+
+
+def report(paths: list[str]) -> None:
+    """One line per run of saved results: what BENCHMARKS.md's tables quote."""
+    print("| run | mode | score, first quarter → last | updates published / held back | repeated words, last quarter "
+          f"| the same over the first {LENGTH_MATCHED_WORDS} words | words per reply, last quarter |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    for path in paths:
+        result = json.loads(Path(path).read_text())
+        for run, s in zip(result["runs"], result["summary"]):
+            last = run["tasks"][-max(1, len(run["tasks"]) // 4):]
+            length = statistics.fmean(len(t["first_reply"].split()) for t in last)
+            long_enough = sum(len(t["first_reply"].split()) >= LENGTH_MATCHED_WORDS for t in last)
+            print(f"| {result.get('variant') or Path(path).stem} | {s['mode']} | {s['score_first_quarter']:.2f} → "
+                  f"{s['score_last_quarter']:.3f} | {s['updates_published']} / {s['updates_skipped']} | "
+                  f"{mean_repetition(last)} | {mean_repetition(last, LENGTH_MATCHED_WORDS)} ({long_enough} of {len(last)} replies) | {length:.1f} |")
 
 
 def summarise(run: ModeRun) -> dict:
@@ -340,6 +368,8 @@ def summarise(run: ModeRun) -> dict:
         "score_last_quarter": round(statistics.fmean(scores[-quarter:]), 3),
         "repetition_first_quarter": mean_repetition([asdict(t) for t in run.tasks[:quarter]]),
         "repetition_last_quarter": mean_repetition([asdict(t) for t in run.tasks[-quarter:]]),
+        "repetition_last_quarter_length_matched": mean_repetition([asdict(t) for t in run.tasks[-quarter:]],
+                                                                  LENGTH_MATCHED_WORDS),
         "updates_published": sum(1 for s in run.steps if s.get("published")),
         "updates_skipped": sum(1 for s in run.steps if not s.get("published")),
         "score_by_serving_version": {k: {"score": round(statistics.fmean(v), 3), "tasks": len(v)} for k, v in by_version.items()},
@@ -425,7 +455,11 @@ def main() -> None:
     parser.add_argument("--api-key-env", default="OPENAI_API_KEY")
     parser.add_argument("--variant", help="a name for this run's settings: its results get their own file")
     parser.add_argument("--sglang-url", help="serve the policy from this SGLang server (deploy/) instead of in-process")
+    parser.add_argument("--report", nargs="+", metavar="JSON", help="print saved results as a table and exit")
     args = parser.parse_args()
+    if args.report:
+        report(args.report)
+        return
 
     policy = bench_model(model=args.policy, smol=args.smol, peaked=True)
     tiny = not (args.policy or args.smol)

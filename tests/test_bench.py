@@ -8,8 +8,8 @@ import argparse
 import pytest
 
 from bench.personalization import (
-    INSTRUCTIONS, THANKS, ChatModel, ModelScorer, ModelUser, Preference, PreferenceJudge, RuleScorer, RuleUser, repetition,
-    run_mode,
+    INSTRUCTIONS, THANKS, ChatModel, ModelScorer, ModelUser, Preference, PreferenceJudge, RuleScorer, RuleUser,
+    mean_repetition, repetition, run_mode,
 )
 from bench.report import LOG_HEADING, upsert_row
 from nextstate.judge.parsing import parse_hint, parse_score
@@ -52,6 +52,15 @@ def test_repetition_sees_degenerate_text():
     assert repetition("The sea is calm and blue tonight.") == 0
     assert repetition("The most, most, most. The most!") == pytest.approx(1 - 2 / 6)
     assert repetition("Too short.") is None
+
+
+def test_length_matched_repetition_compares_equal_lengths():
+    tasks = [{"first_reply": "a b c d a b"}, {"first_reply": "one two three four five six seven eight"},
+             {"first_reply": "short one here ok"}]
+    assert mean_repetition(tasks) == pytest.approx((2 / 6 + 0 + 0) / 3, abs=1e-3)
+    # over the first 6 words, of the replies that have 6: the 4-word reply is left out
+    assert mean_repetition(tasks, words=6) == pytest.approx((2 / 6 + 0) / 2, abs=1e-3)
+    assert mean_repetition(tasks[2:], words=6) is None
 
 
 def test_model_user_and_scorer_speak_openai_and_parse_their_answers():
