@@ -22,7 +22,7 @@ import threading
 from collections import OrderedDict
 from typing import Any
 
-DEFAULT_MAX_CACHED_TOKENS = 1_000_000  # ~10 MB of ids: thousands of conversations' messages
+DEFAULT_MAX_CACHED_TOKENS = 500_000  # ~20 MB of Python ints at most: a hundred agents' conversations
 
 
 class PromptEncoder:
