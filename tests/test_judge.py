@@ -127,9 +127,12 @@ def test_neutral_turns_and_the_at_least_one_guarantee(server_factory, judge):
     converse(client, [{"role": "user", "content": "hi"}, {"role": "user", "content": "ok"}, {"role": "user", "content": "hmm"}])
     samples = samples_by_turn(server)
     assert [samples[i].reward for i in (1, 2)] == [0, 0]
-    assert (samples[1].status, samples[1].reason) == ("ready", "at-least-one guarantee (neutral)")
-    assert samples[1].advantages == [0.0] * len(samples[1].response_ids)
-    assert (samples[2].status, samples[2].reason) == ("dropped", "neutral: reward 0 and no hint")
+    # Both transitions are judged at once (the judge waits for the conversation to go quiet),
+    # so whichever is decided first takes the guarantee; exactly one of them does.
+    verdicts = sorted((samples[i].status, samples[i].reason) for i in (1, 2))
+    assert verdicts == [("dropped", "neutral: reward 0 and no hint"), ("ready", "at-least-one guarantee (neutral)")]
+    kept = next(samples[i] for i in (1, 2) if samples[i].status == "ready")
+    assert kept.advantages == [0.0] * len(kept.response_ids)
 
 
 @pytest.mark.parametrize("mode", ["hang", "garbage", "error"])
