@@ -9,10 +9,14 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field
 
 
 class Turn(BaseModel):
+    # Stored as JSON (the judge's inbox, open sessions): a logprob of -inf must come back as
+    # one, not as null, which would no longer validate.
+    model_config = ConfigDict(ser_json_inf_nan="constants")
+
     session_id: str
     user: str
     turn_index: int = Field(description="1 for the first main turn of a session.")

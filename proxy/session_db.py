@@ -47,8 +47,9 @@ class SessionDB:
         for (data,) in self._conn.execute("SELECT data FROM sessions ORDER BY rowid").fetchall():
             yield json.loads(data)
 
-    def save(self, user: str, session_id: str, data: dict[str, Any]) -> None:
-        self._put(("save", user, session_id, json.dumps(data, ensure_ascii=False)))
+    def save(self, user: str, session_id: str, data: str) -> None:
+        """Queue `data` (the session's JSON text) as the session's row."""
+        self._put(("save", user, session_id, data))
 
     def delete(self, user: str, session_id: str) -> None:
         self._put(("delete", user, session_id, None))

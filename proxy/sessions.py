@@ -37,6 +37,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import inspect
+import json
 import secrets
 import time
 from collections import OrderedDict
@@ -68,15 +69,34 @@ class Session:
     closed: bool = False
     outcome_expected: bool = False  # its requests said an environment will post an outcome
     last_active_wall: float = field(default_factory=time.time)
+    # Each turn's JSON text, by id (the turn is kept, so the id stays its own): see `to_json`.
+    _encoded: dict[int, tuple[Turn, str]] = field(default_factory=dict, repr=False)
 
-    def to_json(self) -> dict[str, Any]:
-        return {
+    def to_json(self) -> str:
+        """The session's row, as JSON text, written on every request of an agent's
+        conversation. Its turns carry the whole request and thousands of token ids and
+        logprobs (~90 kB for OpenClaw): pydantic's encoder writes them ~5x faster than
+        json.dumps (0.17 against 0.9 ms on the event loop), and each turn only once, since the
+        turn pending now is the provisional one after the next request."""
+        head = {
             "id": self.id, "user": self.user, "explicit": self.explicit, "last_active_wall": self.last_active_wall,
             "line": self.line.to_json() if self.line else None, "turn_count": self.turn_count,
-            "pending": self.pending.model_dump(mode="json") if self.pending else None,
-            "provisional": self.provisional.model_dump(mode="json") if self.provisional else None,
             "provisional_at": self.provisional_at, "outcome_expected": self.outcome_expected,
         }
+        encoded, self._encoded = self._encoded, {}
+        pending = self._turn_json(self.pending, encoded) if self.pending else "null"
+        provisional = "null"
+        if self.provisional is not None:
+            rest = self.provisional.model_dump_json(exclude={"turn"})  # '{"next_state":…}'
+            provisional = '{"turn":' + self._turn_json(self.provisional.turn, encoded) + "," + rest[1:]
+        return json.dumps(head, ensure_ascii=False)[:-1] + ',"pending":' + pending + ',"provisional":' + provisional + "}"
+
+    def _turn_json(self, turn: Turn, encoded: dict[int, tuple[Turn, str]]) -> str:
+        hit = encoded.get(id(turn))
+        if hit is None or hit[0] is not turn:
+            hit = (turn, turn.model_dump_json())
+        self._encoded[id(turn)] = hit
+        return hit[1]
 
     @classmethod
     def from_json(cls, data: dict[str, Any], clock_now: float) -> Session:

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 
 import httpx
 import pytest
 
 from nextstate.core.types import Transition, Turn
-from nextstate.proxy.sessions import SessionStore
+from nextstate.proxy.sessions import Session, SessionStore
 
 SYS = {"role": "system", "content": "You are helpful."}
 
@@ -348,6 +349,26 @@ def test_a_request_that_is_never_committed_changes_nothing():
     p3 = h.turn("alice", m1 + [reply("a"), user("real follow-up")], "b")
     assert p3.match == "extend" and p3.turn_index == 2
     assert h.flush()[0].next_state.messages == [user("real follow-up")]
+
+
+def test_a_session_row_holds_each_turn_exactly(tmp_path):
+    # The row is spliced from each turn's cached JSON text: after any number of requests it
+    # must read back as the session it was written from, -inf logprobs included.
+    store = SessionStore(lambda t: None)
+    messages = [SYS, user("q1")]
+    for n in range(1, 4):
+        plan = store.resolve("alice", messages)
+        turn = make_turn(plan, messages).model_copy(update={"response_logprobs": [float("-inf")], "response_id": f"r{n}"})
+        store.commit_main(plan, turn, reply(f"a{n}"))
+        s = store.get("alice", plan.session.id)
+        row = json.loads(s.to_json())
+        back = Session.from_json(row, 0.0)
+        assert (back.pending, back.provisional, back.line.hashes) == (s.pending, s.provisional, s.line.hashes)
+        assert row["pending"] == s.pending.model_dump(mode="json") | {"response_logprobs": [float("-inf")]}
+        if n > 1:
+            assert back.provisional.turn.response_id == f"r{n - 1}" and back.provisional.turn.response_logprobs == [float("-inf")]
+        messages = messages + [reply(f"a{n}"), user(f"q{n + 1}")]
+    assert len(s._encoded) == 2, "only the turns the row holds stay encoded"
 
 
 def test_open_sessions_survive_a_restart(tmp_path):
