@@ -26,7 +26,7 @@ import time
 from bench.models import bench_model, bench_server
 from bench.report import ROOT, pyplot, save
 
-FIXTURE = ROOT.parent / "shared" / "fixtures" / "openclaw-2026.9.6" / "traffic.jsonl"
+FIXTURE = ROOT / "tests" / "data" / "openclaw-2026.9.6" / "traffic.jsonl"  # shared/fixtures/…, as captured
 TRIMMED_SYSTEM_CHARS = 8971
 FOLLOW_UPS = [
     "Use the read tool to read the file notes.txt and tell me the secret word.",
@@ -59,14 +59,19 @@ def openclaw_start() -> tuple[list[dict], list[dict]]:
     raise SystemExit(f"no trimmed OpenClaw request in {FIXTURE}")
 
 
+def openclaw_follow_up(turn: int) -> dict:
+    """The user's message of `turn` (1 on), timestamped as OpenClaw does."""
+    minute = 25 + 4 * turn
+    return {"role": "user", "content": f"[Mon 2026-11-23 {9 + minute // 60:02d}:{minute % 60:02d} UTC] "
+                                       f"{FOLLOW_UPS[(turn - 1) % len(FOLLOW_UPS)]}"}
+
+
 def converse(client, model: str, turns: int, max_tokens: int) -> list[dict]:
     messages, tools = openclaw_start()
     out = []
     for turn in range(turns):
         if turn:
-            minute = 25 + 4 * turn
-            messages.append({"role": "user", "content": f"[Mon 2026-11-23 {9 + minute // 60:02d}:{minute % 60:02d} UTC] "
-                                                        f"{FOLLOW_UPS[(turn - 1) % len(FOLLOW_UPS)]}"})
+            messages.append(openclaw_follow_up(turn))
         started = time.perf_counter()
         first, content, calls, usage = None, "", {}, None
         stream = client.chat.completions.create(

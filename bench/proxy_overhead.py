@@ -12,6 +12,9 @@ The engine is an SGLang-shaped server in its own process (tests/fake_sglang.py, 
   as the event loop goes).
 * **stub, judging off** — the stub at 1 client with NEXTSTATE_JUDGE_ENABLED=0: the proxy
   alone, without the judge's work on the same cores.
+* **stub, judging off, agent prompt** — the same with OpenClaw's requests (its trimmed
+  system prompt and 5 tools, ~3.8k tokens, growing by a turn each request; SmolLM2's
+  tokenizer): what the proxy costs on the requests a personal agent sends.
 * **embedded** — the same engine server runs the real embedded model (tiny, or SmolLM2 with
   --smol); a third column serves it in-process inside nextstate (the default deployment).
 * **litellm** — for scale, the LiteLLM proxy (`litellm[proxy]`, installed on first use into
@@ -48,6 +51,7 @@ from pathlib import Path
 import httpx
 
 from bench.models import bench_model
+from bench.prefix_reuse import openclaw_follow_up, openclaw_start
 from bench.report import percentile, pyplot, save
 from tests.background_server import free_port
 from nextstate.modelio.chat_template import ChatRenderer
@@ -88,14 +92,24 @@ def _stop(proc: subprocess.Popen) -> None:
 
 
 class Conversation:
-    """One client's chat: the messages grow by the (deterministic) reply and a new question."""
+    """One client's chat: the messages grow by the (deterministic) reply and a new question.
+    With `agent`, an agent's: OpenClaw's trimmed system prompt (9k characters), its 5 tools
+    and timestamped user messages (bench/prefix_reuse.py), ~3.8k tokens from the first turn."""
 
-    def __init__(self, client_id: int) -> None:
-        self.messages = [{"role": "system", "content": f"You are assistant number {client_id}."}]
-        self.client_id = client_id
+    def __init__(self, client_id: int, agent: bool = False) -> None:
+        self.client_id, self.agent = client_id, agent
+        if agent:
+            self.messages, self.tools = openclaw_start()  # [system, its first user message]
+        else:
+            self.messages = [{"role": "system", "content": f"You are assistant number {client_id}."}]
+            self.tools = None
 
     def next_request(self, turn: int) -> list[dict]:
-        self.messages.append({"role": "user", "content": f"Question {turn} from client {self.client_id}: what next?"})
+        if self.agent:
+            if turn % TURNS_PER_CONVERSATION:
+                self.messages.append(openclaw_follow_up(turn % TURNS_PER_CONVERSATION))
+        else:
+            self.messages.append({"role": "user", "content": f"Question {turn} from client {self.client_id}: what next?"})
         return list(self.messages)
 
     def answered(self, text: str) -> None:
@@ -117,8 +131,12 @@ async def _stream_direct(http: httpx.AsyncClient, url: str, ids: list[int], max_
     return first - started, time.perf_counter() - started, out
 
 
-async def _stream_proxy(http: httpx.AsyncClient, url: str, key: str, messages: list[dict], max_tokens: int) -> tuple[float, float, str]:
+async def _stream_proxy(
+    http: httpx.AsyncClient, url: str, key: str, messages: list[dict], max_tokens: int, tools: list[dict] | None = None,
+) -> tuple[float, float, str]:
     body = {"model": "m", "messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True}
+    if tools:
+        body |= {"tools": tools, "tool_choice": "auto"}
     started, first, text = time.perf_counter(), None, []
     async with http.stream("POST", f"{url}/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {key}"}) as response:
         if response.status_code != 200:
@@ -134,23 +152,26 @@ async def _stream_proxy(http: httpx.AsyncClient, url: str, key: str, messages: l
     return first - started, time.perf_counter() - started, "".join(text)
 
 
-async def _drive(target: str, url: str, clients: int, turns: int, max_tokens: int, renderer: ChatRenderer, key: str | None) -> dict:
+async def _drive(
+    target: str, url: str, clients: int, turns: int, max_tokens: int, renderer: ChatRenderer, key: str | None,
+    agent: bool = False,
+) -> dict:
     """`clients` conversations at once, `turns` requests each; returns latency lists in ms."""
     limits = httpx.Limits(max_connections=clients + 4, max_keepalive_connections=clients + 4)
     async with httpx.AsyncClient(timeout=600, limits=limits) as http:
 
         async def play(c: int) -> list[tuple[float, float]]:
-            convo, out = Conversation(c), []
+            convo, out = Conversation(c, agent), []
             for turn in range(turns):
                 if turn and turn % TURNS_PER_CONVERSATION == 0:
-                    convo = Conversation(c)  # a fresh chat, before the context fills up
+                    convo = Conversation(c, agent)  # a fresh chat, before the context fills up
                 messages = convo.next_request(turn)
                 if target == "direct":
-                    ids = renderer.render(messages).ids
+                    ids = renderer.render(messages, convo.tools, "auto" if convo.tools else None).ids
                     ttft, total, reply_ids = await _stream_direct(http, url, ids, max_tokens)
                     text = renderer.tokenizer.decode(reply_ids, skip_special_tokens=True)
                 else:
-                    ttft, total, text = await _stream_proxy(http, url, key, messages, max_tokens)
+                    ttft, total, text = await _stream_proxy(http, url, key, messages, max_tokens, convo.tools)
                 convo.answered(text)
                 if turn:  # the first request of each client warms its connection
                     out.append((1000 * ttft, 1000 * total))
@@ -275,15 +296,18 @@ def cpu_seconds(pid: int) -> float | None:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def measure(stack: Stack, renderer: ChatRenderer, clients: int, turns: int, max_tokens: int, direct_url: str | None) -> dict:
+def measure(
+    stack: Stack, renderer: ChatRenderer, clients: int, turns: int, max_tokens: int, direct_url: str | None,
+    agent: bool = False,
+) -> dict:
     """Latencies of both legs, and the CPU `nextstate serve` spent per reply: steadier than
     latency on a few shared cores, where the client, the engine and the judge compete."""
     key = stack.keys[0]
     runs = {}
     if direct_url:
-        runs["direct"] = asyncio.run(_drive("direct", direct_url, clients, turns, max_tokens, renderer, None))
+        runs["direct"] = asyncio.run(_drive("direct", direct_url, clients, turns, max_tokens, renderer, None, agent))
     before = cpu_seconds(stack.serve_pid)
-    runs["nextstate"] = asyncio.run(_drive("proxy", stack.proxy_url, clients, turns, max_tokens, renderer, key))
+    runs["nextstate"] = asyncio.run(_drive("proxy", stack.proxy_url, clients, turns, max_tokens, renderer, key, agent))
     after = cpu_seconds(stack.serve_pid)
     if before is not None and after is not None:
         runs["cpu_ms_per_reply"] = round(1000 * (after - before) / (clients * turns), 2)
@@ -299,6 +323,9 @@ def headline(result: dict) -> str:
         text += f"; judging off, 1 client +{off[0]['total_p50']['added_ms']:.1f} ms"
         if off[0].get("nextstate_cpu_ms_per_reply") is not None:
             text += f" ({off[0]['nextstate_cpu_ms_per_reply']:.1f} ms of nextstate's CPU per reply)"
+    agent = [r for r in result["rows"] if r["setup"] == "stub, judging off, agent prompt"]
+    if agent:
+        text += f"; OpenClaw's prompts +{agent[0]['total_p50']['added_ms']:.1f} ms"
     lite = [r for r in result["rows"] if r["setup"] == "litellm" and r["clients"] == 1]
     if lite:
         text += f"; LiteLLM, 1 client +{lite[0]['total_p50']['added_ms']:.1f} ms"
@@ -310,7 +337,9 @@ def plot(result: dict):
     plt = pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
     for ax, metric, label in ((axes[0], "ttft", "first token"), (axes[1], "total", "whole reply")):
-        for setup, marker in (("stub", "o"), ("stub, judging off", "^"), ("embedded", "s"), ("litellm", "x")):
+        setups = (("stub", "o"), ("stub, judging off", "^"), ("stub, judging off, agent prompt", "v"), ("embedded", "s"),
+                  ("litellm", "x"))
+        for setup, marker in setups:
             pts = [r for r in rows if r["setup"] == setup]
             if not pts:
                 continue
@@ -337,6 +366,7 @@ def main() -> None:
     parser.add_argument("--embedded-clients", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--no-litellm", action="store_true", help="skip the LiteLLM comparison")
     parser.add_argument("--no-embedded", action="store_true", help="skip the embedded-model rows")
+    parser.add_argument("--no-agent", action="store_true", help="skip the OpenClaw-prompt row (it needs SmolLM2's tokenizer)")
     args = parser.parse_args()
 
     tiny = bench_model()
@@ -361,6 +391,19 @@ def main() -> None:
         print(json.dumps(rows[-1]), flush=True)
     finally:
         stack.close()
+
+    if not args.no_agent:
+        # An agent's request (OpenClaw, ~3.8k tokens with 5 tools; SmolLM2's tokenizer, since
+        # the tiny model's turns it into 10k): what grows with the conversation.
+        smol = bench_model(smol=True)
+        stack = Stack(smol, ["--scripted", STUB_REPLY, "--token-ms", str(args.token_ms)], judge=False)
+        try:
+            runs = measure(stack, ChatRenderer.from_dir(smol), 1, args.turns or 101, 64, stack.engine_url, agent=True)
+            rows.append({"setup": "stub, judging off, agent prompt", "clients": 1, **_summary(runs["direct"], runs["nextstate"]),
+                         "nextstate_cpu_ms_per_reply": runs.get("cpu_ms_per_reply")})
+            print(json.dumps(rows[-1]), flush=True)
+        finally:
+            stack.close()
 
     if not args.no_litellm:
         lite = LiteLLMStack(tiny, args.token_ms)

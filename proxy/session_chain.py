@@ -18,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -61,6 +62,38 @@ def message_digest(message: dict[str, Any], volatile: VolatileText | None = None
     return hashlib.sha256(blob.encode()).hexdigest()[:32]
 
 
+class MessageDigests:
+    """`message_digest` with `volatile`, remembered. An agent sends its whole conversation on
+    every request, so all but the newest messages were digested before: OpenClaw's 23-message
+    request cost 0.3 ms of the event loop in regexes, JSON and SHA-256 (more every turn),
+    against a dict probe per message. Remembered by role and content, at most `max_chars`
+    characters of content (least recently used out first); messages with tool calls are
+    digested each time (their arguments are canonicalised, a dict key is no shortcut)."""
+
+    def __init__(self, volatile: VolatileText, max_chars: int = 4_000_000) -> None:
+        self.volatile = volatile
+        self.max_chars = max_chars
+        self._known: OrderedDict[tuple[str, str], str | None] = OrderedDict()
+        self._chars = 0
+
+    def __call__(self, message: dict[str, Any]) -> str | None:
+        content = message.get("content")
+        if message.get("tool_calls") or not isinstance(content, str):
+            return message_digest(message, self.volatile)
+        key = (message["role"], content)
+        try:
+            digest = self._known[key]
+        except KeyError:
+            digest = self._known[key] = message_digest(message, self.volatile)
+            self._chars += len(content)
+            while self._chars > self.max_chars and len(self._known) > 1:
+                (_, old), _ = self._known.popitem(last=False)
+                self._chars -= len(old)
+            return digest
+        self._known.move_to_end(key)
+        return digest
+
+
 def chain_step(previous: str, digest: str) -> str:
     return hashlib.sha256((previous + digest).encode()).hexdigest()[:32]
 
@@ -83,13 +116,13 @@ class Chain:
         return len(self.hashes)
 
     @classmethod
-    def of(cls, user: str, messages: Sequence[dict[str, Any]], volatile: VolatileText | None = None) -> Chain:
+    def of(cls, user: str, messages: Sequence[dict[str, Any]], digests: MessageDigests | None = None) -> Chain:
         hashes, roles, positions = [], [], []
         h = seed = chain_seed(user)
         for i, message in enumerate(messages):
             if message["role"] == "system":
                 continue
-            digest = message_digest(message, volatile)
+            digest = digests(message) if digests is not None else message_digest(message)
             if digest is None:
                 continue
             h = chain_step(h, digest)
@@ -98,9 +131,9 @@ class Chain:
             positions.append(i)
         return cls(seed, tuple(hashes), tuple(roles), tuple(positions))
 
-    def extended(self, message: dict[str, Any], position: int, volatile: VolatileText | None = None) -> Chain:
+    def extended(self, message: dict[str, Any], position: int, digests: MessageDigests | None = None) -> Chain:
         """This chain with one more message (our reply, at `position`) at the end."""
-        digest = message_digest(message, volatile) or message_digest(message)
+        digest = (digests(message) if digests is not None else None) or message_digest(message)
         last = self.hashes[-1] if self.hashes else self.seed
         return Chain(
             self.seed, self.hashes + (chain_step(last, digest),), self.roles + (message["role"],), self.positions + (position,)

@@ -46,7 +46,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from nextstate.core.types import NextState, Transition, Turn
-from nextstate.proxy.session_chain import Chain, VolatileText
+from nextstate.proxy.session_chain import Chain, MessageDigests, VolatileText
 
 TurnType = Literal["main", "side"]
 # Session ids come back as the X-Session-Id header: visible ASCII only (no spaces, no control
@@ -146,7 +146,7 @@ class SessionStore:
         self.max_sessions = max_sessions
         self.max_per_user = max_per_user or max_sessions
         self._clock = clock
-        self.volatile = volatile if volatile is not None else VolatileText()
+        self.digests = MessageDigests(volatile if volatile is not None else VolatileText())
         self._db = db  # a SessionDB, or None to keep sessions in memory only
         self._sessions: OrderedDict[tuple[str, str], Session] = OrderedDict()  # least recent first
         self._per_user: dict[str, OrderedDict[str, Session]] = {}  # the same, by user
@@ -197,7 +197,7 @@ class SessionStore:
         done: bool = False,
     ) -> TurnPlan:
         """Classify a request; nothing changes until its reply is committed."""
-        request = Chain.of(user, messages, self.volatile)
+        request = Chain.of(user, messages, self.digests)
         if session_id is not None:
             session = self._sessions.get((user, session_id)) or Session(session_id, user, True, self._clock())
             match = self._classify(session, request)
@@ -262,7 +262,7 @@ class SessionStore:
         s.outcome_expected = s.outcome_expected or turn.track == "outcome"
         if turn.turn_index != s.turn_count or turn.session_id != s.id:
             turn = turn.model_copy(update={"turn_index": s.turn_count, "session_id": s.id})
-        s.line = plan.request.extended(reply, len(plan.messages), self.volatile)
+        s.line = plan.request.extended(reply, len(plan.messages), self.digests)
         s.pending = turn
         self._reindex(s, old_hashes)
         self._touch(s)

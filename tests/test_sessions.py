@@ -351,6 +351,20 @@ def test_a_request_that_is_never_committed_changes_nothing():
     assert h.flush()[0].next_state.messages == [user("real follow-up")]
 
 
+def test_remembered_digests_are_the_digests_within_their_budget():
+    from nextstate.proxy.session_chain import Chain, MessageDigests, VolatileText, message_digest
+
+    volatile = VolatileText()
+    messages = [SYS, user("[Mon 2026-11-23 09:25 UTC] hi"), reply("a1"), user("[Mon 2026-11-23 09:26 UTC] hi"),
+                {"role": "assistant", "content": "", "tool_calls": [{"id": "c1", "type": "function",
+                                                                      "function": {"name": "read", "arguments": '{"path": "x"}'}}]}]
+    digests = MessageDigests(volatile, max_chars=40)
+    for _ in range(2):  # computed, then remembered
+        assert [digests(m) for m in messages] == [message_digest(m, volatile) for m in messages]
+    assert Chain.of("alice", messages, digests) == Chain.of("alice", messages, MessageDigests(volatile))
+    assert digests._chars <= 40 and len(digests._known) < len(messages), "the oldest are forgotten past the budget"
+
+
 def test_a_session_row_holds_each_turn_exactly(tmp_path):
     # The row is spliced from each turn's cached JSON text: after any number of requests it
     # must read back as the session it was written from, -inf logprobs included.
