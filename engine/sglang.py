@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import pydantic_core
 
 from nextstate.engine.base import (
     EngineBadGateway,
@@ -81,6 +82,15 @@ def _once(callback: Callable[[], None] | None) -> Callable[[], None]:
 # What SGLang answers (400) for a request naming an adapter it has not loaded
 # (tokenizer_manager: "The following requested LoRA adapters are not loaded: ...").
 LOST_ADAPTER = "LoRA adapters are not loaded"
+
+
+_JSON = {"content-type": "application/json"}
+
+
+def _json_body(payload: dict[str, Any]) -> bytes:
+    """The request body. An agent's prompt is thousands of token ids: pydantic-core's encoder
+    writes 4k of them in 0.09 ms against json.dumps' 0.26 (httpx's `json=`), on the event loop."""
+    return pydantic_core.to_json(payload)
 
 
 class _Retryable(Exception):
@@ -192,7 +202,7 @@ class SGLangEngine:
         seen = 0
         finished = False
         try:
-            async with self._client.stream("POST", "/generate", json=payload) as response:
+            async with self._client.stream("POST", "/generate", content=_json_body(payload), headers=_JSON) as response:
                 if response.status_code != 200:
                     await response.aread()
                     error = self._http_error(response)
@@ -362,7 +372,7 @@ class SGLangEngine:
         attempt = 0
         while True:
             try:
-                response = await self._client.post(path, json=payload)
+                response = await self._client.post(path, content=_json_body(payload), headers=_JSON)
                 if response.status_code == 200 or (ok_400 and response.status_code == 400):
                     body = response.json()
                     if not isinstance(body, dict):
