@@ -222,7 +222,6 @@ class Judge:
         so that whoever handed it over may forget it. Judging follows, off the request path."""
         turn = transition.turn
         durable = asyncio.get_running_loop().create_future()
-        self.records.write("transition", transition.record(), version=turn.policy_version)
         if turn.response_id:
             self._arriving[turn.response_id] = transition
         if transition.next_state is None and transition.reason == "session_closed" and turn.track == "outcome":
@@ -241,6 +240,21 @@ class Judge:
         self._spawn(self._accept(transition, durable))
         return durable
 
+    async def _take(self, transition: Transition, status: str = "pending") -> int | None:
+        """Put `transition` in the inbox and record it; None when the inbox has its turn
+        already (a session handed it over again after a restart): recorded the first time."""
+        try:
+            transition_id = await self._inbox.write(self.store.add_transition, transition, status)
+        except Exception:
+            self._record(transition)  # not kept, but it happened
+            raise
+        if transition_id is not None:
+            self._record(transition)
+        return transition_id
+
+    def _record(self, transition: Transition) -> None:
+        self.records.write("transition", transition.record(), version=transition.turn.policy_version)
+
     def _session_over(self, key: tuple[str, str]) -> None:
         if self._judging.get(key):
             self._closed.add(key)  # forgotten when its last judgement ends
@@ -256,7 +270,7 @@ class Judge:
 
     async def _keep(self, transition: Transition, durable: asyncio.Future) -> None:
         try:
-            await self._inbox.write(self.store.add_transition, transition, "unjudged")
+            await self._take(transition, "unjudged")
         except Exception:  # noqa: BLE001 - beyond the disk's waiting room: only feedback on it is lost
             log.exception("could not keep an unjudged turn")
         finally:
@@ -267,7 +281,7 @@ class Judge:
         at once if the outcome is known): paper §4.4 gives every step o + its process reward,
         and the step most tied to the outcome would otherwise learn nothing from it."""
         try:
-            transition_id = await self._inbox.write(self.store.add_transition, transition)
+            transition_id = await self._take(transition)
             if transition_id is None:
                 return
             sample = self._sample(transition.turn, "awaiting_outcome", "last step: its next state is the outcome", 0.0,
@@ -283,7 +297,7 @@ class Judge:
     async def _accept(self, transition: Transition, durable: asyncio.Future) -> None:
         try:
             try:
-                transition_id = await self._inbox.write(self.store.add_transition, transition)
+                transition_id = await self._take(transition)
                 if transition_id is None:  # the inbox has this turn already: it is judged once
                     log.info("turn %d of session %s was handed over again; judged once", transition.turn.turn_index,
                              transition.turn.session_id)

@@ -211,6 +211,8 @@ def create_app(settings: Settings | None = None, *, engine_factory: EngineFactor
         if learner is not None:
             await learner.start()
         await judge.start()
+        if resumed := sessions.resume():
+            log.info("handed the judge %d transitions again that were on their way when the last run stopped", resumed)
         log.info("serving %s on %s (%s)", model_name, engine.info.device, engine.info.dtype)
         try:
             yield

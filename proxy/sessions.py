@@ -27,9 +27,10 @@ judge one request later, or when the session closes.
 State changes only when a reply is committed, so a request that fails or is aborted leaves no
 trace. Explicit `X-Session-Id` / `X-Turn-Type` headers override inference. Sessions are keyed
 by user, so one user's request can never land in, or read from, another user's session. With a
-`SessionDB`, every change is persisted by `save()`, and a restart continues every open session:
-`save()` first waits until the transitions handed to the judge are safe in its inbox, then
-writes the sessions, so that a crash between the two can lose neither.
+`SessionDB`, every change is persisted by `save()`, and a restart continues every open session.
+`save()` writes a session's row beside the transitions it just handed to the judge, not after
+them: the row keeps those until the judge's inbox has them on disk, and `resume()` hands them
+over again after a crash (the inbox keeps a turn once), so a crash between the two loses neither.
 """
 
 from __future__ import annotations
@@ -69,6 +70,8 @@ class Session:
     closed: bool = False
     outcome_expected: bool = False  # its requests said an environment will post an outcome
     last_active_wall: float = field(default_factory=time.time)
+    # Transitions handed to the judge and not yet in its inbox on disk: the row keeps them.
+    handing: list[Transition] = field(default_factory=list)
     # Each turn's JSON text, by id (the turn is kept, so the id stays its own): see `to_json`.
     _encoded: dict[int, tuple[Turn, str]] = field(default_factory=dict, repr=False)
 
@@ -85,11 +88,14 @@ class Session:
         }
         encoded, self._encoded = self._encoded, {}
         pending = self._turn_json(self.pending, encoded) if self.pending else "null"
-        provisional = "null"
-        if self.provisional is not None:
-            rest = self.provisional.model_dump_json(exclude={"turn"})  # '{"next_state":…}'
-            provisional = '{"turn":' + self._turn_json(self.provisional.turn, encoded) + "," + rest[1:]
-        return json.dumps(head, ensure_ascii=False)[:-1] + ',"pending":' + pending + ',"provisional":' + provisional + "}"
+        provisional = self._transition_json(self.provisional, encoded) if self.provisional else "null"
+        handing = ",".join(self._transition_json(t, encoded) for t in self.handing)
+        return (json.dumps(head, ensure_ascii=False)[:-1] + ',"pending":' + pending + ',"provisional":' + provisional
+                + ',"handing":[' + handing + "]}")
+
+    def _transition_json(self, transition: Transition, encoded: dict[int, tuple[Turn, str]]) -> str:
+        rest = transition.model_dump_json(exclude={"turn"})  # '{"next_state":…}'
+        return '{"turn":' + self._turn_json(transition.turn, encoded) + "," + rest[1:]
 
     def _turn_json(self, turn: Turn, encoded: dict[int, tuple[Turn, str]]) -> str:
         hit = encoded.get(id(turn))
@@ -108,6 +114,7 @@ class Session:
             provisional=Transition.model_validate(data["provisional"]) if data["provisional"] else None,
             provisional_at=data["provisional_at"], last_active_wall=data["last_active_wall"],
             outcome_expected=data.get("outcome_expected", False),
+            handing=[Transition.model_validate(t) for t in data.get("handing", ())],
         )
 
 
@@ -158,30 +165,57 @@ class SessionStore:
     def __len__(self) -> int:
         return len(self._sessions)
 
-    def _emit(self, transition: Transition) -> None:
+    def _emit(self, s: Session, transition: Transition) -> None:
         handed = self._emit_to(transition)
         if inspect.isawaitable(handed):
+            handed = asyncio.ensure_future(handed)
+            s.handing.append(transition)
+            handed.add_done_callback(lambda _: self._handed_over(s, transition))
             self._handed.append(handed)
 
+    @staticmethod
+    def _handed_over(s: Session, transition: Transition) -> None:
+        """The judge has `transition` on disk: the session's next row leaves it out. Not
+        rewritten for that alone: a row that still holds it is handed over again on restart,
+        which the judge's inbox ignores."""
+        with contextlib.suppress(ValueError):  # gone already (the session was forgotten)
+            s.handing.remove(transition)
+
+    def resume(self) -> int:
+        """Hand the judge again what the sessions' rows say was on its way to it when the last
+        run stopped (see `save`); its inbox keeps a turn once. Call once the judge runs."""
+        resumed = 0
+        for s in list(self._sessions.values()):
+            handing, s.handing = s.handing, []
+            for transition in handing:
+                self._emit(s, transition)
+                resumed += 1
+        return resumed
+
     async def save(self, wait_s: float = 2.0) -> None:
-        """Persist every session changed since the last save, once the transitions they handed
-        over are durable (waiting at most `wait_s`: a full disk must not hold a request)."""
+        """Persist every session changed since the last save, and wait until the transitions
+        handed to the judge are durable too (at most `wait_s`: a full disk must not hold a
+        request). An open session's row is written at once, beside them: it carries those
+        still on their way (`Session.handing`), and `resume` hands them over again after a
+        crash. A closed session's row is deleted only once its last transitions are safe."""
         handed, self._handed = self._handed, []
-        if handed:
-            await asyncio.wait([asyncio.ensure_future(h) for h in handed], timeout=wait_s)
-        if self._db is None:
-            self._dirty.clear()
-            return
         dirty, self._dirty = self._dirty, set()
-        for key in dirty:
-            s = self._sessions.get(key)
-            if s is None:
+        closed = [key for key in dirty if key not in self._sessions]
+        rows = None
+        if self._db is not None and len(closed) < len(dirty):
+            for key in dirty:
+                if (s := self._sessions.get(key)) is not None:
+                    self._db.save(s.user, s.id, s.to_json())
+            rows = asyncio.wrap_future(self._db.written())
+        if handed:
+            await asyncio.wait(handed, timeout=wait_s)
+        if self._db is not None and closed:
+            for key in closed:
                 self._db.delete(*key)
-            else:
-                self._db.save(s.user, s.id, s.to_json())
-        if dirty:
+            rows = asyncio.wrap_future(self._db.written())  # the writes queued before it, too
+        if rows is not None:
             with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(asyncio.wrap_future(self._db.written()), wait_s)
+                await asyncio.wait_for(rows, wait_s)
 
     def get(self, user: str, session_id: str) -> Session | None:
         return self._sessions.get((user, session_id))
@@ -245,7 +279,7 @@ class SessionStore:
         if s is None:
             return turn
         if s.closed:
-            self._emit(Transition(turn=turn, next_state=None, reason="session_closed"))
+            self._emit(s, Transition(turn=turn, next_state=None, reason="session_closed"))
             return turn
         if (s.user, s.id) not in self._sessions:
             self._register(s)
@@ -295,7 +329,7 @@ class SessionStore:
         if s.provisional is None:
             return
         if s.provisional_at >= k:
-            self._emit(Transition(turn=s.provisional.turn, next_state=None, reason="superseded"))
+            self._emit(s, Transition(turn=s.provisional.turn, next_state=None, reason="superseded"))
             s.provisional = None
             return
         replaced = _messages_from(plan, s.provisional_at + 1)
@@ -304,12 +338,12 @@ class SessionStore:
 
     def _confirm(self, s: Session) -> None:
         if s.provisional is not None:
-            self._emit(s.provisional)
+            self._emit(s, s.provisional)
             s.provisional = None
 
     def _supersede_pending(self, s: Session) -> None:
         if s.pending is not None:
-            self._emit(Transition(turn=s.pending, next_state=None, reason="superseded"))
+            self._emit(s, Transition(turn=s.pending, next_state=None, reason="superseded"))
             s.pending = None
 
     def finish_side(self, plan: TurnPlan) -> None:
@@ -330,7 +364,7 @@ class SessionStore:
         self._reindex(s, s.line.hashes if s.line else (), keep=False)
         self._confirm(s)
         if s.pending is not None:
-            self._emit(Transition(turn=s.pending, next_state=None, reason=reason))
+            self._emit(s, Transition(turn=s.pending, next_state=None, reason=reason))
             s.pending = None
         self._dirty.add((s.user, s.id))
 

@@ -385,6 +385,48 @@ def test_a_session_row_holds_each_turn_exactly(tmp_path):
     assert len(s._encoded) == 2, "only the turns the row holds stay encoded"
 
 
+def test_a_transition_on_its_way_to_the_judge_survives_a_crash(tmp_path):
+    # The session's row is written beside the transition it hands over, not after it: if the
+    # process dies before the judge's inbox has it, the row still does, and resume() hands it
+    # over again. Once the inbox has it, the next row drops it.
+    from nextstate.proxy.session_db import SessionDB
+
+    async def scenario():
+        inbox: list[asyncio.Future] = []
+
+        def slow_judge(transition):  # its disk write has not finished yet
+            inbox.append(asyncio.get_running_loop().create_future())
+            return inbox[-1]
+
+        db = SessionDB(tmp_path / "sessions.sqlite3")
+        store = SessionStore(slow_judge, db=db)
+        m1 = [SYS, user("q1")]
+        m2 = m1 + [reply("a1"), user("q2")]
+        m3 = m2 + [reply("a2"), user("q3")]
+        for messages, answer in ((m1, "a1"), (m2, "a2"), (m3, "a3")):
+            plan = store.resolve("alice", messages)
+            store.commit_main(plan, make_turn(plan, messages), reply(answer))
+            await store.save(wait_s=0.05)
+        assert len(inbox) == 1, "turn 1 was confirmed by the third request"
+        db.flush()
+        # the crash: the judge never got turn 1 on disk
+        again: list[Transition] = []
+        restarted = SessionStore(again.append, db=SessionDB(tmp_path / "sessions.sqlite3"))
+        assert restarted.resume() == 1
+        assert [(t.turn.turn_index, t.next_state.messages) for t in again] == [(1, [user("q2")])]
+
+        inbox[0].set_result(None)  # in the first run, the inbox took it after all
+        await asyncio.sleep(0)
+        session = next(iter(store._sessions.values()))
+        assert session.handing == []
+        store._dirty.add((session.user, session.id))
+        await store.save()
+        db.flush()
+        assert SessionStore(again.append, db=SessionDB(tmp_path / "sessions.sqlite3")).resume() == 0
+
+    asyncio.run(scenario())
+
+
 def test_open_sessions_survive_a_restart(tmp_path):
     from nextstate.proxy.session_db import SessionDB
 
