@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Mapping
 
+import pydantic_core
+
 from nextstate.proxy.chat_completion.protocol import (
     AssistantMessage,
     ChatCompletionChunk,
@@ -62,6 +64,10 @@ def _logprobs(entries: list[TurnLogprob]) -> list[TokenLogprob]:
     ]
 
 
+_PROBE = "\x01nextstate text\x02"
+_PROBE_JSON = pydantic_core.to_json(_PROBE).decode()
+
+
 class ChatCompletionBuilder:
     """OpenAI's response and chunk objects for one completion."""
 
@@ -74,6 +80,12 @@ class ChatCompletionBuilder:
         }
         self.include_usage = include_usage
         self.want_logprobs = want_logprobs
+        # Most chunks of a stream carry nothing but text: their JSON is this builder's own
+        # chunk for a probe text, with the text put in its place (2 µs a chunk against 12 for
+        # building and dumping the model; tests/test_chat_chunks.py holds them equal).
+        probe = self._chunk_json(Delta(content=_PROBE))
+        head, *tail = probe.split(_PROBE_JSON)
+        self._text_chunk = (head, tail[0]) if len(tail) == 1 and not want_logprobs else None
 
     def response(self, done: Finished) -> ChatCompletionResponse:
         message = AssistantMessage(
@@ -85,11 +97,21 @@ class ChatCompletionBuilder:
         return ChatCompletionResponse(**self.envelope, choices=[choice], usage=Usage(**done.usage))
 
     def chunk(self, delta: Delta, finish_reason: str | None = None, logprobs: list[TurnLogprob] | None = None) -> str:
+        return sse_data(self._chunk_json(delta, finish_reason, logprobs))
+
+    def _chunk_json(self, delta: Delta, finish_reason: str | None = None, logprobs: list[TurnLogprob] | None = None) -> str:
         lp = ChoiceLogprobs(content=_logprobs(logprobs or [])) if self.want_logprobs else None
         body = ChatCompletionChunk(
             **self.envelope, choices=[ChunkChoice(delta=delta, logprobs=lp, finish_reason=finish_reason)]
         )
-        return sse_data(body.model_dump_json(exclude=None if self.include_usage else {"usage"}))
+        return body.model_dump_json(exclude=None if self.include_usage else {"usage"})
+
+    def text_chunk(self, text: str) -> str:
+        """`chunk(Delta(content=text))`, from the template."""
+        if self._text_chunk is None:
+            return self.chunk(Delta(content=text))
+        head, tail = self._text_chunk
+        return sse_data(head + pydantic_core.to_json(text).decode() + tail)
 
     def usage_chunk(self, done: Finished) -> str:
         body = ChatCompletionChunk(**self.envelope, choices=[], usage=Usage(**done.usage))
@@ -104,7 +126,9 @@ class ChatCompletionBuilder:
 
     def delta(self, event: TurnDelta) -> list[str]:
         out = []
-        if event.content or (event.logprobs and not event.tool_calls):
+        if event.content and not self.want_logprobs:
+            out.append(self.text_chunk(event.content))
+        elif event.content or (event.logprobs and not event.tool_calls):
             out.append(self.chunk(Delta(content=event.content), logprobs=event.logprobs))
         for call in event.tool_calls:
             out.append(self.chunk(Delta(tool_calls=[ToolCallDelta(index=call.index, **_tool_call(call).model_dump())])))

@@ -1,0 +1,32 @@
+"""Streamed text chunks come from a template (proxy/chat_completion/serving.py): they must be
+byte for byte what building and dumping the chunk model gives."""
+
+from __future__ import annotations
+
+import types
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from nextstate.proxy.chat_completion.protocol import Delta
+from nextstate.proxy.chat_completion.serving import ChatCompletionBuilder
+
+
+def builder(model: str, include_usage: bool, want_logprobs: bool = False) -> ChatCompletionBuilder:
+    prep = types.SimpleNamespace(id="chatcmpl-0123", created=1790000000, policy=types.SimpleNamespace(version=7))
+    return ChatCompletionBuilder(prep, model, include_usage, want_logprobs)
+
+
+@settings(max_examples=300, deadline=None)
+@given(text=st.text(min_size=1), model=st.text(min_size=1, max_size=40), include_usage=st.booleans())
+def test_a_text_chunk_is_the_models_chunk(text, model, include_usage):
+    b = builder(model, include_usage)
+    assert b.text_chunk(text) == b.chunk(Delta(content=text))
+
+
+def test_the_template_stands_aside_where_it_cannot_hold():
+    # a model named like the probe text: no template, the model builds every chunk
+    b = builder("\x01nextstate text\x02", include_usage=False)
+    assert b._text_chunk is None and b.text_chunk("hi") == b.chunk(Delta(content="hi"))
+    # logprobs asked for: every chunk carries them, so none is plain text
+    assert builder("m", include_usage=True, want_logprobs=True)._text_chunk is None
