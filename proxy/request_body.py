@@ -80,25 +80,42 @@ async def read_model(request: Request, model: type[M]) -> M:
 
 
 def check_values(data: Any) -> None:
-    """Depth and lone surrogates, without recursion (any depth is safe to check)."""
-    stack: list[tuple[Any, str, int]] = [(data, "", 0)]
+    """Depth and lone surrogates, without recursion (any depth is safe to check). A value's
+    path is spelled out only for an error: spelling it for every value cost four times the
+    parse itself on an agent's request (0.3 ms for OpenClaw's)."""
+    stack: list[tuple[Any, Where, int]] = [(data, None, 0)]
     while stack:
-        value, path, depth = stack.pop()
+        value, where, depth = stack.pop()
         if depth > MAX_DEPTH:
-            raise invalid_request(f"The JSON body is nested too deeply (more than {MAX_DEPTH} levels).", param=path or None)
+            raise invalid_request(f"The JSON body is nested too deeply (more than {MAX_DEPTH} levels).", param=_path(where) or None)
         if isinstance(value, dict):
             for key, item in value.items():
-                _check_text(key, f"{path}.{key}" if path else str(key))
-                stack.append((item, f"{path}.{key}" if path else str(key), depth + 1))
+                if _LONE_SURROGATE.search(key):
+                    _surrogate((where, key))
+                stack.append((item, (where, key), depth + 1))
         elif isinstance(value, list):
-            stack.extend((item, f"{path}[{i}]", depth + 1) for i, item in enumerate(value))
-        elif isinstance(value, str):
-            _check_text(value, path)
+            stack.extend((item, (where, i), depth + 1) for i, item in enumerate(value))
+        elif isinstance(value, str) and _LONE_SURROGATE.search(value):
+            _surrogate(where)
 
 
-def _check_text(text: str, path: str) -> None:
-    if _LONE_SURROGATE.search(text):
-        raise invalid_request("Text must be valid Unicode: it holds a lone UTF-16 surrogate.", param=path[:200] or None)
+Where = tuple[Any, str | int] | None  # (the parent's Where, this key or index), None at the root
+
+
+def _path(where: Where) -> str:
+    keys: list[str | int] = []
+    while where is not None:
+        where, key = where
+        keys.append(key)
+    path = ""
+    for key in reversed(keys):
+        path = f"{path}[{key}]" if isinstance(key, int) else (f"{path}.{key}" if path else str(key))
+    return path
+
+
+def _surrogate(where: Where) -> None:
+    path = _path(where)[:200].encode("utf-8", "backslashreplace").decode()  # a key may hold the surrogate
+    raise invalid_request("Text must be valid Unicode: it holds a lone UTF-16 surrogate.", param=path or None)
 
 
 def request_body_schema(model: type[BaseModel]) -> dict[str, Any]:

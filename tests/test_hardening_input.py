@@ -45,7 +45,7 @@ def test_bounded_seed(scripted):
     assert raw_post(server, body(seed=-(2**63)), key).status_code == 200
 
 
-@pytest.mark.parametrize("where", ["content", "name", "tool"])
+@pytest.mark.parametrize("where", ["content", "name", "tool", "key"])
 def test_lone_surrogates_are_refused_and_records_keep_flowing(scripted, where):
     server, _ = scripted
     key = server.key("alice")
@@ -55,6 +55,8 @@ def test_lone_surrogates_are_refused_and_records_keep_flowing(scripted, where):
     extra = ""
     if where == "tool":
         extra = ', "tools": [{"type": "function", "function": {"name": "f", "description": "\\udc00"}}]'
+    if where == "key":
+        extra = ', "tools": [{"type": "function", "function": {"name": "f", "parameters": {"properties": {"\\udc00": {}}}}}]'
     text = '{"model": "tiny", "max_tokens": 3, "messages": [' + json.dumps(message).replace("\\\\u", "\\u") + "]" + extra + "}"
     error = assert_refused(raw_post(server, text, key))
     assert "surrogate" in error["message"]
