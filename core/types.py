@@ -7,25 +7,9 @@ followed it, or with none when its session closed first.
 
 from __future__ import annotations
 
-import math
-from typing import Annotated, Any, Literal
+from typing import Any, Literal
 
-from pydantic import AfterValidator, BaseModel, Field
-
-
-# A sampled token whose probability underflowed has logprob -inf, which stored JSON cannot
-# hold (pydantic writes null, which no longer validates; SQLite 3.40's JSON functions refuse
-# -Infinity in any row they scan). Such a logprob is kept as this floor, far below any real one.
-LOGPROB_FLOOR = -1e4
-
-
-def _finite(values: list[float] | None) -> list[float] | None:
-    if values is None or all(math.isfinite(v) for v in values):
-        return values
-    return [v if math.isfinite(v) else LOGPROB_FLOOR for v in values]
-
-
-Logprobs = Annotated[list[float], AfterValidator(_finite)]
+from pydantic import BaseModel, Field
 
 
 class Turn(BaseModel):
@@ -37,7 +21,7 @@ class Turn(BaseModel):
     tool_choice: str | dict[str, Any] | None = None
     prompt_ids: list[int]
     response_ids: list[int]
-    response_logprobs: Logprobs
+    response_logprobs: list[float]
     logprob_temperature: float = Field(description="Temperature the logprobs were taken at.")
     sampling: dict[str, Any]
     policy_version: int
@@ -104,14 +88,14 @@ class Sample(BaseModel):
     reason: str = Field("", description="Why the sample was dropped, or how it was accepted.")
     prompt_ids: list[int]
     response_ids: list[int]
-    old_logprobs: Logprobs
+    old_logprobs: list[float]
     logprob_temperature: float
     advantages: list[float] = Field(description="Per response token; for outcome samples, set per batch.")
     loss_mask: list[int]
     reward: float = Field(description="Scalar reward: majority vote, or o + mean votes for outcome samples.")
     votes: list[int | None] = Field(default_factory=list)
     hint: str | None = None
-    teacher_logprobs: Logprobs | None = None
+    teacher_logprobs: list[float] | None = None
     outcome: float | None = None
     response_id: str | None = None
     feedback: dict[str, Any] | None = Field(None, description="The explicit rating and correction it was built from.")

@@ -39,12 +39,15 @@ import asyncio
 import contextlib
 import inspect
 import json
+import math
 import secrets
 import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
+
+import pydantic_core
 
 from nextstate.core.types import NextState, Transition, Turn
 from nextstate.proxy.session_chain import Chain, MessageDigests, VolatileText
@@ -100,7 +103,7 @@ class Session:
     def _turn_json(self, turn: Turn, encoded: dict[int, tuple[Turn, str]]) -> str:
         hit = encoded.get(id(turn))
         if hit is None or hit[0] is not turn:
-            hit = (turn, turn.model_dump_json())
+            hit = (turn, _turn_json(turn))
         self._encoded[id(turn)] = hit
         return hit[1]
 
@@ -116,6 +119,14 @@ class Session:
             outcome_expected=data.get("outcome_expected", False),
             handing=[Transition.model_validate(t) for t in data.get("handing", ())],
         )
+
+
+def _turn_json(turn: Turn) -> str:
+    if all(map(math.isfinite, turn.response_logprobs)):
+        return turn.model_dump_json()
+    # A -inf logprob as -Infinity, which json.loads reads back (pydantic's own dump writes null,
+    # which would not validate); this table is read by Python alone, never by SQLite's JSON.
+    return pydantic_core.to_json(turn.model_dump(), inf_nan_mode="constants").decode()
 
 
 @dataclass

@@ -79,10 +79,12 @@ class RunningServer:
 
     def end_conversations(self) -> None:
         """Close every open session, as the idle timeout would: provisional next states are
-        confirmed and handed to the judge, last turns get none."""
+        confirmed and handed to the judge, last turns get none; returns once the judge has
+        them on disk (and recorded), as the sweeper's save waits for."""
 
         async def close_all() -> None:
             self.app.state.sessions.close_all()
+            await self.app.state.sessions.save()
 
         self.call(close_all())
 
