@@ -87,7 +87,9 @@ def check_values(data: Any) -> None:
     while stack:
         value, where, depth = stack.pop()
         if depth > MAX_DEPTH:
-            raise invalid_request(f"The JSON body is nested too deeply (more than {MAX_DEPTH} levels).", param=_path(where) or None)
+            raise invalid_request(
+                f"The JSON body is nested too deeply (more than {MAX_DEPTH} levels).", param=_path(where) or None
+            )
         if isinstance(value, dict):
             for key, item in value.items():
                 if _LONE_SURROGATE.search(key):
