@@ -15,6 +15,7 @@ import json
 import logging
 import math
 import time
+import warnings
 from collections import OrderedDict
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -123,7 +124,10 @@ class LoraTrainer:
 
         name = adapter_name(scope)
         if self.model is None:
-            self.model = get_peft_model(self._base, self._lora_config(), adapter_name=name)
+            with warnings.catch_warnings():
+                # peft asks the model through transformers' deprecated alias; nothing for a user to do
+                warnings.filterwarnings("ignore", "`is_gradient_checkpointing` is deprecated", FutureWarning)
+                self.model = get_peft_model(self._base, self._lora_config(), adapter_name=name)
         elif name not in self.model.peft_config:
             self.model.add_adapter(name, self._lora_config())
         if scope not in self._optimizers:
