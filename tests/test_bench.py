@@ -63,6 +63,21 @@ def test_length_matched_repetition_compares_equal_lengths():
     assert mean_repetition(tasks[2:], words=6) is None
 
 
+def test_the_proxy_benchs_agent_conversation_is_openclaws_and_grows_by_a_turn():
+    from bench.proxy_overhead import TURNS_PER_CONVERSATION, Conversation
+
+    convo = Conversation(0, agent=True)
+    sizes = []
+    for turn in range(3):
+        messages = convo.next_request(turn)
+        sizes.append(len(messages))
+        convo.answered("ok")
+    assert sizes == [2, 4, 6], "[system, user], then our reply and a new user message each turn"
+    assert messages[0]["role"] == "system" and len(messages[0]["content"]) == 8971  # OpenClaw's trimmed prompt
+    assert len(convo.tools) == 5 and messages[-1]["content"].startswith("[Mon 2026-11-23 ")
+    assert Conversation(0, agent=True).next_request(TURNS_PER_CONVERSATION) == Conversation(0, agent=True).next_request(0)
+
+
 def test_model_user_and_scorer_speak_openai_and_parse_their_answers():
     """With --user-url/--scorer-url the roles are chat models: a real OpenAI-compatible HTTP
     server here (the scripted judge's, answering by the rules it would apply)."""
