@@ -19,8 +19,9 @@ from __future__ import annotations
 
 import re
 import threading
-from collections import OrderedDict
 from typing import Any
+
+from nextstate.core.lru import SizedLRU
 
 DEFAULT_MAX_CACHED_TOKENS = 500_000  # ~20 MB of Python ints at most: a hundred agents' conversations
 
@@ -30,9 +31,7 @@ class PromptEncoder:
         self._tokenizer = tokenizer
         self._backend = getattr(tokenizer, "backend_tokenizer", None)  # fast (Rust) tokenizers only
         self._added = _piece_start(tokenizer) if self._backend is not None and max_cached_tokens > 0 else None
-        self.max_cached_tokens = max_cached_tokens
-        self._cache: OrderedDict[str, list[int]] = OrderedDict()  # least recently used first
-        self._cached_tokens = 0
+        self._cache: SizedLRU[str, list[int]] = SizedLRU(max_cached_tokens, lambda piece, ids: len(ids))
         self._lock = threading.Lock()  # prompts are rendered in worker threads
 
     @property
@@ -46,7 +45,7 @@ class PromptEncoder:
 
     @property
     def cached_tokens(self) -> int:
-        return self._cached_tokens
+        return self._cache.total
 
     def encode(self, text: str) -> list[int]:
         if self._added is None:
@@ -59,7 +58,6 @@ class PromptEncoder:
             for piece in pieces:
                 ids = self._cache.get(piece)
                 if ids is not None:
-                    self._cache.move_to_end(piece)
                     found[piece] = ids
         missing = list(dict.fromkeys(p for p in pieces if p not in found))
         if missing:
@@ -67,17 +65,8 @@ class PromptEncoder:
             with self._lock:
                 for piece, enc in zip(missing, encoded):
                     found[piece] = enc.ids
-                    self._remember(piece, enc.ids)
+                    self._cache.put(piece, enc.ids)
         return [i for piece in pieces for i in found[piece]]
-
-    def _remember(self, piece: str, ids: list[int]) -> None:
-        if piece in self._cache or len(ids) > self.max_cached_tokens:
-            return
-        self._cache[piece] = ids
-        self._cached_tokens += len(ids)
-        while self._cached_tokens > self.max_cached_tokens:
-            _, old = self._cache.popitem(last=False)
-            self._cached_tokens -= len(old)
 
 
 def _piece_start(tokenizer: Any) -> tuple[re.Pattern[str], frozenset[str]] | None:

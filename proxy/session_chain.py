@@ -18,11 +18,11 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from nextstate.core.lru import SizedLRU
 from nextstate.core.settings import OPENCLAW_VOLATILE_PATTERNS
 
 class VolatileText:
@@ -72,26 +72,21 @@ class MessageDigests:
 
     def __init__(self, volatile: VolatileText, max_chars: int = 4_000_000) -> None:
         self.volatile = volatile
-        self.max_chars = max_chars
-        self._known: OrderedDict[tuple[str, str], str | None] = OrderedDict()
-        self._chars = 0
+        self._known: SizedLRU[tuple[str, str], str | None] = SizedLRU(max_chars, lambda key, digest: len(key[1]))
 
     def __call__(self, message: dict[str, Any]) -> str | None:
         content = message.get("content")
         if message.get("tool_calls") or not isinstance(content, str):
             return message_digest(message, self.volatile)
         key = (message["role"], content)
-        try:
-            digest = self._known[key]
-        except KeyError:
-            digest = self._known[key] = message_digest(message, self.volatile)
-            self._chars += len(content)
-            while self._chars > self.max_chars and len(self._known) > 1:
-                (_, old), _ = self._known.popitem(last=False)
-                self._chars -= len(old)
-            return digest
-        self._known.move_to_end(key)
+        digest = self._known.get(key, _UNKNOWN)
+        if digest is _UNKNOWN:
+            digest = message_digest(message, self.volatile)
+            self._known.put(key, digest)
         return digest
+
+
+_UNKNOWN: Any = object()  # None is a digest too (a volatile-only message)
 
 
 def chain_step(previous: str, digest: str) -> str:

@@ -97,3 +97,16 @@ def test_real_agent_prompts_from_the_openclaw_capture(tokenizer):
                      else m.get("content") or ""} for m in body["messages"]]
         got = renderer.render(messages, body.get("tools"), body.get("tool_choice"))
         assert got == reference.render(messages, body.get("tools"), body.get("tool_choice"))
+
+
+def test_the_sized_lru_keeps_the_recently_used_within_its_budget():
+    from nextstate.core.lru import SizedLRU
+
+    lru: SizedLRU[str, str] = SizedLRU(10, lambda key, value: len(value))
+    lru.put("a", "xxxx")
+    lru.put("b", "xxxx")
+    assert lru.get("a") == "xxxx"  # "b" is now the least recently used
+    lru.put("c", "xxxx")
+    assert (lru.get("b"), lru.get("a"), lru.get("c"), lru.total) == (None, "xxxx", "xxxx", 8)
+    lru.put("big", "x" * 11)
+    assert lru.get("big", "missing") == "missing" and len(lru) == 2, "an entry over the whole budget is not kept"

@@ -362,7 +362,7 @@ def test_remembered_digests_are_the_digests_within_their_budget():
     for _ in range(2):  # computed, then remembered
         assert [digests(m) for m in messages] == [message_digest(m, volatile) for m in messages]
     assert Chain.of("alice", messages, digests) == Chain.of("alice", messages, MessageDigests(volatile))
-    assert digests._chars <= 40 and len(digests._known) < len(messages), "the oldest are forgotten past the budget"
+    assert digests._known.total <= 40 and len(digests._known) < len(messages), "the oldest are forgotten past the budget"
 
 
 def test_a_session_row_holds_each_turn_exactly(tmp_path):
