@@ -103,7 +103,7 @@ class Session:
     def _turn_json(self, turn: Turn, encoded: dict[int, tuple[Turn, str]]) -> str:
         hit = encoded.get(id(turn))
         if hit is None or hit[0] is not turn:
-            hit = (turn, _turn_json(turn))
+            hit = (turn, _encode_turn(turn))
         self._encoded[id(turn)] = hit
         return hit[1]
 
@@ -121,7 +121,7 @@ class Session:
         )
 
 
-def _turn_json(turn: Turn) -> str:
+def _encode_turn(turn: Turn) -> str:
     if all(map(math.isfinite, turn.response_logprobs)):
         return turn.model_dump_json()
     # A -inf logprob as -Infinity, which json.loads reads back (pydantic's own dump writes null,
