@@ -27,6 +27,11 @@ deploy/). Shapes used, from SGLang's io_struct / tokenizer manager:
 Failures map to clean errors: unreachable → EngineUnavailable (503), too slow → EngineTimeout
 (504), 5xx or an unreadable answer → EngineBadGateway (502). Requests are retried (not after a
 timeout) only while that is safe: before any token reached the caller.
+
+The HTTP client is aiohttp, not httpx (which the rest of nextstate uses off the request path):
+every reply is one streamed request to SGLang, and httpx's anyio layers cost 1.3-1.6 ms of
+the proxy's CPU per 33-event stream against aiohttp's 0.5-0.6 on this box, a third of what the
+proxy adds per reply (BENCHMARKS.md, proxy overhead).
 """
 
 from __future__ import annotations
@@ -39,7 +44,7 @@ from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
-import httpx
+import aiohttp
 import pydantic_core
 
 from nextstate.engine.base import (
@@ -89,8 +94,16 @@ _JSON = {"content-type": "application/json"}
 
 def _json_body(payload: dict[str, Any]) -> bytes:
     """The request body. An agent's prompt is thousands of token ids: pydantic-core's encoder
-    writes 4k of them in 0.09 ms against json.dumps' 0.26 (httpx's `json=`), on the event loop."""
+    writes 4k of them in 0.09 ms against json.dumps' 0.26, on the event loop."""
     return pydantic_core.to_json(payload)
+
+
+def _unreachable(base_url: str, exc: Exception) -> EngineUnavailable:
+    return EngineUnavailable(f"SGLang at {base_url} is unreachable: {exc!r}")
+
+
+def _too_slow(exc: Exception) -> EngineTimeout:
+    return EngineTimeout(f"SGLang did not answer in time: {exc!r}")
 
 
 class _Retryable(Exception):
@@ -107,7 +120,6 @@ class SGLangEngine:
         timeout_s: float = 300.0,
         retries: int = 2,
         backoff_s: float = 0.5,
-        transport: httpx.AsyncBaseTransport | None = None,
     ) -> None:
         model_dir = Path(model_dir)
         max_context, vocab = _model_info(model_dir)
@@ -119,21 +131,30 @@ class SGLangEngine:
         self._adapters: set[str] = set()
         self._paths: dict[str, str] = {}  # what each loaded adapter was loaded from, to reload it
         self._reload_lock = asyncio.Lock()
-        self._client = httpx.AsyncClient(
-            base_url=self.base_url, timeout=httpx.Timeout(timeout_s, connect=5.0), transport=transport
-        )
+        # `timeout_s` bounds each wait for SGLang's next bytes, not a whole generation
+        self._timeout = aiohttp.ClientTimeout(total=None, sock_connect=5.0, sock_read=timeout_s)
+        self._session: aiohttp.ClientSession | None = None
+
+    def _http(self) -> aiohttp.ClientSession:
+        """The connection pool, made on first use: an aiohttp session belongs to the event loop
+        it was made in, and the engine is built before the server's loop runs."""
+        if self._session is None or self._session.closed:
+            self._session = aiohttp.ClientSession(timeout=self._timeout)
+        return self._session
 
     @property
     def adapters(self) -> list[str]:
         return sorted(self._adapters)
 
     async def close(self) -> None:
-        await self._client.aclose()
+        if self._session is not None:
+            await self._session.close()
 
     async def healthy(self) -> bool:
         try:
-            return (await self._client.get("/health", timeout=5.0)).status_code == 200
-        except httpx.HTTPError:
+            async with self._http().get(f"{self.base_url}/health", timeout=aiohttp.ClientTimeout(total=5.0)) as response:
+                return response.status == 200
+        except (aiohttp.ClientError, asyncio.TimeoutError):
             return False
 
     # ---------------------------------------------------------------- generate
@@ -197,18 +218,17 @@ class SGLangEngine:
 
     async def _stream(self, payload: dict[str, Any], admit: Callable[[], None]) -> AsyncIterator[GeneratedToken]:
         """SGLang's stream as tokens. After the finishing event (or `[DONE]`) the body is read to
-        its end: left unread, httpx closes the connection, and every request would pay a new TCP
-        connection to SGLang (bench/proxy_overhead)."""
+        its end: left unread, the client closes the connection, and every request would pay a
+        new TCP connection to SGLang (bench/proxy_overhead)."""
         seen = 0
         finished = False
         try:
-            async with self._client.stream("POST", "/generate", content=_json_body(payload), headers=_JSON) as response:
-                if response.status_code != 200:
-                    await response.aread()
-                    error = self._http_error(response)
+            async with self._http().post(f"{self.base_url}/generate", data=_json_body(payload), headers=_JSON) as response:
+                if response.status != 200:
+                    error = self._http_error(response.status, await response.read())
                     raise _Retryable(error) if isinstance(error, EngineBadGateway) else error
                 admit()
-                async for data in sse_data(response):
+                async for data in sse_data(response.content.iter_any()):
                     if data == b"[DONE]" or finished:
                         finished = True
                         continue  # read on to the body's end, so the connection can be reused
@@ -223,11 +243,14 @@ class SGLangEngine:
                     finished = finished or bool(finish)
                 if finished:
                     return
-        except httpx.TimeoutException as exc:
-            # not retried: a retry would only multiply the wait the client already had
-            raise EngineTimeout(f"SGLang did not answer in time: {exc!r}") from None
-        except httpx.TransportError as exc:
-            raise _Retryable(EngineUnavailable(f"SGLang at {self.base_url} is unreachable: {exc!r}")) from None
+        except (asyncio.TimeoutError, aiohttp.ClientError) as exc:
+            if finished:
+                return  # the generation is whole; only reading on for the connection's sake failed
+            if isinstance(exc, asyncio.TimeoutError):
+                # not retried: a retry would only multiply the wait the client already had
+                raise _too_slow(exc) from None
+            if not isinstance(exc, aiohttp.ClientPayloadError):  # a body broken off is told below
+                raise _Retryable(_unreachable(self.base_url, exc)) from None
         raise _Retryable(EngineBadGateway("SGLang closed the stream before the generation finished"))
 
     @staticmethod
@@ -372,17 +395,18 @@ class SGLangEngine:
         attempt = 0
         while True:
             try:
-                response = await self._client.post(path, content=_json_body(payload), headers=_JSON)
-                if response.status_code == 200 or (ok_400 and response.status_code == 400):
-                    body = response.json()
+                async with self._http().post(f"{self.base_url}{path}", data=_json_body(payload), headers=_JSON) as response:
+                    status, content = response.status, await response.read()
+                if status == 200 or (ok_400 and status == 400):
+                    body = json.loads(content)
                     if not isinstance(body, dict):
                         raise ValueError("not a JSON object")
                     return body
-                error: EngineError = self._http_error(response)
-            except httpx.TimeoutException as exc:
-                error = EngineTimeout(f"SGLang did not answer in time: {exc!r}")
-            except httpx.TransportError as exc:
-                error = EngineUnavailable(f"SGLang at {self.base_url} is unreachable: {exc!r}")
+                error: EngineError = self._http_error(status, content)
+            except asyncio.TimeoutError as exc:
+                error = _too_slow(exc)
+            except aiohttp.ClientError as exc:
+                error = _unreachable(self.base_url, exc)
             except ValueError as exc:
                 error = EngineBadGateway(f"SGLang sent an unreadable answer: {exc}")
             if not retry or attempt >= self.retries or not isinstance(error, (EngineUnavailable, EngineBadGateway)):
@@ -391,8 +415,8 @@ class SGLangEngine:
             await asyncio.sleep(self.backoff_s * attempt)
 
     @staticmethod
-    def _http_error(response: httpx.Response) -> EngineError:
-        text = response.text[:300] if response.content else ""
-        if response.status_code >= 500:
-            return EngineBadGateway(f"SGLang answered {response.status_code}: {text}")
-        return EngineRejected(f"SGLang refused the request ({response.status_code}): {text}")
+    def _http_error(status: int, content: bytes) -> EngineError:
+        text = content[:300].decode(errors="replace")
+        if status >= 500:
+            return EngineBadGateway(f"SGLang answered {status}: {text}")
+        return EngineRejected(f"SGLang refused the request ({status}): {text}")
