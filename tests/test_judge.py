@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import time
 
+import aiohttp
 import httpx
 import pytest
 
@@ -307,33 +309,63 @@ def test_unfinished_judgements_resume_after_a_restart(server_factory, judge, tmp
         restarted.stop()
 
 
+@contextlib.asynccontextmanager
+async def judge_endpoint(answer):
+    """A real HTTP endpoint on a free local port: `answer(request, body)` gives each POST's
+    (status, JSON or text) from the request and its body's raw bytes."""
+    from aiohttp import web
+    from aiohttp.test_utils import TestServer
+
+    async def handle(request: web.Request) -> web.Response:
+        status, payload = answer(request, await request.read())
+        if isinstance(payload, str):
+            return web.Response(status=status, text=payload)
+        return web.json_response(payload, status=status)
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", handle)
+    server = TestServer(app, host="127.0.0.1")
+    await server.start_server()
+    try:
+        yield str(server.make_url("/v1"))
+    finally:
+        await server.close()
+
+
 async def test_the_judge_client_retries_once_what_the_openai_sdk_would():
     from nextstate.judge.client import JudgeHTTPError, OpenAIJudgeClient
 
-    seen: list[httpx.Request] = []
-    answers: list[httpx.Response] = []
+    seen: list[tuple[dict, dict]] = []  # (headers, body) of each request
+    answers: list[tuple[int, dict | str]] = []
 
-    def handler(request: httpx.Request) -> httpx.Response:
-        seen.append(request)
+    def answer(request, body):
+        seen.append((dict(request.headers), json.loads(body)))
         return answers.pop(0)
 
-    client = OpenAIJudgeClient("http://judge.test/v1/", "j", "sk-x", 5, transport=httpx.MockTransport(handler))
+    async with judge_endpoint(answer) as url:
+        client = OpenAIJudgeClient(url + "/", "j", "sk-x", 5)
+        client.RETRY_PAUSE_S = 0
+        ok = {"choices": [{"message": {"role": "assistant", "content": r"\boxed{1}"}}]}
+        answers[:] = [(503, "busy"), (200, ok)]
+        assert await client.complete([{"role": "user", "content": "q"}], temperature=0.6, max_tokens=8) == [r"\boxed{1}"]
+        assert len(seen) == 2, "tried once more"
+        headers, body = seen[0]
+        assert body == {"model": "j", "messages": [{"role": "user", "content": "q"}], "temperature": 0.6, "max_tokens": 8}
+        assert headers["Authorization"] == "Bearer sk-x"
+        answers[:] = [(401, {"error": {"message": "bad key"}})]
+        with pytest.raises(JudgeHTTPError, match="401"):
+            await client.complete([], temperature=0.6, max_tokens=8)  # a client error is not retried
+        answers[:] = [(500, ""), (502, "down")]
+        with pytest.raises(JudgeHTTPError, match="502: down"):
+            await client.complete([], temperature=0.6, max_tokens=8)
+        answers[:] = [(200, {"choices": []})]
+        with pytest.raises(JudgeHTTPError, match="no choices"):
+            await client.complete([], temperature=0.6, max_tokens=8)
+        await client.aclose()
+    # a connection failure, twice: raised for the judge to count the votes as missing
+    client = OpenAIJudgeClient(url, "j", None, 5)
     client.RETRY_PAUSE_S = 0
-    ok = {"choices": [{"message": {"role": "assistant", "content": r"\boxed{1}"}}]}
-    answers[:] = [httpx.Response(503, text="busy"), httpx.Response(200, json=ok)]
-    assert await client.complete([{"role": "user", "content": "q"}], temperature=0.6, max_tokens=8) == [r"\boxed{1}"]
-    assert [r.url.path for r in seen] == ["/v1/chat/completions"] * 2
-    body = json.loads(seen[0].content)
-    assert body == {"model": "j", "messages": [{"role": "user", "content": "q"}], "temperature": 0.6, "max_tokens": 8}
-    assert seen[0].headers["authorization"] == "Bearer sk-x"
-    answers[:] = [httpx.Response(401, json={"error": {"message": "bad key"}})]
-    with pytest.raises(JudgeHTTPError, match="401"):
-        await client.complete([], temperature=0.6, max_tokens=8)  # a client error is not retried
-    answers[:] = [httpx.Response(500), httpx.Response(502, text="down")]
-    with pytest.raises(JudgeHTTPError, match="502: down"):
-        await client.complete([], temperature=0.6, max_tokens=8)
-    answers[:] = [httpx.Response(200, json={"choices": []})]
-    with pytest.raises(JudgeHTTPError, match="no choices"):
+    with pytest.raises(aiohttp.ClientConnectionError):
         await client.complete([], temperature=0.6, max_tokens=8)
     await client.aclose()
 
@@ -342,30 +374,34 @@ async def test_the_votes_on_a_prompt_are_one_call_where_the_endpoint_takes_n():
     from nextstate.judge.client import OpenAIJudgeClient
 
     seen: list[dict] = []
+    behaviour = None
 
     def choices(k: int) -> dict:
         return {"choices": [{"message": {"content": f"vote {len(seen)}.{i}"}} for i in range(k)]}
 
-    def answering(behaviour):
-        def handler(request: httpx.Request) -> httpx.Response:
-            seen.append(json.loads(request.content))
-            return behaviour(seen[-1])
-        return httpx.MockTransport(handler)
+    def answer(request, body):
+        seen.append(json.loads(body))
+        return behaviour(seen[-1])
 
-    # an endpoint that takes n: one call
-    client = OpenAIJudgeClient("http://j/v1", "j", None, 5, transport=answering(lambda body: httpx.Response(200, json=choices(body.get("n", 1)))))
-    assert await client.complete([], temperature=0.6, max_tokens=8, n=3) == ["vote 1.0", "vote 1.1", "vote 1.2"]
-    assert [b.get("n") for b in seen] == [3]
-    # one that ignores n (one choice back): asked again for the rest
-    seen.clear()
-    client = OpenAIJudgeClient("http://j/v1", "j", None, 5, transport=answering(lambda body: httpx.Response(200, json=choices(1))))
-    assert len(await client.complete([], temperature=0.6, max_tokens=8, n=3)) == 3
-    assert [b.get("n") for b in seen] == [3, 2, None]
-    # one that refuses n > 1: one answer at a time, from then on
-    seen.clear()
-    refusing = answering(lambda body: httpx.Response(400, json={"error": {"message": "only n=1"}}) if body.get("n", 1) > 1
-                         else httpx.Response(200, json=choices(1)))
-    client = OpenAIJudgeClient("http://j/v1", "j", None, 5, transport=refusing)
-    assert len(await client.complete([], temperature=0.6, max_tokens=8, n=3)) == 3
-    assert len(await client.complete([], temperature=0.6, max_tokens=8, n=2)) == 2
-    assert [b.get("n") for b in seen] == [3, None, None, None, None, None] and client.takes_n is False
+    async with judge_endpoint(answer) as url:
+        # an endpoint that takes n: one call
+        behaviour = lambda body: (200, choices(body.get("n", 1)))  # noqa: E731
+        client = OpenAIJudgeClient(url, "j", None, 5)
+        assert await client.complete([], temperature=0.6, max_tokens=8, n=3) == ["vote 1.0", "vote 1.1", "vote 1.2"]
+        assert [b.get("n") for b in seen] == [3]
+        await client.aclose()
+        # one that ignores n (one choice back): asked again for the rest
+        seen.clear()
+        behaviour = lambda body: (200, choices(1))  # noqa: E731
+        client = OpenAIJudgeClient(url, "j", None, 5)
+        assert len(await client.complete([], temperature=0.6, max_tokens=8, n=3)) == 3
+        assert [b.get("n") for b in seen] == [3, 2, None]
+        await client.aclose()
+        # one that refuses n > 1: one answer at a time, from then on
+        seen.clear()
+        behaviour = lambda body: (400, {"error": {"message": "only n=1"}}) if body.get("n", 1) > 1 else (200, choices(1))  # noqa: E731
+        client = OpenAIJudgeClient(url, "j", None, 5)
+        assert len(await client.complete([], temperature=0.6, max_tokens=8, n=3)) == 3
+        assert len(await client.complete([], temperature=0.6, max_tokens=8, n=2)) == 2
+        assert [b.get("n") for b in seen] == [3, None, None, None, None, None] and client.takes_n is False
+        await client.aclose()
