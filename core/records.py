@@ -35,7 +35,18 @@ log = logging.getLogger(__name__)
 
 # Characters other than "\n" that text tools split lines at (Python's str.splitlines among them),
 # escaped inside JSON strings, so one record is always exactly one line.
-_LINE_BREAKS = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
+_LINE_BREAKS = (("\x85", "\\u0085"), ("\u2028", "\\u2028"), ("\u2029", "\\u2029"))
+
+
+def _escape_line_breaks(line: str) -> str:
+    """Three `str.replace` scans, not one `str.translate`: translate looks every character up
+    in a dict, 5.3 ms (GIL held) for the 60 kB request record of one OpenClaw turn against 0.2."""
+    for char, escaped in _LINE_BREAKS:
+        if char in line:
+            line = line.replace(char, escaped)
+    return line
+
+
 DRAIN_INTERVAL_S = 0.05  # records reach the disk this long after they were written, at most
 
 
@@ -43,7 +54,7 @@ def record_line(record: dict[str, Any]) -> str | None:
     """One record as one line of valid UTF-8 JSON, whatever it holds: text UTF-8 cannot carry
     (a lone surrogate) is written escaped, anything else stringified; None if it cannot be."""
     try:
-        line = json.dumps(record, ensure_ascii=False, default=str).translate(_LINE_BREAKS)
+        line = _escape_line_breaks(json.dumps(record, ensure_ascii=False, default=str))
         line.encode("utf-8")
         return line
     except UnicodeEncodeError:

@@ -12,10 +12,15 @@ BUNDLED = Path(str(files("nextstate.prompts")))
 
 
 class PromptLibrary:
+    """Each prompt is read once, when first used: the judge renders two per judged turn on the
+    event loop that serves users, where four file reads each were a tenth of its own time.
+    Editing a prompt therefore takes a restart, as every other setting does."""
+
     def __init__(self, directory: Path | None = None) -> None:
         self.directory = directory or BUNDLED
         if not self.directory.is_dir():
             raise FileNotFoundError(f"judge prompt folder {self.directory} does not exist")
+        self._templates: dict[str, tuple[Template, Template]] = {}
 
     def names(self) -> list[str]:
         return sorted(p.name.removesuffix(".system.txt") for p in self.directory.glob("*.system.txt"))
@@ -29,10 +34,9 @@ class PromptLibrary:
 
     def render(self, name: str, **values: str) -> list[dict[str, str]]:
         """Chat messages for the judge. Unknown placeholders are an error, not silent text."""
-        self.require(name)
-        system = (self.directory / f"{name}.system.txt").read_text(encoding="utf-8").strip()
-        user = (self.directory / f"{name}.user.txt").read_text(encoding="utf-8").strip()
-        return [
-            {"role": "system", "content": Template(system).substitute(values)},
-            {"role": "user", "content": Template(user).substitute(values)},
-        ]
+        if name not in self._templates:
+            self.require(name)
+            read = lambda part: Template((self.directory / f"{name}.{part}.txt").read_text(encoding="utf-8").strip())  # noqa: E731
+            self._templates[name] = (read("system"), read("user"))
+        system, user = self._templates[name]
+        return [{"role": "system", "content": system.substitute(values)}, {"role": "user", "content": user.substitute(values)}]

@@ -119,7 +119,9 @@ async def test_the_record_writer_survives_any_value(tmp_path):
     await writer.start()
     writer.write("odd", {"text": "a\ud800b", "obj": object(), "deep": None})
     writer.write("fine", {"text": "ok"})
+    writer.write("breaks", {"text": "a\u2028b\x85c\u2029d\ne"})  # what str.splitlines splits at
     await writer.flush()
     await writer.aclose()
     lines = [json.loads(line) for line in (tmp_path / "policy-v0000.jsonl").read_text(encoding="utf-8").splitlines()]
-    assert [r["kind"] for r in lines] == ["odd", "fine"] and lines[0]["text"] == "a\ud800b"
+    assert [r["kind"] for r in lines] == ["odd", "fine", "breaks"] and lines[0]["text"] == "a\ud800b"
+    assert lines[2]["text"] == "a\u2028b\x85c\u2029d\ne"
