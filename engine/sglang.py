@@ -139,7 +139,10 @@ class SGLangEngine:
         """The connection pool, made on first use: an aiohttp session belongs to the event loop
         it was made in, and the engine is built before the server's loop runs."""
         if self._session is None or self._session.closed:
-            self._session = aiohttp.ClientSession(timeout=self._timeout)
+            # No cap on connections (aiohttp's default is 100): nextstate caps its generations
+            # itself (NEXTSTATE_MAX_CONCURRENT_GENERATIONS), and a request past a pool cap would
+            # wait for a connection with no timeout at all.
+            self._session = aiohttp.ClientSession(timeout=self._timeout, connector=aiohttp.TCPConnector(limit=0))
         return self._session
 
     @property
