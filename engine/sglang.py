@@ -28,8 +28,8 @@ Failures map to clean errors: unreachable → EngineUnavailable (503), too slow 
 (504), 5xx or an unreadable answer → EngineBadGateway (502). Requests are retried (not after a
 timeout) only while that is safe: before any token reached the caller.
 
-The HTTP client is aiohttp, not httpx (which the rest of nextstate uses off the request path):
-every reply is one streamed request to SGLang, and httpx's anyio layers cost 1.3-1.6 ms of
+The HTTP client is aiohttp (core/http_session.py), not httpx: every reply is one streamed
+request to SGLang, and httpx's anyio layers cost 1.3-1.6 ms of
 the proxy's CPU per 33-event stream against aiohttp's 0.5-0.6 on this box, a third of what the
 proxy adds per reply (BENCHMARKS.md, proxy overhead).
 """
@@ -47,6 +47,7 @@ from typing import Any
 import aiohttp
 import pydantic_core
 
+from nextstate.core.http_session import LazySession
 from nextstate.engine.base import (
     EngineBadGateway,
     EngineError,
@@ -131,31 +132,25 @@ class SGLangEngine:
         self._adapters: set[str] = set()
         self._paths: dict[str, str] = {}  # what each loaded adapter was loaded from, to reload it
         self._reload_lock = asyncio.Lock()
-        # `timeout_s` bounds each wait for SGLang's next bytes, not a whole generation
-        self._timeout = aiohttp.ClientTimeout(total=None, sock_connect=5.0, sock_read=timeout_s)
-        self._session: aiohttp.ClientSession | None = None
-
-    def _http(self) -> aiohttp.ClientSession:
-        """The connection pool, made on first use: an aiohttp session belongs to the event loop
-        it was made in, and the engine is built before the server's loop runs."""
-        if self._session is None or self._session.closed:
+        self._http = LazySession(
+            # `timeout_s` bounds each wait for SGLang's next bytes, not a whole generation
+            timeout=aiohttp.ClientTimeout(total=None, sock_connect=5.0, sock_read=timeout_s),
             # No cap on connections (aiohttp's default is 100): nextstate caps its generations
             # itself (NEXTSTATE_MAX_CONCURRENT_GENERATIONS), and a request past a pool cap would
             # wait for a connection with no timeout at all.
-            self._session = aiohttp.ClientSession(timeout=self._timeout, connector=aiohttp.TCPConnector(limit=0))
-        return self._session
+            connection_limit=0,
+        )
 
     @property
     def adapters(self) -> list[str]:
         return sorted(self._adapters)
 
     async def close(self) -> None:
-        if self._session is not None:
-            await self._session.close()
+        await self._http.close()
 
     async def healthy(self) -> bool:
         try:
-            async with self._http().get(f"{self.base_url}/health", timeout=aiohttp.ClientTimeout(total=5.0)) as response:
+            async with self._http.session().get(f"{self.base_url}/health", timeout=aiohttp.ClientTimeout(total=5.0)) as response:
                 return response.status == 200
         except (aiohttp.ClientError, asyncio.TimeoutError):
             return False
@@ -226,7 +221,7 @@ class SGLangEngine:
         seen = 0
         finished = False
         try:
-            async with self._http().post(f"{self.base_url}/generate", data=_json_body(payload), headers=_JSON) as response:
+            async with self._http.session().post(f"{self.base_url}/generate", data=_json_body(payload), headers=_JSON) as response:
                 if response.status != 200:
                     error = self._http_error(response.status, await response.read())
                     raise _Retryable(error) if isinstance(error, EngineBadGateway) else error
@@ -398,7 +393,7 @@ class SGLangEngine:
         attempt = 0
         while True:
             try:
-                async with self._http().post(f"{self.base_url}{path}", data=_json_body(payload), headers=_JSON) as response:
+                async with self._http.session().post(f"{self.base_url}{path}", data=_json_body(payload), headers=_JSON) as response:
                     status, content = response.status, await response.read()
                 if status == 200 or (ok_400 and status == 400):
                     body = json.loads(content)

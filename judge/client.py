@@ -8,6 +8,7 @@ from typing import Any, Protocol
 
 import aiohttp
 
+from nextstate.core.http_session import LazySession
 from nextstate.engine.base import Engine, SamplingParams
 from nextstate.modelio.chat_template import ChatRenderer
 
@@ -50,15 +51,10 @@ class OpenAIJudgeClient:
         self.model = model
         self.takes_n = True  # until the endpoint refuses n > 1
         self._url = base_url.rstrip("/") + "/chat/completions"
-        self._headers = {"Authorization": f"Bearer {api_key or 'none'}", "Content-Type": "application/json"}
-        self._timeout = aiohttp.ClientTimeout(total=timeout_s)
-        self._session: aiohttp.ClientSession | None = None
-
-    def _http(self) -> aiohttp.ClientSession:
-        """Made on first use, inside the server's event loop, which an aiohttp session belongs to."""
-        if self._session is None or self._session.closed:
-            self._session = aiohttp.ClientSession(headers=self._headers, timeout=self._timeout)
-        return self._session
+        self._http = LazySession(
+            headers={"Authorization": f"Bearer {api_key or 'none'}", "Content-Type": "application/json"},
+            timeout=aiohttp.ClientTimeout(total=timeout_s),
+        )
 
     async def complete(self, messages: list[dict[str, str]], *, temperature: float, max_tokens: int, n: int = 1) -> list[str]:
         texts: list[str] = []
@@ -82,7 +78,7 @@ class OpenAIJudgeClient:
             body["n"] = n
         for attempt in range(2):
             try:
-                async with self._http().post(self._url, data=json.dumps(body)) as response:
+                async with self._http.session().post(self._url, data=json.dumps(body)) as response:
                     status, content = response.status, await response.read()
             except (aiohttp.ClientError, asyncio.TimeoutError):
                 if attempt:
@@ -96,8 +92,7 @@ class OpenAIJudgeClient:
         raise AssertionError("unreachable")
 
     async def aclose(self) -> None:
-        if self._session is not None:
-            await self._session.close()
+        await self._http.close()
 
 
 class EngineJudgeClient:
