@@ -67,6 +67,7 @@ from openai import OpenAI
 from bench.models import bench_model, bench_server
 from bench.report import pyplot, save
 from nextstate.core.settings import JudgeSettings, LearnerSettings
+from nextstate.learner.service import GATE_PROMPTS
 from tests.judge_server import ScriptedJudge
 
 MODES = ("none", "binary", "opd", "combined")
@@ -267,6 +268,8 @@ def run_mode(mode: str, policy: Path, tasks: list[str], args, judge: dict, user,
         tuned["publish_gate"] = False
     if getattr(args, "gate_max_repetition_rise", None) is not None:
         tuned["gate_max_repetition_rise"] = args.gate_max_repetition_rise
+    if getattr(args, "gate_backtracks", None) is not None:
+        tuned["gate_backtracks"] = args.gate_backtracks
     with bench_server(
         policy, "policy", mode=mode if learning else "combined", learn=learning, judge_enabled=learning,
         **tuned, **judge, **engine_settings(args),
@@ -444,6 +447,8 @@ def main() -> None:
     parser.add_argument("--no-gate", action="store_true", help="NEXTSTATE_PUBLISH_GATE=false: every update serves")
     parser.add_argument("--gate-max-repetition-rise", type=float, default=None,
                         help="NEXTSTATE_GATE_MAX_REPETITION_RISE (default: the setting's default)")
+    parser.add_argument("--gate-backtracks", type=int, default=None,
+                        help="NEXTSTATE_GATE_BACKTRACKS (default: the setting's default)")
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--lr", type=float, default=None)
     parser.add_argument("--lora-r", type=int, default=None)
@@ -516,6 +521,9 @@ def main() -> None:
         "publish_gate": not args.no_gate,
         "gate_max_repetition_rise": None if args.no_gate else (
             args.gate_max_repetition_rise if args.gate_max_repetition_rise is not None else LearnerSettings().gate_max_repetition_rise),
+        "gate_backtracks": None if args.no_gate else (
+            args.gate_backtracks if args.gate_backtracks is not None else LearnerSettings().gate_backtracks),
+        "gate_prompts": GATE_PROMPTS,
         "scorer": args.scorer_url and f"{args.scorer_model} at {args.scorer_url}" or "rules",
         "settings": {k: getattr(args, k) for k in ("tasks", "seed", "max_attempts", "max_tokens", "temperature", "think_s",
                                                     "batch", "lr", "lora_r", "kl_coef", "votes")},

@@ -250,7 +250,9 @@ class LearnerSettings(BaseSettings):
             serves, it is scored on recent samples it did not train on (learner/gate.py): the
             rewarded replies may not lose more than this many nats per token against the
             serving version, and its greedy replies may not repeat themselves more than this
-            share above the base model's. A version that fails does not serve.
+            share above the base model's. A version that fails is tried again at half its
+            step, `gate_backtracks` times (a backtracking line search); one that still fails
+            does not serve.
         learner_dtype: the frozen base model's dtype in the learner; `auto` is bfloat16 on a
             GPU (half the memory of the 4B-32B models the method targets) and float32 on the
             CPU. LoRA weights, optimizer state and the loss math stay float32 whatever it is.
@@ -295,6 +297,9 @@ class LearnerSettings(BaseSettings):
     )
     gate_max_repetition_rise: float = Field(
         0.1, ge=0, description="Gate: most the greedy replies' repeated-trigram share may exceed the base model's."
+    )
+    gate_backtracks: int = Field(
+        1, ge=0, description="Gate: times a failing version is tried again at half its step before it is held back."
     )
     learner_dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto", description="The learner's frozen base weights: auto = bfloat16 on a GPU, float32 on the CPU."

@@ -16,9 +16,12 @@ is scored on recent samples of its scope that it did not train on:
   tokens held back every update of the SmolLM2 bench on noise (base 0.15-0.18). The anchor is the base model, not the serving
   version, so that small rises cannot pile up version after version.
 
-A version that fails is recorded with its figures, does not serve, and the learner's weights go
-back to the serving version (training goes on from the last good one). With too few held-out
-samples a check is skipped and says so.
+A version that fails is tried again at half its step (`gate_backtracks` times, as a line search
+backtracks): an update in a good direction that went too far keeps part of what it learned
+instead of none, and the held-back samples are not wasted whole. One that still fails is
+recorded with its figures, does not serve, and the learner's weights go back to the serving
+version (training goes on from the last good one). With too few held-out samples a check is
+skipped and says so.
 """
 
 from __future__ import annotations
@@ -47,6 +50,8 @@ class GateVerdict:
     held_out: int = 0
     prompts: int = 0
     seconds: float = 0.0  # what scoring the candidate cost (the serving version's figures come before the step)
+    step_scale: float = 1.0  # the share of the trained step these figures are of (after backtracking)
+    refused: list[list[str]] = field(default_factory=list)  # the reasons of each longer step that failed first
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -32,7 +32,9 @@ from nextstate.core.records import RecordWriter
 
 # The publish gate's held-out set: the newest accepted samples of the scope outside the batch,
 # the rewarded ones among them for likelihood, the newest prompts answered greedily.
-GATE_SAMPLES, GATE_LIKED, GATE_PROMPTS, GATE_NEW_TOKENS = 24, 8, 4, 32
+# Eight prompts, not four: one greedy reply that happens to loop moves a mean of four by a
+# quarter of its repetition, enough to hold back a good version or pass a bad one.
+GATE_SAMPLES, GATE_LIKED, GATE_PROMPTS, GATE_NEW_TOKENS = 24, 8, 8, 32
 
 log = logging.getLogger(__name__)
 
@@ -257,6 +259,16 @@ class Learner:
             record.update({**result.to_dict(), "sample_ids": ids, "dropped": bad + result.dropped})
             if not result.skipped and held:
                 verdict = await asyncio.to_thread(self._gate, scope, held, serving)
+                for _ in range(self.settings.gate_backtracks if not verdict.passed else 0):
+                    # a step can overshoot in a good direction: half of it may learn without the harm
+                    await asyncio.to_thread(self.trainer.shorten_step, scope, 0.5)
+                    retry = await asyncio.to_thread(self._gate, scope, held, serving)
+                    retry.step_scale, retry.refused = verdict.step_scale / 2, verdict.refused + [verdict.reasons]
+                    verdict = retry
+                    if verdict.passed:
+                        log.info("learner step %d (%s): the gate passed it at %g of its step (%s at more)",
+                                 step_index, scope, verdict.step_scale, "; ".join(verdict.refused[-1]))
+                        break
                 record["gate"] = verdict.to_dict()
                 if not verdict.passed:
                     await asyncio.to_thread(self.trainer.undo, scope)  # training goes on from the serving version

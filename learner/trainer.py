@@ -310,6 +310,16 @@ class LoraTrainer:
             out.append(row[:end])
         return out
 
+    def shorten_step(self, scope: str, factor: float) -> None:
+        """Take the scope's weights back along their last step to `factor` of its length (the
+        optimizer's moments keep the step's gradients: they were measured, only the move was
+        too long). `undo` still goes back to before the whole step."""
+        weights, _ = self._before[scope]
+        _, params = self._activate(scope)
+        with torch.no_grad():
+            for p, before in zip(params, weights):
+                p.lerp_(before, 1 - factor)
+
     def undo(self, scope: str) -> None:
         """Put the scope's weights and optimizer state back to before the last step (its
         version could not be published, so training goes on from the last one that was)."""

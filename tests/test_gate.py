@@ -26,7 +26,7 @@ def test_the_verdict_rules():
 
 
 def test_a_version_that_unlearns_what_users_liked_does_not_serve(server_factory):
-    server = learning_server(server_factory, publish_gate=True, lr=2e-2, max_kl=1e9)
+    server = learning_server(server_factory, publish_gate=True, lr=2e-2, max_kl=1e9, gate_backtracks=0)
     liked = served_samples(server, 4, advantage=1.0)
     feed(server, liked)
     wait_for(lambda: server.app.state.policies.current("alice").version == 1)
@@ -37,6 +37,7 @@ def test_a_version_that_unlearns_what_users_liked_does_not_serve(server_factory)
     wait_for(lambda: any(st.get("gate") for st in server.app.state.learner.steps[1:]), timeout=120)
     step = server.app.state.learner.steps[-1]
     assert step["published"] is False and step["skipped"].startswith("gate: rewarded replies became less likely")
+    assert step["gate"]["step_scale"] == 1 and step["gate"]["refused"] == [], "held back at once: no backtracking"
     assert step["gate"]["held_out"] == 4 and step["gate"]["candidate"]["liked_logprob"] < step["gate"]["serving"]["liked_logprob"]
     assert server.app.state.policies.current("alice").version == 1, "v1 keeps serving"
     records = [r for r in server.records() if r["kind"] == "train_step"]
@@ -45,6 +46,34 @@ def test_a_version_that_unlearns_what_users_liked_does_not_serve(server_factory)
     learner = server.app.state.learner
     again = server.call(asyncio_to_thread(learner._gate_figures, "shared", (server.app.state.samples.samples("consumed")[:4], [])))
     assert again.liked_logprob == pytest.approx(step["gate"]["serving"]["liked_logprob"], abs=1e-4)
+
+
+def test_a_step_that_went_too_far_is_tried_at_half_its_length(server_factory, monkeypatch):
+    """NEXTSTATE_GATE_BACKTRACKS at its default: the whole step is refused (forced here, so the
+    test does not hang on how far a tiny model moves), half of it is scored again and serves."""
+    server = learning_server(server_factory, publish_gate=True, gate_max_likelihood_drop=10.0)
+    learner = server.app.state.learner
+    real, verdicts = learner._gate, []
+
+    def gate(*args):
+        verdict = real(*args)
+        if not verdicts:
+            verdict.passed, verdict.reasons = False, ["refused by the test"]
+        verdicts.append(verdict)
+        return verdict
+
+    monkeypatch.setattr(learner, "_gate", gate)
+    feed(server, served_samples(server, 4, advantage=1.0))
+    wait_for(lambda: server.app.state.policies.current("alice").version == 1)
+    feed(server, served_samples(server, 4, advantage=1.0, seed0=40))
+    wait_for(lambda: server.app.state.policies.current("alice").version == 2)
+    assert len(verdicts) == 2, "v1 had nothing held out; v2 was scored twice"
+    gate_record = learner.steps[-1]["gate"]
+    assert gate_record["passed"] and gate_record["step_scale"] == 0.5
+    assert gate_record["refused"] == [["refused by the test"]]
+    first, second = (v.candidate.liked_logprob for v in verdicts)
+    serving = verdicts[0].serving.liked_logprob
+    assert min(serving, first) - 1e-6 <= second <= max(serving, first) + 1e-6, "half the step scores between"
 
 
 def asyncio_to_thread(fn, *args):

@@ -111,6 +111,21 @@ async def test_bad_steps_are_skipped_and_rolled_back(trainer, engine):
     assert result.skipped and "policy KL" in result.skipped
 
 
+async def test_a_shortened_step_lies_halfway_and_undo_still_goes_back_whole(trainer, engine):
+    samples = [make_sample(toks, advantage=1.0) for toks in await generate(engine, 2)]
+    name, params = trainer._activate("shared")
+    before = [p.detach().clone() for p in params]
+    assert trainer.step("shared", samples).skipped is None
+    after = [p.detach().clone() for p in trainer._params(name)]
+    trainer.shorten_step("shared", 0.5)
+    moved = [(a - b).abs().max().item() for a, b in zip(after, before)]
+    assert max(moved) > 0
+    for p, a, b in zip(trainer._params(name), after, before):
+        assert torch.allclose(p, (a + b) / 2, atol=1e-7)
+    trainer.undo("shared")
+    assert all(torch.equal(p, b) for p, b in zip(trainer._params(name), before))
+
+
 async def test_saved_adapter_serves_what_was_trained(trainer, engine, tmp_path):
     samples = [make_sample(toks) for toks in await generate(engine, 3)]
     trainer.step("shared", samples)
