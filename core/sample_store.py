@@ -181,6 +181,15 @@ class SampleStore:
         found = self._rows("user = ? AND response_id = ?", (user, response_id), 1)
         return found[0] if found else None
 
+    def judging_state(self, user: str, response_id: str | None, session_id: str) -> tuple[bool, float | None]:
+        """What the judge looks up before it judges a turn, in one trip to this thread: whether
+        the reply has a sample already (its user rated it), and its session's outcome."""
+        with self._lock:
+            rated = bool(response_id) and self._conn.execute(
+                "SELECT 1 FROM samples WHERE user = ? AND response_id = ? LIMIT 1", (user, response_id)
+            ).fetchone() is not None
+        return rated, self.get_outcome(user, session_id)
+
     def replace_sample(self, sample_id: int, sample: Sample) -> bool:
         """Give a stored, not yet trained sample new contents (its turn was rated); False if it
         was trained meanwhile."""

@@ -5,6 +5,10 @@ written to the durable inbox, then the PRM and hint votes run concurrently (boun
 with a timeout), the teacher pass scores the response under the hint, and the sample is
 stored — accepted or dropped with its reason — in the same transaction that closes the inbox
 entry. Any failure costs that vote or that sample, never a request and never the process.
+
+Judging shares the event loop and the cores with serving, so each of those steps first waits
+(briefly, `QUIET_WAIT_S` at most) for no request to be in flight: an agent's next request
+comes while its last turn is judged, and the steps land in the gaps between requests.
 """
 
 from __future__ import annotations
@@ -429,24 +433,27 @@ class Judge:
         await self.activity.quiet(QUIET_WAIT_S)
         turn = transition.turn
         async with self._turn_lock(turn.response_id):
-            if turn.response_id and await asyncio.to_thread(self.store.sample_for_response, turn.user, turn.response_id):
+            rated, outcome = await asyncio.to_thread(self.store.judging_state, turn.user, turn.response_id, turn.session_id)
+            if rated:
                 # its user rated it already: their word stands, no judge is asked
                 if transition_id is not None:
                     await self._inbox.write(self.store.close_transition, transition_id)
                 return
-            await self._judge_unlocked(transition_id, transition)
+            await self._judge_unlocked(transition_id, transition, outcome)
 
-    async def _judge_unlocked(self, transition_id: int | None, transition: Transition) -> None:
+    async def _judge_unlocked(self, transition_id: int | None, transition: Transition, outcome: float | None) -> None:
         started = time.monotonic()
         detail: dict[str, Any] = {}
         try:
-            sample = await self.evaluate(transition, detail)
+            sample = await self.evaluate(transition, outcome, detail)
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # noqa: BLE001 - a judge failure costs this sample only
             log.exception("judging failed")
             self.stats.errors += 1
             sample = self._sample(transition.turn, status="dropped", reason=f"judge error: {type(exc).__name__}: {exc}")
+        # the votes came back while users may be waiting: storing can wait for a quiet moment too
+        await self.activity.quiet(QUIET_WAIT_S)
         try:
             sample = await self._samples.write(self.store.add_sample, sample, transition_id, with_outcome)
         except Exception:  # noqa: BLE001 - beyond the disk waiting room, or a bug: logged, the rest goes on
@@ -469,7 +476,8 @@ class Judge:
         if self.on_sample is not None:
             self.on_sample(sample)
 
-    async def evaluate(self, transition: Transition, detail: dict[str, Any] | None = None) -> Sample:
+    async def evaluate(self, transition: Transition, outcome: float | None, detail: dict[str, Any] | None = None) -> Sample:
+        """The sample a transition makes; `outcome` is its session's verifiable outcome, if known."""
         cfg, turn, next_state = self.settings, transition.turn, transition.next_state
         assert next_state is not None
         detail = {} if detail is None else detail
@@ -487,7 +495,6 @@ class Judge:
                 token_advantages(n, -1.0, None, w_binary, 0.0),
             )
         values = prompt_values(turn, next_state, cfg.judge_max_chars)
-        outcome = await asyncio.to_thread(self.store.get_outcome, turn.user, turn.session_id)
         outcome_track = turn.track == "outcome" or outcome is not None
         want_prm = cfg.uses_prm or outcome_track
 
@@ -502,6 +509,7 @@ class Judge:
 
         teacher = delta = None
         if hint is not None:
+            await self.activity.quiet(QUIET_WAIT_S)  # each step of a judgement yields to users anew
             teacher = await self._teacher(turn, hint, detail)
             delta = opd_delta(teacher, turn.response_logprobs, cfg.opd_clip)
 

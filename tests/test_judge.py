@@ -263,6 +263,55 @@ def test_outcome_posted_before_judging_finishes_is_not_lost(tmp_path):
     assert stored.status == "ready" and stored.reward == pytest.approx(-1 + 2 / 3)
 
 
+def test_each_step_of_a_judgement_waits_for_a_quiet_moment(server_factory, judge, monkeypatch):
+    """The votes are asked in a gap between requests; when they come back while a user's
+    request is in flight, the sample is stored after that request, not during it."""
+    import asyncio
+
+    from nextstate.judge import service
+
+    monkeypatch.setattr(service, "QUIET_WAIT_S", 30.0)
+    server = judged_server(server_factory, judge, prm_votes=1, mode="binary")
+    state = server.app.state
+    asked, answer = [], None
+
+    async def complete(messages, **kwargs):
+        nonlocal answer
+        answer = asyncio.get_running_loop().create_future()
+        asked.append(messages)
+        return await answer
+
+    monkeypatch.setattr(state.judge.client, "complete", complete)
+
+    async def serving(request, begins: bool) -> None:  # a user's request, entered and left on the server's loop
+        request.__enter__() if begins else request.__exit__(None, None, None)
+
+    converse(server.client(server.key("alice")), SCRIPT[:2])  # turn 1's next state arrived with turn 2
+    request = state.judge.activity.request()
+    server.call(serving(request, True))
+    server.end_conversations()
+    time.sleep(0.3)
+    assert asked == [], "the judge waits for the request before asking"
+    server.call(serving(request, False))
+    deadline = time.monotonic() + 10
+    while not asked and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert len(asked) == 1
+    request = state.judge.activity.request()
+    server.call(serving(request, True))  # another request starts while the votes are out
+
+    async def vote() -> None:
+        answer.set_result(["\\boxed{-1}"])
+
+    server.call(vote())
+    time.sleep(0.3)
+    assert state.samples.samples() == [], "storing waits for the request"
+    server.call(serving(request, False))
+    server.drain_judge()
+    (sample,) = state.samples.samples()
+    assert sample.reward == -1 and sample.turn_index == 1
+
+
 def test_admin_stats(server_factory, judge):
     server = judged_server(server_factory, judge)
     converse(server.client(server.key("alice")), SCRIPT)
