@@ -35,6 +35,8 @@ from nextstate.core.records import RecordWriter
 # Eight prompts, not four: one greedy reply that happens to loop moves a mean of four by a
 # quarter of its repetition, enough to hold back a good version or pass a bad one.
 GATE_SAMPLES, GATE_LIKED, GATE_PROMPTS, GATE_NEW_TOKENS = 24, 8, 8, 32
+# Each backtrack of a version the gate refused keeps this share of the step tried before.
+GATE_BACKTRACK_FACTOR = 0.5
 
 log = logging.getLogger(__name__)
 
@@ -261,9 +263,10 @@ class Learner:
                 verdict = await asyncio.to_thread(self._gate, scope, held, serving)
                 for _ in range(self.settings.gate_backtracks if not verdict.passed else 0):
                     # a step can overshoot in a good direction: half of it may learn without the harm
-                    await asyncio.to_thread(self.trainer.shorten_step, scope, 0.5)
+                    await asyncio.to_thread(self.trainer.shorten_step, scope, GATE_BACKTRACK_FACTOR)
                     retry = await asyncio.to_thread(self._gate, scope, held, serving)
-                    retry.step_scale, retry.refused = verdict.step_scale / 2, verdict.refused + [verdict.reasons]
+                    retry.step_scale = verdict.step_scale * GATE_BACKTRACK_FACTOR
+                    retry.refused = verdict.refused + [verdict.reasons]
                     verdict = retry
                     if verdict.passed:
                         log.info("learner step %d (%s): the gate passed it at %g of its step (%s at more)",
