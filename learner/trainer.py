@@ -371,7 +371,7 @@ class LoraTrainer:
                             # a single sample must never dominate an update, whatever its reward
                             adv = torch.tensor(s.advantages, device=self.device).clamp(-c.max_advantage, c.max_advantage)
                             mask = torch.tensor(s.loss_mask, device=self.device, dtype=torch.float32)
-                            tok_loss, clipped, kl = ppo_token_losses(logprobs, old, adv, EPS, EPS_HIGH, base, c.kl_coef)
+                            tok_loss, clipped, kl, pg = ppo_token_losses(logprobs, old, adv, EPS, EPS_HIGH, base, c.kl_coef)
                             loss = (tok_loss * mask).sum() / batch_tokens
                             if not torch.isfinite(loss):
                                 dropped.add(i)  # this sample alone is left out; the batch trains on
@@ -380,7 +380,7 @@ class LoraTrainer:
                             if epoch == 0:
                                 totals["mismatch"] += float(((logprobs.detach() - old).abs() * mask).sum())
                             totals["loss"] += float(loss.detach())
-                            totals["pg"] += float(((tok_loss - c.kl_coef * kl).detach() * mask).sum()) / batch_tokens
+                            totals["pg"] += float((pg.detach() * mask).sum()) / batch_tokens
                             totals["kl"] += float((kl.detach() * mask).sum())
                             totals["clipped"] += float((clipped * mask).sum())
                         if losses:

@@ -22,11 +22,11 @@ PROMPT = list(range(5, 30))
 def test_ppo_loss_clips_asymmetrically():
     old = torch.zeros(4)
     logp = torch.log(torch.tensor([1.0, 1.5, 0.5, 1.1]))
-    loss, clipped, _ = ppo_token_losses(logp, old, torch.ones(4))
+    loss, clipped, *_ = ppo_token_losses(logp, old, torch.ones(4))
     # positive advantage: ratio above 1 + 0.28 is clipped, below is not
     assert loss.tolist() == pytest.approx([-1.0, -1.28, -0.5, -1.1])
     assert clipped.tolist() == [0, 1, 0, 0]
-    loss, clipped, _ = ppo_token_losses(logp, old, -torch.ones(4))
+    loss, clipped, *_ = ppo_token_losses(logp, old, -torch.ones(4))
     # negative advantage: ratio below 1 - 0.2 is clipped
     assert loss.tolist() == pytest.approx([1.0, 1.5, 0.8, 1.1])
     assert clipped.tolist() == [0, 0, 1, 0]
@@ -35,10 +35,10 @@ def test_ppo_loss_clips_asymmetrically():
 def test_far_off_policy_tokens_cannot_blow_up_the_loss():
     # dual clip: a token the policy now likes 5x more than the sampler did, with A = -1,
     # costs at most 3 (the dual-clip constant), not 5; a moderate ratio is unaffected
-    loss, clipped, _ = ppo_token_losses(torch.log(torch.tensor([5.0, 1.0])), torch.zeros(2), -torch.ones(2))
+    loss, clipped, *_ = ppo_token_losses(torch.log(torch.tensor([5.0, 1.0])), torch.zeros(2), -torch.ones(2))
     assert loss.tolist() == pytest.approx([3.0, 1.0]) and clipped.tolist() == [1, 0]
     # a log-ratio of 200 would overflow exp(); clamped, the loss stays finite
-    loss, _, _ = ppo_token_losses(torch.tensor([200.0]), torch.tensor([0.0]), torch.tensor([-1.0]))
+    loss, *_ = ppo_token_losses(torch.tensor([200.0]), torch.tensor([0.0]), torch.tensor([-1.0]))
     assert torch.isfinite(loss).all() and loss.item() == pytest.approx(3.0)
 
 
@@ -46,8 +46,30 @@ def test_k3_kl_is_non_negative_and_zero_at_equality():
     a = torch.tensor([-1.0, -2.0, -0.5])
     assert k3_kl(a, a).tolist() == [0.0, 0.0, 0.0]
     assert (k3_kl(a, a + torch.tensor([0.3, -0.7, 1.2])) > 0).all()
-    loss, _, kl = ppo_token_losses(a, a, torch.zeros(3), base_logprobs=a - 0.5, kl_coef=0.1)
-    assert loss.tolist() == pytest.approx((0.1 * kl).tolist())
+    loss, _, kl, pg = ppo_token_losses(a, a, torch.zeros(3), base_logprobs=a - 0.5, kl_coef=0.1)
+    assert pg.tolist() == [0.0, 0.0, 0.0] and kl.tolist() == pytest.approx(k3_kl(a, a - 0.5).tolist())
+    assert loss.tolist() == pytest.approx([0.1 * 0.5 * 0.5**2] * 3)
+
+
+@pytest.mark.parametrize("stale", [False, True])
+def test_the_kl_term_pulls_along_the_reverse_kl_not_the_forward_one(stale):
+    """Over every token the sampler could have drawn, weighted by how likely it drew it, the KL
+    term's gradient must be ∇ KL(π_θ ‖ π_base): the mode-seeking KL that KL-regularised RL
+    means. k3 put into the loss has ∇ KL(π_base ‖ π_θ) instead (found by this test)."""
+    torch.manual_seed(0)
+    logits = torch.randn(8, requires_grad=True)
+    base = torch.log_softmax(torch.randn(8), -1)
+    sampler = torch.log_softmax(logits.detach() + (0.3 * torch.randn(8) if stale else 0), -1)
+    logp = torch.log_softmax(logits, -1)
+    # each vocabulary entry as a sampled token, the expectation taken exactly over the sampler
+    tok_loss, *_ = ppo_token_losses(logp, sampler, torch.zeros(8), base_logprobs=base, kl_coef=1.0)
+    expected_grad, = torch.autograd.grad((sampler.exp() * tok_loss).sum(), logits)
+    logp = torch.log_softmax(logits, -1)
+    reverse_kl, = torch.autograd.grad((logp.exp() * (logp - base)).sum(), logits)
+    logp = torch.log_softmax(logits, -1)
+    forward_kl, = torch.autograd.grad((base.exp() * (base - logp)).sum(), logits)
+    assert expected_grad.tolist() == pytest.approx(reverse_kl.tolist(), abs=1e-5)
+    assert (expected_grad - forward_kl).abs().max() > 0.05
 
 
 def make_sample(engine_tokens, prompt=PROMPT, advantage=1.0, temperature=1.0, user="alice", policy_version=0) -> Sample:
