@@ -233,7 +233,8 @@ class LearnerSettings(BaseSettings):
         lr: AdamW learning rate, or "auto": a rate fitted to the model's hidden size and family
             by the rule of "LoRA Without Regret" (learner/learning_rate.py): 1.3e-3 for
             SmolLM2-135M, ~5e-4 for Qwen3-4B to 32B. A number wins (the paper's is 1e-5).
-        kl_coef: β of the k3 KL to the base model (the adapter switched off; no second copy).
+        kl_coef: β of the KL(π ‖ π_base) anchor to the base model (the adapter switched off; no
+            second copy); its loss term has the reverse KL's gradient, not k3's (learner/ppo.py).
         max_kl: an update that moves the policy further than this on its own batch is undone.
         max_advantage: per-token advantages are clipped to ± this when training, so no sample
             (an outcome standardised over a tiny spread, a bug upstream) dominates an update.
@@ -278,7 +279,7 @@ class LearnerSettings(BaseSettings):
     lr: float | Literal["auto"] = Field(
         "auto", description="AdamW learning rate, or auto: fitted to the model's size (learner/learning_rate.py)."
     )
-    kl_coef: float = Field(0.0, ge=0, description="β of the k3 KL to the base model (adapter off).")
+    kl_coef: float = Field(0.0, ge=0, description="β of the reverse KL to the base model (adapter off).")
     max_kl: float = Field(1.0, gt=0, description="An update moving the policy further than this is skipped.")
     max_advantage: float = Field(5.0, gt=0, description="Per-token advantages are clipped to ± this in training.")
     max_staleness: int = Field(8, ge=0, description="Samples served more than this many versions ago are dropped; 0 = any.")
