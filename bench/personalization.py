@@ -46,6 +46,13 @@ the hint, which it cannot understand, so opd is expected not to help there. Use 
 `--api-key-env`, default OPENAI_API_KEY) make any of the three an OpenAI-compatible model,
 with `--preference` in words; `--sglang-url` serves the policy from SGLang. `--lr`, `--kl-coef`
 and `--batch` set the learner; `--variant NAME` gives a run with other settings its own file.
+**Final evaluation**: the 48 first replies of a run's last quarter score it to about ±0.07,
+as large as the differences between settings. So after the last task each learning run also
+samples `--final-samples` (16) replies to each of the 24 tasks from the version then serving,
+in-process through the engine (no session, nothing judged or learnt), with seeds that are the
+same for every run and mode: runs compare on the same random draws, and 384 replies measure
+score and repetition to about ±0.02. The `none` mode's final evaluation is the base model's.
+
 Writes bench/results/personalization-<policy>[-<variant>][-<gpu>].json and a PNG;
 `--report FILE...` prints saved results as the table BENCHMARKS.md quotes.
 """
@@ -53,6 +60,7 @@ Writes bench/results/personalization-<policy>[-<variant>][-<gpu>].json and a PNG
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import os
 import random
@@ -67,6 +75,7 @@ from openai import OpenAI
 from bench.models import bench_model, bench_server
 from bench.report import pyplot, save
 from nextstate.core.settings import JudgeSettings, LearnerSettings
+from nextstate.engine.base import SamplingParams
 from nextstate.learner.service import GATE_PROMPTS
 from tests.judge_server import ScriptedJudge
 
@@ -217,6 +226,7 @@ class ModeRun:
     tasks: list[TaskRecord] = field(default_factory=list)
     steps: list[dict] = field(default_factory=list)
     calibration: dict | None = None  # the judge's start-up check, as the server saw it
+    final: dict | None = None  # final_evaluation() of the version serving after the last task
 
 
 def engine_settings(args) -> dict:
@@ -311,7 +321,58 @@ def run_mode(mode: str, policy: Path, tasks: list[str], args, judge: dict, user,
         run.steps = [{k: v for k, v in s.items() if k != "sample_ids"} | {"samples": len(s.get("sample_ids", []))}
                      for s in server.app.state.learner.steps] if learning else []
         run.calibration = server.app.state.judge.calibration.to_dict() if learning else None
+        if args.final_samples:
+            run.final = final_evaluation(server, "simulated-user", args, scorer)
+            print(f"{mode:>8}: final evaluation of v{run.final['version']}: score {run.final['score']:.3f} "
+                  f"(± {run.final['score_stderr']}), repeated words {run.final['repetition']} over "
+                  f"{run.final['replies']} sampled replies", flush=True)
     return run
+
+
+FINAL_SEED = 1_000_003  # the final evaluation's seeds: the same for every run, whatever --seed
+
+
+async def _sampled_replies(turns, adapter, messages: list[dict], seeds: list[int], max_tokens: int,
+                           temperature: float) -> list[str]:
+    """One reply per seed to `messages`, from the engine directly: what the chat API would
+    have answered, without a session, a record, or anything the judge or learner would see."""
+    prompt = (await asyncio.to_thread(turns.renderer.render, messages)).ids
+    stops = turns.renderer.stop_token_ids
+
+    async def one(seed: int) -> str:
+        params = SamplingParams(max_new_tokens=max_tokens, temperature=temperature, seed=seed, stop_token_ids=stops)
+        ids = []
+        async for token in turns.engine.generate(prompt, params, adapter):
+            if token.token_id in stops:
+                break
+            ids.append(token.token_id)
+        return turns.renderer.tokenizer.decode(ids, skip_special_tokens=True)
+
+    return list(await asyncio.gather(*(one(seed) for seed in seeds)))
+
+
+def final_evaluation(server, user: str, args, scorer) -> dict:
+    """`args.final_samples` replies to each of the TASKS from the version serving `user` now,
+    scored and measured as the runs' first replies are."""
+    turns = server.app.state.turns
+    policy = turns.policies.current(user)
+    replies = []
+    for index, task in enumerate(TASKS):
+        seeds = [FINAL_SEED + 1_009 * index + k for k in range(args.final_samples)]
+        texts = server.call(_sampled_replies(turns, policy.adapter, [{"role": "user", "content": task}], seeds,
+                                             args.max_tokens, args.temperature), timeout=600)
+        replies += [{"task_index": index, "first_reply": text, "score": scorer.score(task, text)} for text in texts]
+    scores = [r["score"] for r in replies]
+    return {
+        "version": policy.version,
+        "replies": len(replies),
+        "score": round(statistics.fmean(scores), 3),
+        "score_stderr": round(statistics.stdev(scores) / len(scores) ** 0.5, 3) if len(scores) > 1 else None,
+        "repetition": mean_repetition(replies),
+        "repetition_length_matched": mean_repetition(replies, LENGTH_MATCHED_WORDS),
+        "words_per_reply": round(statistics.fmean(len(r["first_reply"].split()) for r in replies), 1),
+        "samples": replies,
+    }
 
 
 def task_list(seed: int, n: int) -> list[str]:
@@ -344,17 +405,22 @@ LENGTH_MATCHED_WORDS = 16
 def report(paths: list[str]) -> None:
     """One line per run of saved results: what BENCHMARKS.md's tables quote."""
     print("| run | mode | score, first quarter → last | updates published / held back | repeated words, last quarter "
-          f"| the same over the first {LENGTH_MATCHED_WORDS} words | words per reply, last quarter |")
-    print("| --- | --- | --- | --- | --- | --- | --- |")
+          f"| the same over the first {LENGTH_MATCHED_WORDS} words | words per reply, last quarter "
+          "| final evaluation: version, score ± s.e., repeated words (replies) |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for path in paths:
         result = json.loads(Path(path).read_text())
         for run, s in zip(result["runs"], result["summary"]):
             last = run["tasks"][-max(1, len(run["tasks"]) // 4):]
             length = statistics.fmean(len(t["first_reply"].split()) for t in last)
             long_enough = sum(len(t["first_reply"].split()) >= LENGTH_MATCHED_WORDS for t in last)
+            final = run.get("final")
+            evaluated = (f"v{final['version']}, {final['score']:.3f} ± {final['score_stderr']}, {final['repetition']} "
+                         f"({final['replies']})" if final else "—")
             print(f"| {result.get('variant') or Path(path).stem} | {s['mode']} | {s['score_first_quarter']:.2f} → "
                   f"{s['score_last_quarter']:.3f} | {s['updates_published']} / {s['updates_skipped']} | "
-                  f"{mean_repetition(last)} | {mean_repetition(last, LENGTH_MATCHED_WORDS)} ({long_enough} of {len(last)} replies) | {length:.1f} |")
+                  f"{mean_repetition(last)} | {mean_repetition(last, LENGTH_MATCHED_WORDS)} ({long_enough} of {len(last)} replies) | {length:.1f} "
+                  f"| {evaluated} |")
 
 
 def summarise(run: ModeRun) -> dict:
@@ -376,6 +442,7 @@ def summarise(run: ModeRun) -> dict:
         "updates_published": sum(1 for s in run.steps if s.get("published")),
         "updates_skipped": sum(1 for s in run.steps if not s.get("published")),
         "score_by_serving_version": {k: {"score": round(statistics.fmean(v), 3), "tasks": len(v)} for k, v in by_version.items()},
+        "final": run.final and {k: v for k, v in run.final.items() if k != "samples"},
     }
 
 
@@ -439,6 +506,8 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=None)
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--think-s", type=float, default=0.3, help="pause after each task")
+    parser.add_argument("--final-samples", type=int, default=16,
+                        help="replies sampled per task from the final version, to score the run (0: none)")
     parser.add_argument("--defaults", action="store_true",
                         help="every server setting at its default (batch, lr, LoRA, KL, votes): what a newcomer gets")
     parser.add_argument("--feedback", action="store_true",
@@ -452,7 +521,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--lr", type=float, default=None)
     parser.add_argument("--lora-r", type=int, default=None)
-    parser.add_argument("--kl-coef", type=float, default=0.0, help="NEXTSTATE_KL_COEF: k3 KL to the base model")
+    parser.add_argument("--kl-coef", type=float, default=0.0, help="NEXTSTATE_KL_COEF: the reverse-KL anchor to the base model")
     parser.add_argument("--votes", type=int, default=1, help="judge votes per turn (the rule judge always agrees)")
     for role in ("user", "judge", "scorer"):
         parser.add_argument(f"--{role}-url", help=f"OpenAI-compatible endpoint for the {role} (default: rules)")
@@ -526,7 +595,7 @@ def main() -> None:
         "gate_prompts": GATE_PROMPTS,
         "scorer": args.scorer_url and f"{args.scorer_model} at {args.scorer_url}" or "rules",
         "settings": {k: getattr(args, k) for k in ("tasks", "seed", "max_attempts", "max_tokens", "temperature", "think_s",
-                                                    "batch", "lr", "lora_r", "kl_coef", "votes")},
+                                                    "batch", "lr", "lora_r", "kl_coef", "votes", "final_samples")},
         "summary": [],
         "runs": [],
     }
@@ -538,7 +607,7 @@ def main() -> None:
                   f"{summary['score_last_quarter']:.2f} (last quarter), {summary['updates_published']} updates")
             result["summary"].append(summary)
             result["runs"].append({"mode": run.mode, "steps": run.steps, "calibration": run.calibration,
-                                   "tasks": [asdict(t) for t in run.tasks]})
+                                   "tasks": [asdict(t) for t in run.tasks], "final": run.final})
             save(result)  # after every mode: an interrupted run keeps the modes it finished
     finally:
         if rule_judge is not None:

@@ -9,8 +9,9 @@ import pytest
 
 from bench.personalization import (
     INSTRUCTIONS, THANKS, ChatModel, ModelScorer, ModelUser, Preference, PreferenceJudge, RuleScorer, RuleUser,
-    mean_repetition, repetition, run_mode,
+    TASKS, final_evaluation, mean_repetition, repetition, run_mode,
 )
+from bench.models import bench_server
 from bench.report import LOG_HEADING, upsert_row
 from nextstate.judge.parsing import parse_hint, parse_score
 from nextstate.judge.context import fence
@@ -126,7 +127,7 @@ def test_personalization_loop_runs_over_http_and_trains(tiny_model_dir):
     preference = Preference(INSTRUCTIONS["capital"], "capital")
     judge = PreferenceJudge()
     args = argparse.Namespace(defaults=False, feedback=False, votes=1, batch=2, lr=5e-3, lora_r=4, kl_coef=0.0, max_attempts=2, max_tokens=4,
-                              temperature=1.0, seed=0, think_s=0.3, sglang_url=None)
+                              temperature=1.0, seed=0, think_s=0.3, sglang_url=None, final_samples=1)
     try:
         run = run_mode("binary", tiny_model_dir, ["Name a colour."] * 8, args,
                        {"judge_base_url": judge.base_url, "judge_model": "rules"}, RuleUser(preference), RuleScorer(preference))
@@ -138,6 +139,23 @@ def test_personalization_loop_runs_over_http_and_trains(tiny_model_dir):
     assert published and all(s["samples"] == 2 for s in published)
     assert run.tasks[-1].version >= 1
     assert any(call[0]["content"].startswith("You are a process reward model (PRM)") for call in judge.calls)
+    assert run.final["version"] >= run.tasks[-1].version and run.final["replies"] == len(TASKS)
+
+
+def test_final_evaluation_samples_the_serving_version_on_fixed_seeds_and_leaves_no_trace(tiny_model_dir):
+    """The end-of-run evaluation: the same seeds give the same replies (runs compare on the
+    same draws), and it goes around the chat API: no session, no turn record, nothing to judge."""
+    preference = Preference(INSTRUCTIONS["capital"], "capital")
+    args = argparse.Namespace(final_samples=3, max_tokens=6, temperature=1.0)
+    with bench_server(tiny_model_dir, "policy", learn=False, judge_enabled=False) as server:
+        first = final_evaluation(server, "simulated-user", args, RuleScorer(preference))
+        again = final_evaluation(server, "simulated-user", args, RuleScorer(preference))
+        server.call(server.app.state.turns.records.flush())
+        assert len(server.app.state.turns.sessions) == 0 and server.app.state.turns.records.written == 0
+    assert first == again and first["version"] == 0 and first["replies"] == 3 * len(TASKS)
+    assert [r["task_index"] for r in first["samples"]] == [i for i in range(len(TASKS)) for _ in range(3)]
+    assert len({r["first_reply"] for r in first["samples"]}) > len(TASKS), "each seed draws its own reply"
+    assert first["score"] == pytest.approx(sum(r["score"] for r in first["samples"]) / len(first["samples"]), abs=5e-4)
 
 
 def test_personalization_with_explicit_feedback_trains_past_a_judge_that_cannot_judge(tiny_model_dir):
@@ -145,7 +163,8 @@ def test_personalization_with_explicit_feedback_trains_past_a_judge_that_cannot_
     its calibration, so what trains is the ratings alone."""
     preference = Preference(INSTRUCTIONS["capital"], "capital")
     args = argparse.Namespace(defaults=False, feedback=True, votes=1, batch=2, lr=5e-3, lora_r=4, kl_coef=0.0,
-                              max_attempts=2, max_tokens=4, temperature=1.0, seed=0, think_s=0.1, sglang_url=None)
+                              max_attempts=2, max_tokens=4, temperature=1.0, seed=0, think_s=0.1, sglang_url=None,
+                              final_samples=0)
     run = run_mode("combined", tiny_model_dir, ["Name a colour."] * 6, args, {}, RuleUser(preference),
                    RuleScorer(preference))
     assert run.calibration["state"] in ("pending", "failed"), "the tiny judge never passes (it may still be trying)"
