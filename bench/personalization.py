@@ -318,6 +318,8 @@ def run_mode(mode: str, policy: Path, tasks: list[str], args, judge: dict, user,
                 print(f"{mode:>8}: task {i + 1}/{len(tasks)}, serving v{version}, score (last 16) "
                       f"{statistics.fmean(recent):.2f}", flush=True)
             time.sleep(args.think_s)  # the user reads the reply; background judging and learning run
+        if learning:  # the run's learning ends with its tasks: a step still under way would not serve them
+            server.call(server.app.state.learner.aclose())
         run.steps = [{k: v for k, v in s.items() if k != "sample_ids"} | {"samples": len(s.get("sample_ids", []))}
                      for s in server.app.state.learner.steps] if learning else []
         run.calibration = server.app.state.judge.calibration.to_dict() if learning else None
@@ -353,7 +355,8 @@ async def _sampled_replies(turns, adapter, messages: list[dict], seeds: list[int
 
 def final_evaluation(server, user: str, args, scorer) -> dict:
     """`args.final_samples` replies to each of the TASKS from the version serving `user` now,
-    scored and measured as the runs' first replies are."""
+    scored and measured as the runs' first replies are. The learner must be stopped first: a
+    version it published meanwhile would unload the one being evaluated."""
     turns = server.app.state.turns
     policy = turns.policies.current(user)
     replies = []
