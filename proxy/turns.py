@@ -342,7 +342,13 @@ class TurnService:
         yield done
 
     async def _pump(self, prep: PreparedTurn, tokens: asyncio.Queue) -> None:
-        """Engine tokens into `tokens`, with the admission marker first and `_END` last."""
+        """Engine tokens into `tokens`, with the admission marker first and `_END` last.
+
+        The version is looked up again here, not only in `prepare`: the route awaits between
+        the two, and a swap in that gap unloads the version prepared (the learner publishes the
+        new one before it unloads the old, so the one current now is loaded). Nothing has been
+        sent yet: headers and the stream's first chunk come after admission."""
+        prep.policy = self.policies.current(prep.key.user)
         stream = self.engine.generate(
             prep.prompt.ids, prep.sampling, prep.policy.adapter, on_admit=lambda: tokens.put_nowait(_ADMITTED)
         )

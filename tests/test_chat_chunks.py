@@ -30,3 +30,12 @@ def test_the_template_stands_aside_where_it_cannot_hold():
     assert b._text_chunk is None and b.text_chunk("hi") == b.chunk(Delta(content="hi"))
     # logprobs asked for: every chunk carries them, so none is plain text
     assert builder("m", include_usage=True, want_logprobs=True)._text_chunk is None
+
+
+def test_a_stream_names_the_version_that_served_it_when_a_swap_replaced_the_prepared_one():
+    """The builder is made before the engine admits the request; a swap in between moves the
+    reply to the new version (proxy/turns.py `_pump`), and every chunk from the first says so."""
+    b = builder("m", include_usage=False)
+    b.prep.policy = types.SimpleNamespace(version=8)
+    assert '"system_fingerprint":"nextstate-v8"' in b.start()
+    assert '"system_fingerprint":"nextstate-v8"' in b.text_chunk("hi")

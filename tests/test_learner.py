@@ -14,6 +14,7 @@ from nextstate.engine.base import SamplingParams
 from nextstate.learner.ppo import k3_kl, ppo_token_losses
 from nextstate.core.settings import LearnerSettings
 from nextstate.learner.trainer import LoraTrainer
+from nextstate.core.policy import PolicyRef
 from nextstate.core.types import Sample
 
 PROMPT = list(range(5, 30))
@@ -258,6 +259,34 @@ def test_no_request_fails_or_stalls_across_swaps(server_factory):
         lambda: server.app.state.turns.engine.adapters == ["shared-v4"]
     ) is None, "old versions are unloaded"
 
+
+
+def test_a_reply_prepared_before_a_swap_is_served_by_the_version_that_replaced_it(server_factory):
+    """A request picked its version, then the learner published the next one and unloaded the
+    old before the request reached the engine (the route awaits between the two): the reply
+    comes from the new version, recorded as such, instead of failing on an unloaded adapter."""
+    from nextstate.proxy.keys import ApiKey
+    from nextstate.proxy.turns import TurnHints, TurnRequest
+
+    server = learning_server(server_factory)
+    feed(server, served_samples(server, 4))
+    wait_for(lambda: server.app.state.policies.current("alice").version == 1)
+    turns, policies = server.app.state.turns, server.app.state.policies
+    key = ApiKey(id="k", user="alice", hint="k", admin=False, created_at=0.0, revoked_at=None)
+    request = TurnRequest(model="tiny", messages=[{"role": "user", "content": "hi"}], hints=TurnHints(), max_tokens=3)
+
+    async def swap_between_prepare_and_generate():
+        prep = await turns.prepare(request, key)
+        assert prep.policy.adapter == "shared-v1"
+        await turns.engine.load_adapter("shared-v2", str(server.settings.adapters_dir / "shared" / "v1"))
+        policies.publish("shared", PolicyRef(version=2, adapter="shared-v2"))
+        await turns.engine.unload_adapter("shared-v1")
+        done = await turns.complete(prep)
+        return prep, done
+
+    prep, done = server.call(swap_between_prepare_and_generate())
+    assert done.completion_tokens >= 1
+    assert prep.policy == PolicyRef(version=2, adapter="shared-v2") and prep.headers["X-Policy-Version"] == "2"
 
 def test_user_scope_keeps_users_apart(server_factory):
     server = learning_server(server_factory, adapter_scope="user")

@@ -72,20 +72,27 @@ class ChatCompletionBuilder:
     """OpenAI's response and chunk objects for one completion."""
 
     def __init__(self, prep: PreparedTurn, model: str, include_usage: bool, want_logprobs: bool) -> None:
-        self.envelope = {
-            "id": prep.id,
-            "created": prep.created,
-            "model": model,
-            "system_fingerprint": f"nextstate-v{prep.policy.version}",
-        }
+        self.prep, self.model = prep, model
         self.include_usage = include_usage
         self.want_logprobs = want_logprobs
+        self._open()
+
+    def _open(self) -> None:
+        """The envelope, and the text chunks' template. Built again when a stream starts: the
+        version that serves the reply (the fingerprint) is settled only once the engine has
+        admitted it, and a stream's builder is made before that."""
+        self.envelope = {
+            "id": self.prep.id,
+            "created": self.prep.created,
+            "model": self.model,
+            "system_fingerprint": f"nextstate-v{self.prep.policy.version}",
+        }
         # Most chunks of a stream carry nothing but text: their JSON is this builder's own
         # chunk for a probe text, with the text put in its place (0.7 µs a chunk against 12 for
         # building and dumping the model; tests/test_chat_chunks.py holds them equal).
         probe = self._chunk_json(Delta(content=_PROBE))
         head, *tail = probe.split(_PROBE_JSON)
-        self._text_chunk = (head, tail[0]) if len(tail) == 1 and not want_logprobs else None
+        self._text_chunk = (head, tail[0]) if len(tail) == 1 and not self.want_logprobs else None
 
     def response(self, done: Finished) -> ChatCompletionResponse:
         message = AssistantMessage(
@@ -121,6 +128,7 @@ class ChatCompletionBuilder:
 
     # the StreamWriter of proxy/turn_response.py: start, keep_alive, delta, finish, error, end
     def start(self) -> str:
+        self._open()
         return self.chunk(Delta(role="assistant", content=""))
 
     def keep_alive(self) -> str:
