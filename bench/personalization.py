@@ -353,6 +353,11 @@ async def _sampled_replies(turns, adapter, messages: list[dict], seeds: list[int
     return list(await asyncio.gather(*(one(seed) for seed in seeds)))
 
 
+def standard_error(values: list[float | None]) -> float | None:
+    present = [v for v in values if v is not None]
+    return round(statistics.stdev(present) / len(present) ** 0.5, 4) if len(present) > 1 else None
+
+
 def final_evaluation(server, user: str, args, scorer) -> dict:
     """`args.final_samples` replies to each of the TASKS from the version serving `user` now,
     scored and measured as the runs' first replies are. The learner must be stopped first: a
@@ -370,8 +375,9 @@ def final_evaluation(server, user: str, args, scorer) -> dict:
         "version": policy.version,
         "replies": len(replies),
         "score": round(statistics.fmean(scores), 3),
-        "score_stderr": round(statistics.stdev(scores) / len(scores) ** 0.5, 3) if len(scores) > 1 else None,
+        "score_stderr": standard_error(scores),
         "repetition": mean_repetition(replies),
+        "repetition_stderr": standard_error([repetition(r["first_reply"]) for r in replies]),
         "repetition_length_matched": mean_repetition(replies, LENGTH_MATCHED_WORDS),
         "words_per_reply": round(statistics.fmean(len(r["first_reply"].split()) for r in replies), 1),
         "samples": replies,
@@ -409,7 +415,7 @@ def report(paths: list[str]) -> None:
     """One line per run of saved results: what BENCHMARKS.md's tables quote."""
     print("| run | mode | score, first quarter → last | updates published / held back | repeated words, last quarter "
           f"| the same over the first {LENGTH_MATCHED_WORDS} words | words per reply, last quarter "
-          "| final evaluation: version, score ± s.e., repeated words (replies) |")
+          "| final evaluation: version, score ± s.e., repeated words ± s.e. (replies) |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for path in paths:
         result = json.loads(Path(path).read_text())
@@ -418,7 +424,8 @@ def report(paths: list[str]) -> None:
             length = statistics.fmean(len(t["first_reply"].split()) for t in last)
             long_enough = sum(len(t["first_reply"].split()) >= LENGTH_MATCHED_WORDS for t in last)
             final = run.get("final")
-            evaluated = (f"v{final['version']}, {final['score']:.3f} ± {final['score_stderr']}, {final['repetition']} "
+            evaluated = (f"v{final['version']}, {final['score']:.3f} ± {final['score_stderr']}, {final['repetition']}"
+                         f"{' ± ' + str(final['repetition_stderr']) if 'repetition_stderr' in final else ''} "
                          f"({final['replies']})" if final else "—")
             print(f"| {result.get('variant') or Path(path).stem} | {s['mode']} | {s['score_first_quarter']:.2f} → "
                   f"{s['score_last_quarter']:.3f} | {s['updates_published']} / {s['updates_skipped']} | "
