@@ -424,9 +424,14 @@ def report(paths: list[str]) -> None:
             length = statistics.fmean(len(t["first_reply"].split()) for t in last)
             long_enough = sum(len(t["first_reply"].split()) >= LENGTH_MATCHED_WORDS for t in last)
             final = run.get("final")
-            evaluated = (f"v{final['version']}, {final['score']:.3f} ± {final['score_stderr']}, {final['repetition']}"
-                         f"{' ± ' + str(final['repetition_stderr']) if 'repetition_stderr' in final else ''} "
-                         f"({final['replies']})" if final else "—")
+            evaluated = "—"
+            if final:
+                # From the stored replies, so files saved before a figure existed report it too.
+                samples = final["samples"]
+                score_se = standard_error([r["score"] for r in samples])
+                repetition_se = standard_error([repetition(r["first_reply"]) for r in samples])
+                evaluated = (f"v{final['version']}, {final['score']:.3f} ± {score_se:.3f}, "
+                             f"{final['repetition']:.3f} ± {repetition_se:.3f} ({final['replies']})")
             print(f"| {result.get('variant') or Path(path).stem} | {s['mode']} | {s['score_first_quarter']:.2f} → "
                   f"{s['score_last_quarter']:.3f} | {s['updates_published']} / {s['updates_skipped']} | "
                   f"{mean_repetition(last)} | {mean_repetition(last, LENGTH_MATCHED_WORDS)} ({long_enough} of {len(last)} replies) | {length:.1f} "

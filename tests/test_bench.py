@@ -4,12 +4,13 @@ against the real judge prompts and a real server (the experiment itself runs by 
 from __future__ import annotations
 
 import argparse
+import json
 
 import pytest
 
 from bench.personalization import (
     INSTRUCTIONS, THANKS, ChatModel, ModelScorer, ModelUser, Preference, PreferenceJudge, RuleScorer, RuleUser,
-    TASKS, final_evaluation, mean_repetition, repetition, run_mode,
+    TASKS, final_evaluation, mean_repetition, report, repetition, run_mode,
 )
 from bench.models import bench_server
 from bench.report import LOG_HEADING, upsert_row
@@ -63,6 +64,24 @@ def test_length_matched_repetition_compares_equal_lengths():
     assert mean_repetition(tasks, words=6) == pytest.approx((2 / 6 + 0) / 2, abs=1e-3)
     assert mean_repetition(tasks[2:], words=6) is None
 
+
+
+def test_report_derives_the_final_evaluations_standard_errors_from_its_stored_replies(tmp_path, capsys):
+    """Files saved before a figure existed (here: no repetition_stderr) still report it."""
+    samples = [{"first_reply": "The sea is calm and blue tonight.", "score": 1},
+               {"first_reply": "a b a b", "score": 0}]
+    task = {"first_reply": "The sea is calm and blue tonight."}
+    result = {"variant": "old-file", "runs": [{"tasks": [task] * 4, "final": {
+        "version": 7, "replies": 2, "score": 0.5, "score_stderr": 0.5, "repetition": 0.25, "samples": samples}}],
+        "summary": [{"mode": "binary", "score_first_quarter": 0.0, "score_last_quarter": 1.0,
+                     "updates_published": 7, "updates_skipped": 1}]}
+    path = tmp_path / "result.json"
+    path.write_text(json.dumps(result))
+    report([str(path)])
+    row = capsys.readouterr().out.splitlines()[-1]
+    assert row.startswith("| old-file | binary |")
+    # score s.e. = stdev(1, 0)/sqrt 2 = 0.5; repetition 0 and 0.5 -> 0.25 ± 0.25
+    assert row.endswith("| v7, 0.500 ± 0.500, 0.250 ± 0.250 (2) |")
 
 def test_the_proxy_benchs_agent_conversation_is_openclaws_and_grows_by_a_turn():
     from bench.proxy_overhead import TURNS_PER_CONVERSATION, Conversation
