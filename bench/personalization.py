@@ -471,6 +471,10 @@ def headline(result: dict) -> str:
         parts.append(f"{s['mode']} {s['score_first_quarter']:.2f}→{s['score_last_quarter']:.2f} "
                      f"({s['updates_published']} upd., repeated words {fmt(mean_repetition(run['tasks'][:quarter]))}→"
                      f"{fmt(mean_repetition(run['tasks'][-quarter:]))})")
+        if run.get("final"):
+            final = run["final"]
+            parts[-1] += (f", final evaluation of v{final['version']}: {final['score']:.2f}, "
+                          f"repeated words {fmt(final['repetition'])} ({final['replies']} replies)")
     return "first-reply score, first → last quarter of tasks: " + ", ".join(parts)
 
 

@@ -10,7 +10,7 @@ import pytest
 
 from bench.personalization import (
     INSTRUCTIONS, THANKS, ChatModel, ModelScorer, ModelUser, Preference, PreferenceJudge, RuleScorer, RuleUser,
-    TASKS, final_evaluation, mean_repetition, report, repetition, run_mode,
+    TASKS, final_evaluation, headline, mean_repetition, report, repetition, run_mode,
 )
 from bench.models import bench_server
 from bench.report import LOG_HEADING, upsert_row
@@ -66,8 +66,9 @@ def test_length_matched_repetition_compares_equal_lengths():
 
 
 
-def test_report_derives_the_final_evaluations_standard_errors_from_its_stored_replies(tmp_path, capsys):
-    """Files saved before a figure existed (here: no repetition_stderr) still report it."""
+def test_report_and_headline_carry_the_final_evaluation(tmp_path, capsys):
+    """The report derives the standard errors from the stored replies, so files saved before a
+    figure existed (here: no repetition_stderr) still report it."""
     samples = [{"first_reply": "The sea is calm and blue tonight.", "score": 1},
                {"first_reply": "a b a b", "score": 0}]
     task = {"first_reply": "The sea is calm and blue tonight."}
@@ -82,6 +83,7 @@ def test_report_derives_the_final_evaluations_standard_errors_from_its_stored_re
     assert row.startswith("| old-file | binary |")
     # score s.e. = stdev(1, 0)/sqrt 2 = 0.5; repetition 0 and 0.5 -> 0.25 ± 0.25
     assert row.endswith("| v7, 0.500 ± 0.500, 0.250 ± 0.250 (2) |")
+    assert headline(result).endswith("final evaluation of v7: 0.50, repeated words 0.25 (2 replies)")
 
 def test_the_proxy_benchs_agent_conversation_is_openclaws_and_grows_by_a_turn():
     from bench.proxy_overhead import TURNS_PER_CONVERSATION, Conversation
