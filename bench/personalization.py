@@ -411,6 +411,11 @@ def mean_repetition(tasks: list[dict], words: int | None = None) -> float | None
 LENGTH_MATCHED_WORDS = 16
 
 
+def _places(value: float | None) -> str:
+    """Three places, or a dash where a figure could not be measured (e.g. every reply too short)."""
+    return "—" if value is None else f"{value:.3f}"
+
+
 def report(paths: list[str]) -> None:
     """One line per run of saved results: what BENCHMARKS.md's tables quote."""
     print("| run | mode | score, first quarter → last | updates published / held back | repeated words, last quarter "
@@ -430,8 +435,8 @@ def report(paths: list[str]) -> None:
                 samples = final["samples"]
                 score_se = standard_error([r["score"] for r in samples])
                 repetition_se = standard_error([repetition(r["first_reply"]) for r in samples])
-                evaluated = (f"v{final['version']}, {final['score']:.3f} ± {score_se:.3f}, "
-                             f"{final['repetition']:.3f} ± {repetition_se:.3f} ({final['replies']})")
+                evaluated = (f"v{final['version']}, {_places(final['score'])} ± {_places(score_se)}, "
+                             f"{_places(final['repetition'])} ± {_places(repetition_se)} ({final['replies']})")
             print(f"| {result.get('variant') or Path(path).stem} | {s['mode']} | {s['score_first_quarter']:.2f} → "
                   f"{s['score_last_quarter']:.3f} | {s['updates_published']} / {s['updates_skipped']} | "
                   f"{mean_repetition(last)} | {mean_repetition(last, LENGTH_MATCHED_WORDS)} ({long_enough} of {len(last)} replies) | {length:.1f} "

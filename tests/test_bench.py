@@ -65,7 +65,6 @@ def test_length_matched_repetition_compares_equal_lengths():
     assert mean_repetition(tasks[2:], words=6) is None
 
 
-
 def test_report_and_headline_carry_the_final_evaluation(tmp_path, capsys):
     """The report derives the standard errors from the stored replies, so files saved before a
     figure existed (here: no repetition_stderr) still report it."""
@@ -84,6 +83,7 @@ def test_report_and_headline_carry_the_final_evaluation(tmp_path, capsys):
     # score s.e. = stdev(1, 0)/sqrt 2 = 0.5; repetition 0 and 0.5 -> 0.25 ± 0.25
     assert row.endswith("| v7, 0.500 ± 0.500, 0.250 ± 0.250 (2) |")
     assert headline(result).endswith("final evaluation of v7: 0.50, repeated words 0.25 (2 replies)")
+
 
 def test_the_proxy_benchs_agent_conversation_is_openclaws_and_grows_by_a_turn():
     from bench.proxy_overhead import TURNS_PER_CONVERSATION, Conversation
