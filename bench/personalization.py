@@ -411,9 +411,9 @@ def mean_repetition(tasks: list[dict], words: int | None = None) -> float | None
 LENGTH_MATCHED_WORDS = 16
 
 
-def _places(value: float | None) -> str:
-    """Three places, or a dash where a figure could not be measured (e.g. every reply too short)."""
-    return "—" if value is None else f"{value:.3f}"
+def _places(value: float | None, places: int = 3) -> str:
+    """A figure to `places` places, or a dash where it could not be measured (e.g. every reply too short)."""
+    return "—" if value is None else f"{value:.{places}f}"
 
 
 def report(paths: list[str]) -> None:
@@ -467,19 +467,16 @@ def summarise(run: ModeRun) -> dict:
 
 
 def headline(result: dict) -> str:
-    def fmt(value: float | None) -> str:
-        return "—" if value is None else f"{value:.2f}"
-
     parts = []
     for run, s in zip(result["runs"], result["summary"]):
         quarter = max(1, len(run["tasks"]) // 4)
         parts.append(f"{s['mode']} {s['score_first_quarter']:.2f}→{s['score_last_quarter']:.2f} "
-                     f"({s['updates_published']} upd., repeated words {fmt(mean_repetition(run['tasks'][:quarter]))}→"
-                     f"{fmt(mean_repetition(run['tasks'][-quarter:]))})")
+                     f"({s['updates_published']} upd., repeated words {_places(mean_repetition(run['tasks'][:quarter]), 2)}→"
+                     f"{_places(mean_repetition(run['tasks'][-quarter:]), 2)})")
         if run.get("final"):
             final = run["final"]
             parts[-1] += (f", final evaluation of v{final['version']}: {final['score']:.2f}, "
-                          f"repeated words {fmt(final['repetition'])} ({final['replies']} replies)")
+                          f"repeated words {_places(final['repetition'], 2)} ({final['replies']} replies)")
     return "first-reply score, first → last quarter of tasks: " + ", ".join(parts)
 
 

@@ -260,7 +260,6 @@ def test_no_request_fails_or_stalls_across_swaps(server_factory):
     ) is None, "old versions are unloaded"
 
 
-
 def test_a_reply_prepared_before_a_swap_is_served_by_the_version_that_replaced_it(server_factory):
     """A request picked its version, then the learner published the next one and unloaded the
     old before the request reached the engine (the route awaits between the two): the reply
@@ -287,6 +286,7 @@ def test_a_reply_prepared_before_a_swap_is_served_by_the_version_that_replaced_i
     prep, done = server.call(swap_between_prepare_and_generate())
     assert done.completion_tokens >= 1
     assert prep.policy == PolicyRef(version=2, adapter="shared-v2") and prep.headers["X-Policy-Version"] == "2"
+
 
 def test_user_scope_keeps_users_apart(server_factory):
     server = learning_server(server_factory, adapter_scope="user")
