@@ -56,25 +56,25 @@ def main() -> None:
         try:
             for t in threads:
                 t.start()
-            chat = server.app.state.turns
+            chat = server.app.state.services.turns
             prompt = chat.renderer.render([{"role": "user", "content": "Pick a word."}]).ids
             version, attempt = 0, 0
             while version < args.swaps:
                 attempt += 1
-                ref = server.app.state.policies.current("bench")
+                ref = server.app.state.services.policies.current("bench")
                 runs = server.call(_replies(chat.engine, prompt, ref.adapter, batch, 100 * attempt, 4), timeout=600)
                 _train_on(server, [_sample(prompt, toks, 1.0 if i % 2 else -1.0, ref.version) for i, toks in enumerate(runs)])
-                learner = server.app.state.learner
+                learner = server.app.state.services.learner
                 while len(learner.steps) < attempt:  # published, or skipped by the KL guard
                     time.sleep(0.02)
-                version = server.app.state.policies.current("bench").version
+                version = server.app.state.services.policies.current("bench").version
                 print(f"update {attempt}: serving version {version}", flush=True)
             time.sleep(0.5)
         finally:
             stop.set()
             for t in threads:
                 t.join(60)
-            steps = list(server.app.state.learner.steps)
+            steps = list(server.app.state.services.learner.steps)
 
     failed = [o for o in outcomes if o[3] is not None]
     backwards = 0

@@ -76,7 +76,7 @@ def run(model_dir: Path, conversations: int, max_tokens: int, judge: str, votes:
             serve_end = time.perf_counter()
             server.drain_judge(timeout=600)
             drain_s = time.perf_counter() - serve_end
-            samples = server.app.state.samples.samples()
+            samples = server.app.state.services.samples.samples()
     finally:
         if stub is not None:
             stub.terminate()

@@ -57,7 +57,7 @@ def _sample(prompt, toks, reward, version) -> Sample:
 
 
 def _train_on(server, samples: list[Sample]) -> None:
-    store, learner = server.app.state.samples, server.app.state.learner
+    store, learner = server.app.state.services.samples, server.app.state.services.learner
 
     async def put():
         for s in samples:
@@ -68,14 +68,14 @@ def _train_on(server, samples: list[Sample]) -> None:
 
 def _wait_version(server, version: int, timeout: float = 1800) -> None:
     deadline = time.monotonic() + timeout
-    while server.app.state.policies.current("bench").version < version:
+    while server.app.state.services.policies.current("bench").version < version:
         if time.monotonic() > deadline:
             raise TimeoutError(f"version {version} did not appear")
         time.sleep(0.05)
 
 
 def learning_curve(server, updates: int, batch: int, max_new: int) -> dict:
-    chat, policies = server.app.state.turns, server.app.state.policies
+    chat, policies = server.app.state.services.turns, server.app.state.services.policies
     prompt = chat.renderer.render([{"role": "user", "content": "Pick a word."}]).ids
     before = server.call(_first_token_probs(chat.engine, prompt, None))
     chosen = sorted(range(len(before)), key=lambda i: -before[i])[1]  # the runner-up token
@@ -90,7 +90,7 @@ def learning_curve(server, updates: int, batch: int, max_new: int) -> dict:
         probs.append(server.call(_first_token_probs(chat.engine, prompt, policies.current("bench").adapter)))
         probs[-1] = probs[-1][chosen]
         print(f"update {update + 1}: mean reward {rewards[-1]:+.3f}, P(chosen) {probs[-1]:.3f}", flush=True)
-    steps = server.app.state.learner.steps
+    steps = server.app.state.services.learner.steps
     return {
         "chosen_token": chosen,
         "p_chosen_per_update": [round(p, 4) for p in probs],
@@ -103,7 +103,7 @@ def learning_curve(server, updates: int, batch: int, max_new: int) -> dict:
 
 def latency_while_training(server, batch: int, max_new: int, requests: int) -> dict:
     """Chat latency while idle, then while one training step of `batch` samples runs."""
-    chat, policies = server.app.state.turns, server.app.state.policies
+    chat, policies = server.app.state.services.turns, server.app.state.services.policies
     client = server.client(server.key("bench-user"))
     ask = dict(model="m", messages=[{"role": "user", "content": "Name a fruit."}], max_tokens=8, temperature=0,
                extra_headers={"X-Turn-Type": "side"})
@@ -141,7 +141,7 @@ def latency_while_training(server, batch: int, max_new: int, requests: int) -> d
     return {
         "idle": {"requests": len(idle), "p50_ms": pct(idle, 0.5), "p99_ms": pct(idle, 0.99)},
         "while_training": {"requests": len(during), "p50_ms": pct(during, 0.5), "p99_ms": pct(during, 0.99)},
-        "train_step_s": round(server.app.state.learner.steps[-1]["seconds"], 2),
+        "train_step_s": round(server.app.state.services.learner.steps[-1]["seconds"], 2),
     }
 
 

@@ -76,7 +76,7 @@ from bench.models import bench_model, bench_server
 from bench.report import pyplot, save
 from nextstate.core.settings import JudgeSettings, LearnerSettings
 from nextstate.engine.base import SamplingParams
-from nextstate.learner.service import GATE_PROMPTS
+from nextstate.learner.gate import GATE_PROMPTS
 from tests.judge_server import ScriptedJudge
 
 MODES = ("none", "binary", "opd", "combined")
@@ -242,7 +242,7 @@ def probe_marker(policy: Path, engine: dict, marker: str | None, target: float) 
     from nextstate.judge.teacher import enhanced_messages
 
     with bench_server(policy, "policy", learn=False, judge_enabled=False, **engine) as server:
-        chat = server.app.state.turns
+        chat = server.app.state.services.turns
         tokenizer = chat.renderer.tokenizer
 
         def mean_probs(hint: str | None) -> list[float]:
@@ -319,10 +319,10 @@ def run_mode(mode: str, policy: Path, tasks: list[str], args, judge: dict, user,
                       f"{statistics.fmean(recent):.2f}", flush=True)
             time.sleep(args.think_s)  # the user reads the reply; background judging and learning run
         if learning:  # the run's learning ends with its tasks: a step still under way would not serve them
-            server.call(server.app.state.learner.aclose())
+            server.call(server.app.state.services.learner.aclose())
         run.steps = [{k: v for k, v in s.items() if k != "sample_ids"} | {"samples": len(s.get("sample_ids", []))}
-                     for s in server.app.state.learner.steps] if learning else []
-        run.calibration = server.app.state.judge.calibration.to_dict() if learning else None
+                     for s in server.app.state.services.learner.steps] if learning else []
+        run.calibration = server.app.state.services.judge.calibration.to_dict() if learning else None
         if args.final_samples:
             run.final = final_evaluation(server, "simulated-user", args, scorer)
             print(f"{mode:>8}: final evaluation of v{run.final['version']}: score {run.final['score']:.3f} "
@@ -362,7 +362,7 @@ def final_evaluation(server, user: str, args, scorer) -> dict:
     """`args.final_samples` replies to each of the TASKS from the version serving `user` now,
     scored and measured as the runs' first replies are. The learner must be stopped first: a
     version it published meanwhile would unload the one being evaluated."""
-    turns = server.app.state.turns
+    turns = server.app.state.services.turns
     policy = turns.policies.current(user)
     replies = []
     for index, task in enumerate(TASKS):

@@ -1,6 +1,6 @@
 """How every SQLite file in the data dir is opened and grown, in one place.
 
-The keys, the samples and the open sessions each live in their own file, shared by the server's
+The keys, the samples, the open sessions and the stored Responses each live in their own file, shared by the server's
 threads (one connection, autocommit, the caller's own lock) and readable by `nextstate status`
 or `forget` while the server writes (write-ahead log). Tables only ever gain columns, so a data
 dir written by an older version opens with the new ones added.

@@ -7,6 +7,7 @@ followed it, or with none when its session closed first.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from pydantic import BaseModel, Field
@@ -32,7 +33,7 @@ class Turn(BaseModel):
     track: Literal["personal", "outcome"] = Field(
         "personal", description="'outcome': an environment will post a verifiable outcome for the session."
     )
-    response_id: str | None = Field(None, description="The `chatcmpl-…` id the client got: what feedback names.")
+    response_id: str | None = Field(None, description="The id of the reply the client got (`chatcmpl-…`; Messages and Responses clients got `msg_…` / `resp_…` for it): what feedback names.")
 
 
 class NextState(BaseModel):
@@ -100,3 +101,16 @@ class Sample(BaseModel):
     response_id: str | None = None
     feedback: dict[str, Any] | None = Field(None, description="The explicit rating and correction it was built from.")
     created_at: float
+
+
+FeedbackStatus = Literal["applied", "already_trained", "not_found", "queued"]
+
+
+@dataclass(frozen=True)
+class FeedbackResult:
+    """What became of a person's rating of a reply (`POST /v1/feedback`)."""
+
+    status: FeedbackStatus
+    sample_id: int | None = None
+    session_id: str | None = None
+    turn_index: int | None = None

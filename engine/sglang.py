@@ -60,7 +60,7 @@ from nextstate.engine.base import (
     UnknownAdapterError,
     check_request,
 )
-from nextstate.engine.sse import sse_data
+from nextstate.engine.sse import read_sse_data
 
 log = logging.getLogger(__name__)
 
@@ -226,7 +226,7 @@ class SGLangEngine:
                     error = self._http_error(response.status, await response.read())
                     raise _Retryable(error) if isinstance(error, EngineBadGateway) else error
                 admit()
-                async for data in sse_data(response.content.iter_any()):
+                async for data in read_sse_data(response.content.iter_any()):
                     if data == b"[DONE]" or finished:
                         finished = True
                         continue  # read on to the body's end, so the connection can be reused

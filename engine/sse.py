@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterable, AsyncIterator
 
 
-async def sse_data(chunks: AsyncIterable[bytes]) -> AsyncIterator[bytes]:
+async def read_sse_data(chunks: AsyncIterable[bytes]) -> AsyncIterator[bytes]:
     """Each `data:` field's value, stripped, in order, from the body's chunks as they arrive
     (cut anywhere); a last line without its newline counts."""
     pending = b""

@@ -12,6 +12,7 @@ from __future__ import annotations
 import statistics
 from collections import defaultdict
 
+from nextstate.core.settings import JudgeSettings
 from nextstate.core.types import Sample
 
 
@@ -82,3 +83,9 @@ def standardize_outcome_batch(samples: list[Sample], w_binary: float, w_opd: flo
         delta = opd_delta(s.teacher_logprobs, s.old_logprobs, clip) if s.teacher_logprobs else None
         out.append(s.model_copy(update={"advantages": token_advantages(len(s.response_ids), scalar, delta, w_binary, w_opd)}))
     return out
+
+
+def prepare_batch(samples: list[Sample], settings: JudgeSettings) -> list[Sample]:
+    """The advantages a training batch trains on: outcome rewards are standardised per step
+    index across the batch here, at batch time, because only then is the group known."""
+    return standardize_outcome_batch(samples, settings.w_binary, settings.w_opd, settings.opd_clip)

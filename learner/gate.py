@@ -26,10 +26,29 @@ skipped and says so.
 
 from __future__ import annotations
 
+import logging
+import time
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from nextstate.core.sample_store import SampleStore
+from nextstate.core.settings import LearnerSettings
+from nextstate.core.types import Sample
+
+if TYPE_CHECKING:  # the trainer loads torch; the gate's figures and verdicts do not need it
+    from nextstate.learner.trainer import LoraTrainer
+
+log = logging.getLogger(__name__)
+
+# A check needs at least this many held-out samples (liked replies, or prompts) to run.
 MIN_HELD_OUT = 2
+# The held-out set: the newest accepted samples of the scope outside the batch, the rewarded
+# ones among them for likelihood, the newest prompts answered greedily. Eight prompts, not
+# four: one greedy reply that happens to loop moves a mean of four by a quarter of its
+# repetition, enough to hold back a good version or pass a bad one.
+GATE_SAMPLES, GATE_LIKED, GATE_PROMPTS, GATE_NEW_TOKENS = 24, 8, 8, 32
+# Each backtrack of a version the gate refused keeps this share of the step tried before.
+BACKTRACK_FACTOR = 0.5
 
 
 @dataclass
@@ -70,7 +89,7 @@ def mean(values: list[float | None]) -> float | None:
     return sum(present) / len(present) if present else None
 
 
-def judge_version(
+def verdict_from_figures(
     serving: GateFigures, candidate: GateFigures, base_repetition: float | None, *,
     max_likelihood_drop: float, max_repetition_rise: float, held_out: int, prompts: int,
 ) -> GateVerdict:
@@ -85,3 +104,72 @@ def judge_version(
             reasons.append(f"greedy replies repeat themselves: {candidate.repetition:.3f} against the base model's "
                            f"{base_repetition:.3f} (limit +{max_repetition_rise:g})")
     return GateVerdict(not reasons, reasons, serving, candidate, base_repetition, held_out, prompts)
+
+
+@dataclass
+class HeldOut:
+    """What a scope's next version is checked on, chosen (and the serving version scored on
+    it) before the step, so that the step's own samples are never among it."""
+
+    liked: list[Sample]  # rewarded replies, for likelihood (empty: too few to check)
+    prompts: list[list[int]]  # prompt ids to answer greedily, for repetition
+    serving: GateFigures
+
+
+class PublishGate:
+    """Decides whether a trained step may serve; shortens or undoes it when not. Runs in the
+    learner's worker thread (every method blocks on the model)."""
+
+    def __init__(self, settings: LearnerSettings, store: SampleStore, trainer: LoraTrainer, per_user: bool) -> None:
+        self.settings = settings
+        self.store = store
+        self.trainer = trainer
+        self.per_user = per_user
+
+    def hold_out(self, scope: str, batch_ids: set[int]) -> HeldOut | None:
+        """Recent samples of the scope not in the batch, with the serving version's figures on
+        them. None when the gate is off or there is too little to check."""
+        if not self.settings.publish_gate:
+            return None
+        recent = self.store.recent_samples(GATE_SAMPLES, scope if self.per_user else None, batch_ids)
+        liked = [x for x in recent if x.reward > 0][:GATE_LIKED]
+        prompts = [x.prompt_ids for x in recent[:GATE_PROMPTS]]
+        if len(liked) < MIN_HELD_OUT and len(prompts) < MIN_HELD_OUT:
+            return None
+        liked = liked if len(liked) >= MIN_HELD_OUT else []
+        # The serving version's repetition is not compared with anything (the anchor is the
+        # base model's), and greedy replies are most of the gate's cost: likelihood only.
+        serving = self.trainer.gate_figures(scope, liked, [], GATE_NEW_TOKENS)
+        return HeldOut(liked, prompts, serving)
+
+    def review(self, scope: str, held: HeldOut, step_index: int) -> GateVerdict:
+        """The trained step's verdict. A failing step is tried again at a shorter length
+        (`gate_backtracks` times); one that still fails is undone: training goes on from the
+        serving version."""
+        verdict = self._check(scope, held)
+        for _ in range(self.settings.gate_backtracks if not verdict.passed else 0):
+            # a step can overshoot in a good direction: half of it may learn without the harm
+            self.trainer.shorten_step(scope, BACKTRACK_FACTOR)
+            retry = self._check(scope, held)
+            retry.step_scale = verdict.step_scale * BACKTRACK_FACTOR
+            retry.refused = verdict.refused + [verdict.reasons]
+            verdict = retry
+            if verdict.passed:
+                log.info("learner step %d (%s): the gate passed it at %g of its step (%s at more)",
+                         step_index, scope, verdict.step_scale, "; ".join(verdict.refused[-1]))
+                break
+        if not verdict.passed:
+            self.trainer.undo(scope)
+        return verdict
+
+    def _check(self, scope: str, held: HeldOut) -> GateVerdict:
+        started = time.monotonic()
+        candidate = self.trainer.gate_figures(scope, held.liked, held.prompts, GATE_NEW_TOKENS)
+        base = self.trainer.base_repetition(held.prompts, GATE_NEW_TOKENS) if held.prompts else None
+        s = self.settings
+        verdict = verdict_from_figures(
+            held.serving, candidate, base, max_likelihood_drop=s.gate_max_likelihood_drop,
+            max_repetition_rise=s.gate_max_repetition_rise, held_out=len(held.liked), prompts=len(held.prompts),
+        )
+        verdict.seconds = round(time.monotonic() - started, 2)
+        return verdict

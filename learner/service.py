@@ -21,7 +21,7 @@ from typing import Any
 
 from nextstate.engine.base import Engine
 from nextstate.engine.devices import resolve_device
-from nextstate.learner.gate import MIN_HELD_OUT, GateFigures, GateVerdict, judge_version
+from nextstate.learner.gate import PublishGate
 from nextstate.learner.trainer import LoraTrainer, StepResult
 from nextstate.learner.versions import AdapterVersions, scope_dir_name
 from nextstate.core.policy import PolicyDirectory, PolicyRef
@@ -29,14 +29,6 @@ from nextstate.core.sample_store import SampleStore
 from nextstate.core.settings import LearnerSettings
 from nextstate.core.types import Sample
 from nextstate.core.records import RecordWriter
-
-# The publish gate's held-out set: the newest accepted samples of the scope outside the batch,
-# the rewarded ones among them for likelihood, the newest prompts answered greedily.
-# Eight prompts, not four: one greedy reply that happens to loop moves a mean of four by a
-# quarter of its repetition, enough to hold back a good version or pass a bad one.
-GATE_SAMPLES, GATE_LIKED, GATE_PROMPTS, GATE_NEW_TOKENS = 24, 8, 8, 32
-# Each backtrack of a version the gate refused keeps this share of the step tried before.
-GATE_BACKTRACK_FACTOR = 0.5
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +62,7 @@ class Learner:
         self.versions = AdapterVersions(adapters_dir)
         self.batch_size = settings.batch_size
         self.trainer: LoraTrainer | None = None
+        self.gate: PublishGate | None = None
         self.steps: list[dict[str, Any]] = []
         self._step_index: dict[str, int] = {}  # updates tried per scope, published or skipped
         self._wake = asyncio.Event()
@@ -82,6 +75,7 @@ class Learner:
         self.trainer = await asyncio.to_thread(
             LoraTrainer, self.model_dir, self.settings, resolve_device(self.settings.learner_device)
         )
+        self.gate = PublishGate(self.settings, self.store, self.trainer, self.policies.per_user)
         await self._resume()
         self._task = asyncio.create_task(self._run(), name="learner")
 
@@ -197,114 +191,86 @@ class Learner:
         dropped = {i for ids in reasons.values() for i in ids}
         return [x for x in ready if x.id not in dropped]
 
-    # ---------------------------------------------------------------- the publish gate
-
-    def _held_out(self, scope: str, batch_ids: set[int]) -> tuple[list[Sample], list[list[int]]] | None:
-        """Recent samples of the scope not in the batch: the rewarded ones' replies, and the
-        prompts to answer greedily. None when the gate is off or there is too little."""
-        if not self.settings.publish_gate:
-            return None
-        recent = self.store.recent_samples(GATE_SAMPLES, scope if self.policies.per_user else None, batch_ids)
-        liked = [x for x in recent if x.reward > 0][:GATE_LIKED]
-        prompts = [x.prompt_ids for x in recent[:GATE_PROMPTS]]
-        if len(liked) < MIN_HELD_OUT and len(prompts) < MIN_HELD_OUT:
-            return None
-        return (liked if len(liked) >= MIN_HELD_OUT else []), prompts
-
-    def _gate_figures(self, scope: str, held: tuple[list[Sample], list[list[int]]], *, greedy: bool = True) -> GateFigures:
-        """`greedy=False` for the serving version: its repetition is not compared with anything
-        (the anchor is the base model's), and greedy replies are most of the gate's cost."""
-        liked, prompts = held
-        return self.trainer.gate_figures(scope, liked, prompts if greedy else [], GATE_NEW_TOKENS)
-
-    def _gate(self, scope: str, held: tuple[list[Sample], list[list[int]]], serving: GateFigures) -> GateVerdict:
-        liked, prompts = held
-        started = time.monotonic()
-        candidate = self._gate_figures(scope, held)
-        base = self.trainer.base_repetition(prompts, GATE_NEW_TOKENS) if prompts else None
-        s = self.settings
-        verdict = judge_version(serving, candidate, base, max_likelihood_drop=s.gate_max_likelihood_drop,
-                                max_repetition_rise=s.gate_max_repetition_rise, held_out=len(liked), prompts=len(prompts))
-        verdict.seconds = round(time.monotonic() - started, 2)
-        return verdict
-
     def _waited(self, samples: list[Sample]) -> bool:
         wait = self.settings.batch_wait_s
         return wait > 0 and time.time() - min(x.created_at for x in samples) >= wait
 
     async def update(self, scope: str, samples: list[Sample]) -> StepResult | None:
+        """One update of `scope` on `samples`: screen → step → gate → publish."""
         async with self._lock:
             current = self.policies.current_scope(scope)
             step_index = self._step_index[scope] = self._step_index.get(scope, 0) + 1
             record: dict[str, Any] = {"step": step_index, "scope": scope, "sample_ids": [x.id for x in samples]}
-            batch = self.prepare_batch(samples)
-            bad = [x.id for x in batch if not _finite(x)]
-            if bad:
-                await asyncio.to_thread(self.store.mark_dropped, bad, "not finite: dropped by the learner")
-                log.warning("learner %s: %d sample(s) with non-finite values dropped; the batch trains on", scope, len(bad))
-                batch = [x for x in batch if x.id not in bad]
-            if self.settings.kl_coef == 0 and not any(a for x in batch for a in x.advantages):
-                # nothing to learn: a step would only move the weights by momentum and weight decay
-                ids = [x.id for x in batch]
-                await asyncio.to_thread(self.store.mark_consumed, ids)
-                record.update(version=None, published=False, skipped="every advantage is zero (and no KL term)", dropped=bad)
-                self.steps.append(record)
-                self.records.write("train_step", record, version=current.version)
-                log.info("learner step %d (%s): no signal in %d samples, nothing published", step_index, scope, len(ids))
+            batch = await self._screen_batch(scope, samples, record)
+            if batch is None:
+                self._finish(record, current.version)
                 return None
-            held = await asyncio.to_thread(self._held_out, scope, {x.id for x in batch})
-            serving = await asyncio.to_thread(self._gate_figures, scope, held, greedy=False) if held else None
+            held = await asyncio.to_thread(self.gate.hold_out, scope, {x.id for x in batch}) if self.gate else None
             result = await asyncio.to_thread(self.trainer.step, scope, batch)
             ids = [x.id for x in batch if x.id is not None and x.id not in result.dropped]
             if result.dropped:
                 await asyncio.to_thread(self.store.mark_dropped, result.dropped, "loss not finite: dropped by the learner")
-            record.update({**result.to_dict(), "sample_ids": ids, "dropped": bad + result.dropped})
+            record.update({**result.to_dict(), "sample_ids": ids, "dropped": record["dropped"] + result.dropped})
             if not result.skipped and held:
-                verdict = await asyncio.to_thread(self._gate, scope, held, serving)
-                for _ in range(self.settings.gate_backtracks if not verdict.passed else 0):
-                    # a step can overshoot in a good direction: half of it may learn without the harm
-                    await asyncio.to_thread(self.trainer.shorten_step, scope, GATE_BACKTRACK_FACTOR)
-                    retry = await asyncio.to_thread(self._gate, scope, held, serving)
-                    retry.step_scale = verdict.step_scale * GATE_BACKTRACK_FACTOR
-                    retry.refused = verdict.refused + [verdict.reasons]
-                    verdict = retry
-                    if verdict.passed:
-                        log.info("learner step %d (%s): the gate passed it at %g of its step (%s at more)",
-                                 step_index, scope, verdict.step_scale, "; ".join(verdict.refused[-1]))
-                        break
+                verdict = await asyncio.to_thread(self.gate.review, scope, held, step_index)
                 record["gate"] = verdict.to_dict()
                 if not verdict.passed:
-                    await asyncio.to_thread(self.trainer.undo, scope)  # training goes on from the serving version
                     result.skipped = record["skipped"] = "gate: " + "; ".join(verdict.reasons)
             if result.skipped:
                 await asyncio.to_thread(self.store.mark_consumed, ids)
                 record.update(version=None, published=False)
                 log.warning("learner step %d (%s) skipped, not published: %s", step_index, scope, result.skipped)
             else:
-                version = await asyncio.to_thread(self.versions.next_version, scope)
-                finished = time.monotonic()
-                try:
-                    path = await asyncio.to_thread(
-                        self.versions.publish, scope, version, lambda p: self.trainer.save(scope, p),
-                        {"sample_ids": ids, "step_index": step_index, "step": result.to_dict()},
-                    )
-                except Exception:
-                    # the samples stay ready, and the weights go back to the published version
-                    self.trainer.undo(scope)
-                    self._step_index[scope] -= 1
-                    raise
-                await asyncio.to_thread(self.store.mark_consumed, ids)
-                swap_s = await self._serve(scope, version, path)
-                record.update(version=version, published=True, publish_to_serving_s=round(time.monotonic() - finished, 4), swap_s=swap_s)
-                log.info(
-                    "learner step %d (%s) -> v%d: %d samples, loss %.4f, clip %.3f, kl %.4g, mismatch %.4f, "
-                    "mean adv %.3f, %.1fs, swap %.0f ms",
-                    step_index, scope, version, result.samples, result.loss, result.clip_fraction, result.policy_kl,
-                    result.mismatch, result.mean_advantage, result.seconds, swap_s * 1000,
-                )
-            self.steps.append(record)
-            self.records.write("train_step", record, version=record["version"] or current.version)
+                await self._publish(scope, step_index, ids, result, record)
+            self._finish(record, record["version"] or current.version)
             return result
+
+    async def _screen_batch(self, scope: str, samples: list[Sample], record: dict[str, Any]) -> list[Sample] | None:
+        """The batch with its final advantages, samples with non-finite values dropped; None
+        (its samples consumed, the record saying why) when nothing in it could teach."""
+        batch = self.prepare_batch(samples)
+        bad = [x.id for x in batch if not _finite(x)]
+        record["dropped"] = bad
+        if bad:
+            await asyncio.to_thread(self.store.mark_dropped, bad, "not finite: dropped by the learner")
+            log.warning("learner %s: %d sample(s) with non-finite values dropped; the batch trains on", scope, len(bad))
+            batch = [x for x in batch if x.id not in bad]
+        if self.settings.kl_coef == 0 and not any(a for x in batch for a in x.advantages):
+            # nothing to learn: a step would only move the weights by momentum and weight decay
+            ids = [x.id for x in batch]
+            await asyncio.to_thread(self.store.mark_consumed, ids)
+            record.update(version=None, published=False, skipped="every advantage is zero (and no KL term)")
+            log.info("learner step %d (%s): no signal in %d samples, nothing published", record["step"], scope, len(ids))
+            return None
+        return batch
+
+    async def _publish(self, scope: str, step_index: int, ids: list[int], result: StepResult, record: dict[str, Any]) -> None:
+        """Write the trained step as the scope's next version, mark its samples consumed, serve it."""
+        version = await asyncio.to_thread(self.versions.next_version, scope)
+        finished = time.monotonic()
+        try:
+            path = await asyncio.to_thread(
+                self.versions.publish, scope, version, lambda p: self.trainer.save(scope, p),
+                {"sample_ids": ids, "step_index": step_index, "step": result.to_dict()},
+            )
+        except Exception:
+            # the samples stay ready, and the weights go back to the published version
+            self.trainer.undo(scope)
+            self._step_index[scope] -= 1
+            raise
+        await asyncio.to_thread(self.store.mark_consumed, ids)
+        swap_s = await self._serve(scope, version, path)
+        record.update(version=version, published=True, publish_to_serving_s=round(time.monotonic() - finished, 4), swap_s=swap_s)
+        log.info(
+            "learner step %d (%s) -> v%d: %d samples, loss %.4f, clip %.3f, kl %.4g, mismatch %.4f, "
+            "mean adv %.3f, %.1fs, swap %.0f ms",
+            step_index, scope, version, result.samples, result.loss, result.clip_fraction, result.policy_kl,
+            result.mismatch, result.mean_advantage, result.seconds, swap_s * 1000,
+        )
+
+    def _finish(self, record: dict[str, Any], version: int) -> None:
+        self.steps.append(record)
+        self.records.write("train_step", record, version=version)
 
     async def _serve(self, scope: str, version: int, path: Path) -> float:
         """Load `path` as the scope's new adapter and move new requests to it."""
@@ -327,6 +293,15 @@ class Learner:
             log.exception("could not unload adapter %s", name)
 
     # ---------------------------------------------------------------- admin
+
+    async def adapters(self) -> list[dict[str, Any]]:
+        """Each scope's published versions and the one serving."""
+        data = []
+        for scope in await asyncio.to_thread(self.versions.scopes):
+            current = self.policies.current_scope(scope)
+            data.append({"scope": scope, "versions": self.versions.versions(scope), "serving": current.version,
+                         "adapter": current.adapter})
+        return data
 
     async def forget(self, user: str) -> bool:
         """Delete `user`'s own adapter (per-user scope): served the base model again, every

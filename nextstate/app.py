@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
@@ -14,6 +15,9 @@ from nextstate.engine.base import Engine
 from nextstate.engine.default_model import ensure_default_model
 from nextstate.judge.client import EngineJudgeClient, JudgeClient, OpenAIJudgeClient
 from nextstate.judge.prompts import PromptLibrary
+from nextstate.judge.advantages import prepare_batch
+from nextstate.judge.feedback import ExplicitFeedback
+from nextstate.judge.inbox import JudgeInbox
 from nextstate.judge.service import Judge
 from nextstate.learner.service import Learner
 from nextstate.core.sample_store import SampleStore
@@ -22,7 +26,10 @@ from nextstate.core.activity import Activity
 from nextstate.core.policy import PolicyDirectory
 from nextstate.core.private import DataDirUnusable, prepare_data_dir
 from nextstate.core.settings import Settings
-from nextstate.forget import forget_online, keep_for, mark_running, mark_stopped
+from nextstate.forget import forget_online, keep_for
+from nextstate.server_marker import mark_running, mark_stopped
+from nextstate.services import Services
+from nextstate.user_data import USER_DATA
 from nextstate.core.types import Sample, Transition
 from nextstate.modelio.chat_template import ChatRenderer
 from nextstate.proxy import access_log
@@ -156,15 +163,17 @@ def create_app(settings: Settings | None = None, *, engine_factory: EngineFactor
             activity=activity,
             current_adapter=lambda user: policies.current(user).adapter,
         )
+        inbox = JudgeInbox(judge, samples)
 
-        def emit(transition: Transition) -> asyncio.Future:
+        def emit(transition: Transition) -> asyncio.Future[None]:
             metrics.transitions.labels(transition.reason).inc()
-            return judge.submit(transition)
+            return inbox.submit(transition)
 
         if settings.learner.learn:
             learner = Learner(
                 settings.learner, model_dir, settings.adapters_dir, engine, samples, policies, records,
-                prepare_batch=judge.prepare_batch, active_users=keys.active_user_count,
+                prepare_batch=functools.partial(prepare_batch, settings=settings.judge),
+                active_users=keys.active_user_count,
             )
         session_db = SessionDB(settings.sessions_db)
         sessions = SessionStore(
@@ -188,29 +197,24 @@ def create_app(settings: Settings | None = None, *, engine_factory: EngineFactor
             keepalive_s=settings.server.stream_keepalive_s,
             max_parallel_per_user=settings.server.max_parallel_per_user,
         )
-        app.state.settings = settings
-        app.state.keys = keys
-        app.state.records = records
-        app.state.metrics = metrics
-        app.state.sessions = sessions
-        app.state.judge = judge
-        app.state.learner = learner
-        app.state.policies = policies
-        app.state.samples = samples
-        app.state.turns = turns
-        app.state.chat = ChatCompletionServing(turns)
-        app.state.messages = MessagesServing(turns)
-        responses = ResponseStore(settings.responses_db)
-        app.state.responses = ResponsesServing(turns, responses)
-        app.state.forget_user = lambda user: forget_online(app.state, user)
-        sweeper = asyncio.create_task(_sweep(sessions, metrics), name="session-sweeper")
-        background = [sweeper]
+        stored_responses = ResponseStore(settings.responses_db)
+        services = Services(
+            settings=settings, keys=keys, records=records, metrics=metrics, sessions=sessions, policies=policies,
+            samples=samples, turns=turns, chat=ChatCompletionServing(turns), messages=MessagesServing(turns),
+            responses=ResponsesServing(turns, stored_responses), judge=judge,
+            feedback=ExplicitFeedback(judge, inbox, samples, records), learner=learner,
+            forget_user=lambda user: forget_online(services, user),
+            engine=engine, inbox=inbox, session_db=session_db, stored_responses=stored_responses,
+        )
+        app.state.services = services
+        background = [asyncio.create_task(_sweep(sessions, metrics), name="session-sweeper")]
         if settings.server.records_retention_days > 0:
-            background.append(asyncio.create_task(keep_for(app.state, settings.server.records_retention_days), name="retention"))
+            background.append(asyncio.create_task(keep_for(services, settings.server.records_retention_days), name="retention"))
         mark_running(settings, settings.server.port)
         if learner is not None:
             await learner.start()
         await judge.start()
+        await inbox.resume()
         if resumed := sessions.resume():
             log.info("handed the judge %d transitions again that were on their way when the last run stopped", resumed)
         log.info("serving %s on %s (%s)", model_name, engine.info.device, engine.info.dtype)
@@ -221,16 +225,7 @@ def create_app(settings: Settings | None = None, *, engine_factory: EngineFactor
                 task.cancel()
             await asyncio.gather(*background, return_exceptions=True)
             mark_stopped(settings)
-            await sessions.save()
-            session_db.close()  # open sessions stay open: a restart continues them
-            if learner is not None:
-                await learner.aclose()
-            await judge.aclose()
-            await records.aclose()
-            await engine.close()
-            samples.close()
-            keys.close()
-            responses.close()
+            await shutdown(services)
 
     docs = settings.server.docs  # off by default: the API's shape is no business of strangers
     app = FastAPI(
@@ -249,6 +244,18 @@ def create_app(settings: Settings | None = None, *, engine_factory: EngineFactor
     app.include_router(dashboard_router)
     app.include_router(admin_router)
     return app
+
+
+async def shutdown(services: Services) -> None:
+    """Stop the workers, then close every store that holds user data (nextstate/user_data.py),
+    then the engine. Open sessions stay open on disk: a restart continues them."""
+    if services.learner is not None:
+        await services.learner.aclose()
+    await services.judge.aclose()
+    for store in USER_DATA:
+        if store.close is not None:
+            await store.close(services)
+    await services.engine.close()
 
 
 async def _sweep(sessions: SessionStore, metrics: Metrics) -> None:

@@ -140,7 +140,7 @@ def cmd_keys_revoke(args: argparse.Namespace) -> int:
 
 def cmd_status(args: argparse.Namespace) -> int:
     from nextstate.core.sample_store import SampleStore
-    from nextstate.forget import running_server
+    from nextstate.server_marker import running_server
     from nextstate.learner.versions import AdapterVersions
     from nextstate.progress import progress_report, render_text
 
@@ -162,7 +162,8 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def cmd_forget(args: argparse.Namespace) -> int:
-    from nextstate.forget import forget_offline, running_server
+    from nextstate.forget import forget_offline
+    from nextstate.server_marker import running_server
 
     settings = _settings()
     running = running_server(settings)

@@ -18,6 +18,7 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import HTMLResponse, RedirectResponse, Response
 
 from nextstate.progress import live_report
+from nextstate.services import app_services
 from nextstate.proxy.auth import authenticate_admin, bearer_secret
 from nextstate.proxy.keys import ApiKey, KeyStore
 
@@ -32,14 +33,14 @@ WIDTH, HEIGHT, PAD = 460, 180, 34
 async def progress(request: Request, _: ApiKey = Depends(authenticate_admin)) -> dict:
     """Is it learning: per version, samples and mean reward; per update, loss, KL and clip; the
     judge's calibration; explicit feedback. What `/dashboard` and `nextstate status` show."""
-    return await asyncio.to_thread(live_report, request.app.state)
+    return await asyncio.to_thread(live_report, app_services(request))
 
 
 async def _admin_from_browser(request: Request) -> ApiKey | None:
     secret = bearer_secret(request) or request.cookies.get(COOKIE, "")
     if not secret:
         return None
-    store: KeyStore = request.app.state.keys
+    store: KeyStore = app_services(request).keys
     key = await asyncio.to_thread(store.verify, secret)
     return key if key is not None and key.admin else None
 
@@ -48,7 +49,7 @@ async def _admin_from_browser(request: Request) -> ApiKey | None:
 async def dashboard(request: Request) -> Response:
     if await _admin_from_browser(request) is None:
         return HTMLResponse(_login_page(bool(request.cookies.get(COOKIE))), status_code=401)
-    report = await asyncio.to_thread(live_report, request.app.state)
+    report = await asyncio.to_thread(live_report, app_services(request))
     return HTMLResponse(render_page(report), headers={"Cache-Control": "no-store"})
 
 
@@ -56,7 +57,7 @@ async def dashboard(request: Request) -> Response:
 async def login(request: Request) -> Response:
     # a one-field form, parsed here rather than through python-multipart for one field
     key = parse_qs((await request.body()).decode("utf-8", "replace")).get("key", [""])[0]
-    store: KeyStore = request.app.state.keys
+    store: KeyStore = app_services(request).keys
     found = await asyncio.to_thread(store.verify, key.strip()) if key.strip() else None
     if found is None or not found.admin:
         return HTMLResponse(_login_page(True), status_code=401)

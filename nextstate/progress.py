@@ -10,10 +10,13 @@ judge's live standing).
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from nextstate.core.sample_store import SampleStore
 from nextstate.learner.versions import AdapterVersions
+
+if TYPE_CHECKING:  # the running server's objects; offline use (status, forget) loads no model code
+    from nextstate.services import Services
 
 STEP_FIELDS = ("loss", "policy_kl", "kl_to_base", "clip_fraction", "mean_advantage", "grad_norm", "samples", "seconds")
 
@@ -76,17 +79,17 @@ def progress_report(
     }
 
 
-def live_report(state: Any) -> dict[str, Any]:
-    """The report of a running server (its app.state)."""
-    judge, learner = state.judge, state.learner
+def live_report(services: Services) -> dict[str, Any]:
+    """The report of a running server."""
+    judge, learner = services.judge, services.learner
+    report = judge.report()
     return progress_report(
-        state.samples,
-        AdapterVersions(state.settings.adapters_dir),
+        services.samples,
+        AdapterVersions(services.settings.adapters_dir),
         mode=judge.settings.mode,
-        per_user=state.settings.learner.adapter_scope == "user",
+        per_user=services.settings.learner.adapter_scope == "user",
         learning_rate=learner.trainer.lr if learner is not None and learner.trainer is not None else None,
-        judge={"implicit_feedback": judge.implicit, "calibration": judge.calibration.to_dict(),
-               "feedback_applied": judge.stats.feedback},
+        judge={key: report[key] for key in ("implicit_feedback", "calibration", "feedback_applied")},
         live_steps=list(learner.steps) if learner is not None else [],
     )
 

@@ -7,8 +7,9 @@ import asyncio
 from fastapi import APIRouter, Depends, Request
 from pydantic import BaseModel, Field
 
+from nextstate.proxy.app_state import services
 from nextstate.proxy.auth import authenticate_admin
-from nextstate.proxy.errors import OpenAIError
+from nextstate.proxy.errors import ApiError
 from nextstate.proxy.keys import ApiKey
 
 router = APIRouter(prefix="/v1/admin")
@@ -18,33 +19,22 @@ router = APIRouter(prefix="/v1/admin")
 async def stats(request: Request, _: ApiKey = Depends(authenticate_admin)) -> dict:
     """What the judge has done: samples judged/accepted/dropped per mode (and why), mean
     reward per policy version, judge latency; and the learner's recent steps."""
-    judge = request.app.state.judge
-    learner = request.app.state.learner
+    state = services(request)
+    learner = state.learner
     return {
         "object": "nextstate.stats",
-        "mode": judge.settings.mode,
-        "samples": await asyncio.to_thread(request.app.state.samples.stats),
-        "judge": {
-            **judge.stats.snapshot(),
-            "implicit_feedback": judge.implicit,
-            "calibration": judge.calibration.to_dict(),
-        },
+        "mode": state.judge.settings.mode,
+        "samples": await asyncio.to_thread(state.samples.stats),
+        "judge": state.judge.report(),
         "learner": {"enabled": learner is not None, "steps": learner.steps[-20:] if learner else []},
-        "sessions_open": len(request.app.state.sessions),
+        "sessions_open": len(state.sessions),
     }
 
 
 @router.get("/adapters")
 async def adapters(request: Request, _: ApiKey = Depends(authenticate_admin)) -> dict:
-    learner = request.app.state.learner
-    if learner is None:
-        return {"object": "list", "data": []}
-    versions = learner.versions
-    data = []
-    for scope in await asyncio.to_thread(versions.scopes):
-        current = request.app.state.policies.current_scope(scope)
-        data.append({"scope": scope, "versions": versions.versions(scope), "serving": current.version, "adapter": current.adapter})
-    return {"object": "list", "data": data}
+    learner = services(request).learner
+    return {"object": "list", "data": await learner.adapters() if learner is not None else []}
 
 
 class RollbackRequest(BaseModel):
@@ -54,17 +44,17 @@ class RollbackRequest(BaseModel):
 
 @router.post("/adapters/rollback")
 async def rollback(body: RollbackRequest, request: Request, _: ApiKey = Depends(authenticate_admin)) -> dict:
-    learner = request.app.state.learner
+    learner = services(request).learner
     if learner is None:
-        raise OpenAIError(409, "The learner is off (NEXTSTATE_LEARN=0): there are no adapters to roll back.", code="learner_disabled")
+        raise ApiError(409, "The learner is off (NEXTSTATE_LEARN=0): there are no adapters to roll back.", code="learner_disabled")
     try:
         new_version = await learner.rollback(body.scope, body.version)
     except KeyError:
-        raise OpenAIError(404, f"Scope '{body.scope}' has no adapter version {body.version}.", param="version", code="version_not_found") from None
+        raise ApiError(404, f"Scope '{body.scope}' has no adapter version {body.version}.", param="version", code="version_not_found") from None
     return {"object": "adapter.rollback", "scope": body.scope, "restored": body.version, "version": new_version}
 
 
 @router.delete("/users/{user}")
 async def forget_user(user: str, request: Request, _: ApiKey = Depends(authenticate_admin)) -> dict:
     """Delete everything of one user: keys, open sessions, records, samples, their own adapter."""
-    return await request.app.state.forget_user(user)
+    return await services(request).forget_user(user)

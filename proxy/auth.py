@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from fastapi import Request
 
-from nextstate.proxy.errors import OpenAIError
+from nextstate.proxy.app_state import services
+from nextstate.proxy.errors import ApiError
 from nextstate.proxy.keys import ApiKey, KeyStore
 
 _WWW = {"WWW-Authenticate": "Bearer"}
@@ -24,19 +25,19 @@ def request_secret(request: Request) -> str | None:
 async def authenticate(request: Request) -> ApiKey:
     secret = request_secret(request)
     if secret is None:
-        raise OpenAIError(
+        raise ApiError(
             401,
             "You didn't provide an API key. Send it as 'Authorization: Bearer <key>' (or 'x-api-key: <key>'); "
             "create one with 'nextstate keys create --user NAME'.",
             code="missing_api_key",
             headers=_WWW,
         )
-    store: KeyStore = request.app.state.keys
+    store: KeyStore = services(request).keys
     # Inline, not in a worker thread: one indexed read of a WAL database (readers never wait for
     # writers) takes ~8 µs here, the hop to a thread and back ~75 µs on every request.
     key = store.verify(secret)
     if key is None:
-        raise OpenAIError(401, "Incorrect or revoked API key provided.", code="invalid_api_key", headers=_WWW)
+        raise ApiError(401, "Incorrect or revoked API key provided.", code="invalid_api_key", headers=_WWW)
     request.state.user = key.user  # for the record of a request that is refused later
     return key
 
@@ -44,5 +45,5 @@ async def authenticate(request: Request) -> ApiKey:
 async def authenticate_admin(request: Request) -> ApiKey:
     key = await authenticate(request)
     if not key.admin:
-        raise OpenAIError(403, "This route needs an admin key ('nextstate keys create --admin').", type="permission_error", code="admin_required")
+        raise ApiError(403, "This route needs an admin key ('nextstate keys create --admin').", type="permission_error", code="admin_required")
     return key

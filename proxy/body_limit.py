@@ -10,11 +10,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from nextstate.proxy.errors import ANTHROPIC_ROUTES, OpenAIError
+from nextstate.proxy.errors import ANTHROPIC_ROUTES, ApiError
 
 
-def too_large(limit: int) -> OpenAIError:
-    return OpenAIError(
+def too_large(limit: int) -> ApiError:
+    return ApiError(
         413, f"The request body is larger than this server accepts ({limit} bytes; NEXTSTATE_MAX_BODY_BYTES).",
         code="request_too_large",
     )

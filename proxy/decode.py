@@ -3,8 +3,8 @@
 One `Decoder` per generation turns each sampled token into a delta of visible text, tool calls
 and logprobs: it detokenises incrementally (no broken multi-byte characters), cuts at stop
 strings, and lifts `<tool_call>` blocks out of the text. It knows nothing of HTTP or of any
-API's wire format, so chat completions (and any other API served from the same turns) share
-it, and streamed and non-streamed replies can never disagree.
+API's wire format, so every API served from the same turns (chat completions, Messages,
+Responses) shares it, and streamed and non-streamed replies can never disagree.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from nextstate.core.policy import PolicyRef
 from nextstate.engine.base import GeneratedToken
 from nextstate.modelio.text_stream import incremental_detokenizer, StopStringMatcher
 from nextstate.modelio.tool_calls import ParsedToolCall, ToolCallParser
@@ -20,7 +21,10 @@ from nextstate.modelio.tool_calls import ParsedToolCall, ToolCallParser
 
 @dataclass(frozen=True)
 class Admitted:
-    """The engine has taken the request: a stream can start now, long before the first token."""
+    """The engine has taken the request: a stream can start now, long before the first token.
+    `policy` is the version that serves it, looked up right before the engine."""
+
+    policy: PolicyRef
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,7 @@
 """Every error leaves in OpenAI's shape: {"error": {"message", "type", "param", "code"}}, or,
 under Anthropic's routes (/v1/messages), in Anthropic's: {"type": "error", "error": {"type",
-"message"}}.
+"message"}}. One exception type, `ApiError`, carries an error to whichever shape its route
+speaks (admin and feedback routes answer in OpenAI's).
 
 Clients written against OpenAI or Anthropic (the official SDKs among them) parse their shape to
 raise the right exception class, so a 500 with a stack trace or FastAPI's own `{"detail": ...}`
@@ -17,10 +18,14 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
+from nextstate.engine.base import EngineError
+
 log = logging.getLogger(__name__)
 
 
-class OpenAIError(Exception):
+class ApiError(Exception):
+    """An error answered to the client: its HTTP status and OpenAI's fields."""
+
     def __init__(
         self,
         status: int,
@@ -59,8 +64,22 @@ _ANTHROPIC_TYPES = {
 ANTHROPIC_ROUTES = "/v1/messages"
 
 
-def invalid_request(message: str, param: str | None = None, code: str | None = None) -> OpenAIError:
-    return OpenAIError(400, message, param=param, code=code)
+def invalid_request(message: str, param: str | None = None, code: str | None = None) -> ApiError:
+    return ApiError(400, message, param=param, code=code)
+
+
+def server_error() -> ApiError:
+    """nextstate's own failure (a bug): said plainly, the details left to the server's log."""
+    return ApiError(500, "The server had an error while processing your request.", type="server_error")
+
+
+def engine_error(exc: EngineError) -> ApiError:
+    """The engine's failure as the client should see it: 502/503/504 for an engine that is
+    down, slow or broken (retry later), 400 for a request it refused."""
+    status = exc.http_status
+    if status >= 500:
+        return ApiError(status, f"The model server failed: {exc}", type="server_error", code="engine_error")
+    return ApiError(status, f"The model server refused the request: {exc}", code="engine_rejected")
 
 
 def _param_from_loc(loc: tuple) -> str | None:
@@ -77,7 +96,7 @@ def _param_from_loc(loc: tuple) -> str | None:
     return out or None
 
 
-def validation_error(errors: list) -> OpenAIError:
+def validation_error(errors: list) -> ApiError:
     """One OpenAI-style 400 from pydantic's error list, naming the offending parameter."""
     # A union reports one failure per member; the custom check (value_error) says what is wrong.
     errors = sorted(errors, key=lambda e: e.get("type") != "value_error")
@@ -96,11 +115,11 @@ def validation_error(errors: list) -> OpenAIError:
 _STATUS_TYPES = {401: "invalid_request_error", 403: "permission_error", 404: "invalid_request_error", 405: "invalid_request_error"}
 
 
-def refused(request: Request, error: OpenAIError) -> JSONResponse:
+def refused(request: Request, error: ApiError) -> JSONResponse:
     """The error response, after recording the refusal (a record and a /metrics count): a
     request nextstate turned down must be as visible to the operator as one it served."""
-    state = request.app.state
-    if hasattr(state, "records"):
+    state = getattr(request.app.state, "services", None)  # None before the lifespan built it
+    if state is not None:
         state.metrics.refused.labels(str(error.status), error.code or error.type).inc()
         state.records.write(
             "refused",
@@ -113,8 +132,8 @@ def refused(request: Request, error: OpenAIError) -> JSONResponse:
 
 
 def install_error_handlers(app: FastAPI) -> None:
-    @app.exception_handler(OpenAIError)
-    async def _openai_error(request: Request, exc: OpenAIError) -> JSONResponse:
+    @app.exception_handler(ApiError)
+    async def _openai_error(request: Request, exc: ApiError) -> JSONResponse:
         return refused(request, exc)
 
     @app.exception_handler(RequestValidationError)
@@ -125,7 +144,7 @@ def install_error_handlers(app: FastAPI) -> None:
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         kind = _STATUS_TYPES.get(exc.status_code, "server_error" if exc.status_code >= 500 else "invalid_request_error")
         code = "not_found" if exc.status_code == 404 else None
-        return refused(request, OpenAIError(exc.status_code, str(exc.detail), type=kind, code=code, headers=exc.headers))
+        return refused(request, ApiError(exc.status_code, str(exc.detail), type=kind, code=code, headers=exc.headers))
 
     @app.exception_handler(ClientDisconnect)
     async def _gone(request: Request, exc: Exception) -> Response:
@@ -136,4 +155,4 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
         log.exception("unhandled error")
-        return refused(request, OpenAIError(500, "The server had an error while processing your request.", type="server_error"))
+        return refused(request, server_error())

@@ -13,8 +13,9 @@ from typing import Literal
 from fastapi import APIRouter, Depends, Request
 from pydantic import BaseModel, ConfigDict, Field
 
+from nextstate.proxy.app_state import services
 from nextstate.proxy.auth import authenticate
-from nextstate.proxy.errors import OpenAIError
+from nextstate.proxy.errors import ApiError
 from nextstate.proxy.keys import ApiKey
 from nextstate.proxy.request_body import read_model, request_body_schema
 
@@ -55,13 +56,14 @@ async def post_feedback(request: Request, key: ApiKey = Depends(authenticate)) -
     """Rate one reply (+1 / −1), optionally with a correction; rating it again replaces the rating."""
     body = await read_model(request, FeedbackRequest)
     # a rating counts as a request against the key's limit: a correction costs a teacher pass
-    await request.app.state.turns.limiter.admit(key, 0)
-    open_turn = request.app.state.sessions.find_turn(key.user, body.response_id)
-    result = await request.app.state.judge.apply_feedback(
+    state = services(request)
+    await state.turns.limiter.admit(key, 0)
+    open_turn = state.sessions.find_turn(key.user, body.response_id)
+    result = await state.feedback.apply(
         key.user, body.response_id, body.rating, body.correction, open_turn=open_turn
     )
     if result.status == "not_found":
-        raise OpenAIError(
+        raise ApiError(
             404, f"No reply '{body.response_id}' of yours is known here: only the main turns of your own "
             "conversations can be rated, until records retention removes them.",
             param="response_id", code="response_not_found",

@@ -7,8 +7,9 @@ import time
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
 
+from nextstate.proxy.app_state import services
 from nextstate.proxy.auth import authenticate, authenticate_admin
-from nextstate.proxy.errors import OpenAIError
+from nextstate.proxy.errors import ApiError
 from nextstate.proxy.keys import ApiKey
 
 router = APIRouter()
@@ -20,7 +21,7 @@ def _model_card(request: Request) -> dict:
     """OpenAI's model object, plus the context length under the names clients look for it
     (vLLM's `max_model_len`, `context_length`, `context_window`): an agent that knows the
     window sizes its prompt instead of being refused."""
-    turns = request.app.state.turns
+    turns = services(request).turns
     context = turns.engine.info.max_context
     return {
         "id": turns.model_name, "object": "model", "created": _STARTED, "owned_by": "nextstate",
@@ -35,15 +36,15 @@ async def list_models(request: Request, _: ApiKey = Depends(authenticate)) -> di
 
 @router.get("/v1/models/{model_id:path}")
 async def get_model(model_id: str, request: Request, _: ApiKey = Depends(authenticate)) -> dict:
-    if model_id != request.app.state.turns.model_name:
-        raise OpenAIError(404, f"The model '{model_id}' does not exist.", param="model", code="model_not_found")
+    if model_id != services(request).turns.model_name:
+        raise ApiError(404, f"The model '{model_id}' does not exist.", param="model", code="model_not_found")
     return _model_card(request)
 
 
 @router.get("/healthz")
 async def healthz(request: Request) -> dict:
-    info = request.app.state.turns.engine.info
-    return {"status": "ok", "model": request.app.state.turns.model_name, "device": info.device, "dtype": info.dtype}
+    info = services(request).turns.engine.info
+    return {"status": "ok", "model": services(request).turns.model_name, "device": info.device, "dtype": info.dtype}
 
 
 @router.get("/metrics")
@@ -51,6 +52,6 @@ async def metrics(request: Request) -> Response:
     """Prometheus metrics. They tell who uses the server how much, so they need an admin key
     (`Authorization: Bearer`, which Prometheus' scrape config can send), unless
     NEXTSTATE_METRICS_PUBLIC is set."""
-    if not request.app.state.settings.server.metrics_public:
+    if not services(request).settings.server.metrics_public:
         await authenticate_admin(request)
-    return Response(request.app.state.metrics.render(), media_type="text/plain; version=0.0.4")
+    return Response(services(request).metrics.render(), media_type="text/plain; version=0.0.4")

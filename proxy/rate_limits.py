@@ -18,7 +18,7 @@ from limits import RateLimitItemPerMinute
 from limits.aio.storage import MemoryStorage
 from limits.aio.strategies import MovingWindowRateLimiter
 
-from nextstate.proxy.errors import OpenAIError
+from nextstate.proxy.errors import ApiError
 from nextstate.proxy.keys import ApiKey
 
 
@@ -72,9 +72,9 @@ class RateLimiter:
         }
 
     @staticmethod
-    def _refusal(key: ApiKey, kind: str, limit: int, headers: dict[str, str]) -> OpenAIError:
+    def _refusal(key: ApiKey, kind: str, limit: int, headers: dict[str, str]) -> ApiError:
         wait = math.ceil(float(headers[f"x-ratelimit-reset-{kind}"].rstrip("s")) or 1)
-        return OpenAIError(
+        return ApiError(
             429,
             f"Rate limit reached for key {key.id}: {limit} {kind} per minute. Try again in {wait}s.",
             type=kind,  # OpenAI's 429s say "requests" or "tokens" here

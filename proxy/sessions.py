@@ -43,7 +43,7 @@ import math
 import secrets
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -51,6 +51,11 @@ import pydantic_core
 
 from nextstate.core.types import NextState, Transition, Turn
 from nextstate.proxy.session_chain import Chain, MessageDigests, VolatileText
+from nextstate.proxy.session_db import SessionDB
+
+# Where a session hands each transition (the judge's inbox). What it returns resolves once the
+# transition is safe on disk, so the session may drop it from its row; None: kept at once.
+TransitionSink = Callable[[Transition], Awaitable[None] | None]
 
 TurnType = Literal["main", "side"]
 # Session ids come back as the X-Session-Id header: visible ASCII only (no spaces, no control
@@ -149,16 +154,16 @@ class TurnPlan:
 class SessionStore:
     def __init__(
         self,
-        emit: Callable[[Transition], None],
+        emit: TransitionSink,
         idle_s: float = 1800.0,
         max_sessions: int = 10000,
         clock: Callable[[], float] = time.monotonic,
         max_per_user: int | None = None,
         volatile: VolatileText | None = None,
-        db: Any = None,
+        db: SessionDB | None = None,
     ) -> None:
         self._emit_to = emit
-        self._handed: list[Any] = []  # what `emit` returned: awaitables until the judge has it on disk
+        self._handed: list[asyncio.Future[None]] = []  # what `emit` returned, until the judge has it on disk
         self._dirty: set[tuple[str, str]] = set()
         self.idle_s = idle_s
         self.max_sessions = max_sessions

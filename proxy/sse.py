@@ -6,7 +6,7 @@ import json
 from typing import Any
 
 
-def sse_data(payload: str | dict[str, Any]) -> str:
+def sse_event(payload: str | dict[str, Any]) -> str:
     """One event; a dict is serialised, a string is taken as JSON already."""
     text = payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False)
     return f"data: {text}\n\n"

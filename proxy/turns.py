@@ -1,6 +1,6 @@
 """One reply, whatever API asked for it: prepare → generate → commit.
 
-Every API front end (chat completions today) converts its request into a `TurnRequest`, the
+Every API front end (chat completions, Messages, Responses) converts its request into a `TurnRequest`, the
 one internal form of "a conversation that wants the next assistant message". `TurnService`
 then does the API-neutral work: it checks the model and the context budget, renders the prompt
 to token ids, classifies the request into a session (main or side turn), picks the policy that
@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import re
 import secrets
 import time
 from collections.abc import AsyncIterator
@@ -30,65 +29,20 @@ from nextstate.engine.base import Engine, EngineError, SamplingParams
 from nextstate.modelio.chat_template import ChatRenderer, RenderedPrompt
 from nextstate.modelio.tool_calls import forced_call_schema
 from nextstate.proxy.decode import Admitted, Decoder, Delta, Finished, StillWorking, TurnEvent
-from nextstate.proxy.errors import OpenAIError, invalid_request
+from nextstate.proxy.errors import ApiError, engine_error, invalid_request, server_error
 from nextstate.proxy.keys import ApiKey
 from nextstate.proxy.rate_limits import RateLimiter
-from nextstate.proxy.sessions import SESSION_ID_PATTERN
 from nextstate.proxy.sessions import SessionStore, TurnPlan
+from nextstate.proxy.wire import TurnHints
 
 log = logging.getLogger(__name__)
 
-_TRUE = {"1", "true", "yes", "on"}
-_ADMITTED = object()  # in a turn's token queue: the engine took the request
 _END = object()  # in a turn's token queue: the engine finished
 _QUIET = object()  # in a turn's token queue: `keepalive_s` passed without a token
 
 
 def _is_token(item: object) -> bool:
-    return item is not _END and item is not _ADMITTED and item is not _QUIET and not isinstance(item, BaseException)
-
-
-def engine_error(exc: EngineError) -> OpenAIError:
-    """The engine's failure as the client should see it: 502/503/504 for an engine that is
-    down, slow or broken (retry later), 400 for a request it refused."""
-    status = exc.http_status
-    if status >= 500:
-        return OpenAIError(status, f"The model server failed: {exc}", type="server_error", code="engine_error")
-    return OpenAIError(status, f"The model server refused the request: {exc}", code="engine_rejected")
-
-
-@dataclass(frozen=True)
-class TurnHints:
-    """What the client said about the session, via headers or body fields."""
-
-    session_id: str | None = None
-    turn_type: str | None = None
-    done: bool = False
-    outcome_expected: bool = False
-
-    @classmethod
-    def from_request(cls, headers: Any, body: Any) -> TurnHints:
-        """Headers win over the body's nextstate extension fields (`session_id`, ...)."""
-        turn_type = headers.get("x-turn-type") or getattr(body, "turn_type", None)
-        if turn_type is not None:
-            turn_type = turn_type.strip().lower()
-            if turn_type not in ("main", "side"):
-                raise invalid_request("X-Turn-Type must be 'main' or 'side'.", param="X-Turn-Type")
-        session_id = headers.get("x-session-id") or getattr(body, "session_id", None)
-        if session_id is not None:
-            session_id = session_id.strip()
-            if not re.fullmatch(SESSION_ID_PATTERN, session_id):
-                raise invalid_request(
-                    "X-Session-Id must be 1-200 visible ASCII characters (no spaces or control characters).",
-                    param="X-Session-Id",
-                )
-        done = _flag(headers.get("x-session-done"), getattr(body, "session_done", None))
-        outcome = _flag(headers.get("x-outcome-expected"), getattr(body, "outcome_expected", None))
-        return cls(session_id or None, turn_type, done, outcome)
-
-
-def _flag(header: str | None, field_value: bool | None) -> bool:
-    return header.strip().lower() in _TRUE if header is not None else bool(field_value)
+    return item is not _END and item is not _QUIET and not isinstance(item, (BaseException, Admitted))
 
 
 @dataclass(frozen=True)
@@ -124,18 +78,14 @@ class PreparedTurn:
     prompt: RenderedPrompt
     sampling: SamplingParams
     plan: TurnPlan
-    policy: PolicyRef
+    # The version that serves the turn: looked up right before the engine and set when the
+    # engine admits the request (`Admitted.policy`); None until then. One lookup, one moment:
+    # a swap between preparing and generating must not leave parts of a reply naming another.
+    policy: PolicyRef | None = None
     id: str = field(default_factory=lambda: "chatcmpl-" + secrets.token_hex(12))
     created: int = field(default_factory=lambda: int(time.time()))
     started: float = field(default_factory=time.monotonic)
     extra_headers: dict[str, str] = field(default_factory=dict)  # the key's rate-limit standing
-
-    @property
-    def headers(self) -> dict[str, str]:
-        out = {"X-Turn-Type": self.plan.turn_type, "X-Policy-Version": str(self.policy.version), **self.extra_headers}
-        if self.plan.session_id:
-            out["X-Session-Id"] = self.plan.session_id
-        return out
 
 
 class TurnService:
@@ -180,14 +130,14 @@ class TurnService:
         )
         self.metrics.turns.labels(plan.turn_type, plan.match).inc()
         self.metrics.sessions_open.set(len(self.sessions))
-        prep = PreparedTurn(request, key, prompt, sampling, plan, self.policies.current(key.user))
+        prep = PreparedTurn(request, key, prompt, sampling, plan)
         prep.extra_headers.update(quota.headers)
         return prep
 
     async def render(self, request: TurnRequest) -> RenderedPrompt:
         """The prompt the model would read for `request` (nothing else happens)."""
         if request.model != self.model_name:
-            raise OpenAIError(
+            raise ApiError(
                 404,
                 f"The model '{request.model}' does not exist here; this server serves '{self.model_name}'.",
                 param="model",
@@ -226,7 +176,7 @@ class TurnService:
         failure after it is recorded (a 'failed' record and count) and raised."""
         user = prep.key.user
         if self._running.get(user, 0) >= self.max_parallel_per_user:
-            raise OpenAIError(
+            raise ApiError(
                 429, f"You have {self.max_parallel_per_user} replies being generated; wait for one to finish "
                 "(NEXTSTATE_MAX_PARALLEL_PER_USER).", type="requests", code="too_many_parallel_requests",
                 headers={"retry-after": "1"},
@@ -240,21 +190,33 @@ class TurnService:
                 async for event in self._run(prep):
                     admitted = admitted or isinstance(event, Admitted)
                     yield event
-        except OpenAIError as exc:
+        except ApiError as exc:
             if admitted:
-                self.metrics.failed.labels(exc.code or exc.type).inc()
-                self.records.write(
-                    "failed",
-                    {"id": prep.id, "user": prep.key.user, "session_id": prep.plan.session_id, "turn_type": prep.plan.turn_type,
-                     "status": exc.status, "code": exc.code, "message": exc.message[:500]},
-                    version=prep.policy.version,
-                )
+                self._failed(prep, exc)
                 log.warning("reply %s of %s failed: %s", prep.id, prep.key.user, exc.message)
             raise
+        except Exception as exc:
+            if not admitted:
+                raise
+            # a bug, not an engine failure: the client gets a 500-type error event, the
+            # operator the traceback and a 'failed' record
+            error = server_error()
+            self._failed(prep, error)
+            log.exception("reply %s of %s failed", prep.id, prep.key.user)
+            raise error from exc
         finally:
             self._running[user] -= 1
             if not self._running[user]:
                 del self._running[user]
+
+    def _failed(self, prep: PreparedTurn, exc: ApiError) -> None:
+        self.metrics.failed.labels(exc.code or exc.type).inc()
+        self.records.write(
+            "failed",
+            {"id": prep.id, "user": prep.key.user, "session_id": prep.plan.session_id, "turn_type": prep.plan.turn_type,
+             "status": exc.status, "code": exc.code, "message": exc.message[:500]},
+            version=prep.policy.version if prep.policy else 0,
+        )
 
     async def _run(self, prep: PreparedTurn) -> AsyncIterator[Admitted | StillWorking | Delta | Finished]:
         request = prep.request
@@ -296,8 +258,9 @@ class TurnService:
                     break
                 if isinstance(item, BaseException):
                     raise (engine_error(item) if isinstance(item, EngineError) else item) from item
-                if item is _ADMITTED:
-                    yield Admitted()
+                if isinstance(item, Admitted):
+                    prep.policy = item.policy
+                    yield item
                     continue
                 if not response_ids:
                     self.metrics.ttft.observe(time.monotonic() - prep.started)
@@ -327,7 +290,7 @@ class TurnService:
         tail = decoder.flush()
         done = decoder.finished(len(prep.prompt.ids), len(response_ids), cached)
         if request.forced_tool_call and not done.tool_calls:
-            raise OpenAIError(
+            raise ApiError(
                 400,
                 f"The model did not complete the tool call it was made to write within {prep.sampling.max_new_tokens} "
                 f"tokens (finish reason '{done.finish_reason}'). Raise max_tokens, or let it answer without a forced call.",
@@ -344,13 +307,13 @@ class TurnService:
     async def _pump(self, prep: PreparedTurn, tokens: asyncio.Queue) -> None:
         """Engine tokens into `tokens`, with the admission marker first and `_END` last.
 
-        The version is looked up again here, not only in `prepare`: the route awaits between
-        the two, and a swap in that gap unloads the version prepared (the learner publishes the
-        new one before it unloads the old, so the one current now is loaded). Nothing has been
-        sent yet: headers and the stream's first chunk come after admission."""
-        prep.policy = self.policies.current(prep.key.user)
+        The version is looked up here, right before the engine, not in `prepare`: the route
+        awaits between the two, and a swap in that gap unloads the version current then (the
+        learner publishes the new one before it unloads the old, so the one current now is
+        loaded). The admission marker carries it; nothing has been sent before it."""
+        policy = self.policies.current(prep.key.user)
         stream = self.engine.generate(
-            prep.prompt.ids, prep.sampling, prep.policy.adapter, on_admit=lambda: tokens.put_nowait(_ADMITTED)
+            prep.prompt.ids, prep.sampling, policy.adapter, on_admit=lambda: tokens.put_nowait(Admitted(policy))
         )
         try:
             first = True
@@ -380,6 +343,7 @@ class TurnService:
     def _commit(self, prep: PreparedTurn, done: Finished, response_ids: list[int], logprobs: list[float]) -> None:
         """Record the request and, for a main turn, hand its tokens to the session."""
         plan, message, request = prep.plan, done.message(), prep.request
+        assert prep.policy is not None, "committed before the engine admitted it"
         self.metrics.prompt_tokens.inc(done.prompt_tokens)
         self.metrics.prompt_tokens_cached.inc(done.cached_tokens or 0)
         self.metrics.completion_tokens.inc(done.completion_tokens)

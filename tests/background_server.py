@@ -83,18 +83,18 @@ class RunningServer:
         them on disk (and recorded), as the sweeper's save waits for."""
 
         async def close_all() -> None:
-            self.app.state.sessions.close_all()
-            await self.app.state.sessions.save()
+            self.app.state.services.sessions.close_all()
+            await self.app.state.services.sessions.save()
 
         self.call(close_all())
 
     def drain_judge(self, timeout: float = 60) -> None:
         """Wait until every transition handed to the judge has been judged and stored."""
-        self.call(self.app.state.judge.drain(timeout), timeout + 5)
+        self.call(self.app.state.services.judge.drain(timeout), timeout + 5)
 
     def records(self) -> list[dict]:
         """All JSONL records written so far (waits for the background writer to catch up)."""
-        self.call(self.app.state.records.flush(), 10)
+        self.call(self.app.state.services.records.flush(), 10)
         out = []
         for path in sorted(self.settings.records_dir.glob("*.jsonl")):
             out += [json.loads(line) for line in path.read_text().splitlines() if line]

@@ -107,6 +107,16 @@ def test_every_package_is_checked():
     assert shipped == set(PACKAGES)
 
 
+def test_the_layers_are_the_packages_pyproject_maps():
+    """pyproject.toml's package-dir is where the folders are mapped; every layer here is one of them."""
+    import tomllib
+
+    with open(ROOT / "pyproject.toml", "rb") as f:
+        mapped = tomllib.load(f)["tool"]["setuptools"]["package-dir"]
+    top_folders = {folder.split("/")[0] for folder in mapped.values()}
+    assert top_folders == set(PACKAGES)
+
+
 def test_a_forbidden_import_is_caught():
     planted = [
         ("judge", "judge/planted.py", "from nextstate.proxy.sessions import SessionStore\n"),

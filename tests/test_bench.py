@@ -171,8 +171,8 @@ def test_final_evaluation_samples_the_serving_version_on_fixed_seeds_and_leaves_
     with bench_server(tiny_model_dir, "policy", learn=False, judge_enabled=False) as server:
         first = final_evaluation(server, "simulated-user", args, RuleScorer(preference))
         again = final_evaluation(server, "simulated-user", args, RuleScorer(preference))
-        server.call(server.app.state.turns.records.flush())
-        assert len(server.app.state.turns.sessions) == 0 and server.app.state.turns.records.written == 0
+        server.call(server.app.state.services.turns.records.flush())
+        assert len(server.app.state.services.turns.sessions) == 0 and server.app.state.services.turns.records.written == 0
     assert first == again and first["version"] == 0 and first["replies"] == 3 * len(TASKS)
     assert [r["task_index"] for r in first["samples"]] == [i for i in range(len(TASKS)) for _ in range(3)]
     assert len({r["first_reply"] for r in first["samples"]}) > len(TASKS), "each seed draws its own reply"

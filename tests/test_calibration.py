@@ -15,7 +15,7 @@ def calibrated_server(server_factory, judge, **overrides):
     values = {"judge_base_url": judge.base_url, "judge_model": "judge", "prm_votes": 3, "judge_calibration": True,
               "batch_size": 2, "lr": 5e-3, "lora_r": 4, "lora_alpha": 8, "max_user_share": 1.0}
     server = server_factory(**{**values, **overrides})
-    wait_for(lambda: server.app.state.judge.calibration.state != "pending", timeout=60)
+    wait_for(lambda: server.app.state.services.judge.calibration.state != "pending", timeout=60)
     return server
 
 
@@ -33,7 +33,7 @@ def test_a_judge_that_judges_passes_and_scores_next_states(server_factory, judge
     converse(server.client(server.key("alice")), SCRIPT[:2], max_tokens=3)
     server.end_conversations()
     server.drain_judge()
-    assert [s.reward for s in server.app.state.samples.samples()] == [-1.0], "the correction was judged"
+    assert [s.reward for s in server.app.state.services.samples.samples()] == [-1.0], "the correction was judged"
 
 
 @pytest.mark.parametrize("mode", ["garbage", "error"])
@@ -52,23 +52,23 @@ def test_a_judge_that_cannot_judge_is_benched_and_feedback_still_trains(server_f
     server.end_conversations()
     server.drain_judge()
     assert len(judge.calls) == calls, "no implicit-feedback work goes to a failed judge"
-    assert server.app.state.samples.samples() == []
-    assert server.app.state.samples.stats()["transitions_pending"] == 0, "the turns wait for explicit feedback"
+    assert server.app.state.services.samples.samples() == []
+    assert server.app.state.services.samples.stats()["transitions_pending"] == 0, "the turns wait for explicit feedback"
 
     # every turn can still be rated, and the ratings train
     records = [r for r in server.records() if r["kind"] == "request"]
     for record in records[:2]:
         assert rate(server, alice, record["id"], -1, "Answer in French.").json()["status"] == "applied"
-    wait_for(lambda: server.app.state.policies.current("alice").version == 1, timeout=60)
+    wait_for(lambda: server.app.state.services.policies.current("alice").version == 1, timeout=60)
     assert messages
 
 
 def test_the_embedded_default_judge_is_checked_too(server_factory):
     """No NEXTSTATE_JUDGE_BASE_URL: the served model judges itself, and the tiny one cannot."""
     server = server_factory(judge_calibration=True, prm_votes=1, judge_max_tokens=16)
-    wait_for(lambda: server.app.state.judge.calibration.state != "pending", timeout=120)
-    assert server.app.state.judge.calibration.state == "failed"
-    assert server.app.state.judge.implicit is False
+    wait_for(lambda: server.app.state.services.judge.calibration.state != "pending", timeout=120)
+    assert server.app.state.services.judge.calibration.state == "failed"
+    assert server.app.state.services.judge.implicit is False
 
 
 def test_a_case_passes_only_when_most_votes_have_a_verdict():

@@ -8,13 +8,16 @@ import types
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from nextstate.core.policy import PolicyRef
 from nextstate.proxy.chat_completion.protocol import Delta
 from nextstate.proxy.chat_completion.serving import ChatCompletionBuilder
 
 
 def builder(model: str, include_usage: bool, want_logprobs: bool = False) -> ChatCompletionBuilder:
-    prep = types.SimpleNamespace(id="chatcmpl-0123", created=1790000000, policy=types.SimpleNamespace(version=7))
-    return ChatCompletionBuilder(prep, model, include_usage, want_logprobs)
+    prep = types.SimpleNamespace(id="chatcmpl-0123", created=1790000000, policy=None)
+    b = ChatCompletionBuilder(prep, model, include_usage, want_logprobs)
+    b.start(PolicyRef(version=7, adapter=None))
+    return b
 
 
 @settings(max_examples=300, deadline=None)
@@ -35,7 +38,6 @@ def test_the_template_stands_aside_where_it_cannot_hold():
 def test_a_stream_names_the_version_that_served_it_when_a_swap_replaced_the_prepared_one():
     """The builder is made before the engine admits the request; a swap in between moves the
     reply to the new version (proxy/turns.py `_pump`), and every chunk from the first says so."""
-    b = builder("m", include_usage=False)
-    b.prep.policy = types.SimpleNamespace(version=8)
-    assert '"system_fingerprint":"nextstate-v8"' in b.start()
+    b = ChatCompletionBuilder(types.SimpleNamespace(id="chatcmpl-0123", created=1790000000, policy=None), "m", False, False)
+    assert '"system_fingerprint":"nextstate-v8"' in b.start(PolicyRef(version=8, adapter="shared-v8"))
     assert '"system_fingerprint":"nextstate-v8"' in b.text_chunk("hi")

@@ -26,7 +26,7 @@ def learned(server_factory):
     for i, rating in enumerate((1, -1, 1, -1)):
         reply = client.chat.completions.create(model="tiny", messages=ASK, max_tokens=4, seed=i)
         rate(server, alice, reply.id, rating, None if rating > 0 else "Shorter, please.")
-    wait_for(lambda: server.app.state.policies.current("alice").version == 2, timeout=120)
+    wait_for(lambda: server.app.state.services.policies.current("alice").version == 2, timeout=120)
     client.chat.completions.create(model="tiny", messages=ASK, max_tokens=4)  # served by v2
     return server
 
@@ -120,7 +120,7 @@ def test_per_user_adapters_are_reported_per_scope(server_factory):
         for i in range(2):
             reply = server.client(key).chat.completions.create(model="tiny", messages=ASK, max_tokens=3, seed=i)
             rate(server, key, reply.id, rating)
-    wait_for(lambda: all(server.app.state.policies.current(u).version == 1 for u in ("alice", "bob")), timeout=120)
+    wait_for(lambda: all(server.app.state.services.policies.current(u).version == 1 for u in ("alice", "bob")), timeout=120)
     admin = server.key("root", admin=True)
     report = httpx.get(f"{server.base_url}/admin/progress", headers={"Authorization": f"Bearer {admin}"}).json()
     assert {(v["scope"], v["policy_version"], v["mean_reward"]) for v in report["by_version"]} == {

@@ -38,7 +38,7 @@ def test_transitions_and_samples_made_while_the_disk_is_full_are_written_when_it
     server_factory, judge, monkeypatch, caplog
 ):
     server = judged_server(server_factory, judge)
-    disk = FullDisk(monkeypatch, server.app.state.samples, "add_transition", "add_sample")
+    disk = FullDisk(monkeypatch, server.app.state.services.samples, "add_transition", "add_sample")
     caplog.set_level(logging.INFO, logger="nextstate.core.durable")
     started = time.monotonic()
     converse(server.client(server.key("alice")), SCRIPT, max_tokens=3)
@@ -48,12 +48,12 @@ def test_transitions_and_samples_made_while_the_disk_is_full_are_written_when_it
     while disk.refused < 3 and time.monotonic() < deadline:
         time.sleep(0.05)
     assert disk.refused >= 3, "every transition tried the disk"
-    assert server.app.state.samples.samples() == []
+    assert server.app.state.services.samples.samples() == []
     assert any("kept in memory and retried" in r.getMessage() for r in caplog.records)
 
     disk.free()
     server.drain_judge()
-    samples = server.app.state.samples.samples()
+    samples = server.app.state.services.samples.samples()
     assert sorted(s.turn_index for s in samples) == [1, 2, 3], "nothing made during the outage was lost"
     assert len({(s.session_id, s.turn_index) for s in samples}) == len(samples), "each written once"
     assert any("nothing was lost" in r.getMessage() for r in caplog.records)

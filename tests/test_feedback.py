@@ -20,7 +20,7 @@ def rate(server, key: str, response_id: str, rating=1, correction: str | None = 
 
 
 def sample_of(server, response_id: str):
-    found = [s for s in server.app.state.samples.samples() if s.response_id == response_id]
+    found = [s for s in server.app.state.services.samples.samples() if s.response_id == response_id]
     assert len(found) <= 1, "one sample per reply"
     return found[0] if found else None
 
@@ -77,7 +77,7 @@ def test_an_earlier_turn_can_be_rated_after_the_conversation_went_on(server_fact
     client.chat.completions.create(model="tiny", messages=follow, max_tokens=3)
     server.end_conversations()  # its next state is confirmed: the turn left its session
     server.drain_judge()
-    assert server.app.state.sessions.find_turn("alice", first.id) is None
+    assert server.app.state.services.sessions.find_turn("alice", first.id) is None
     resp = rate(server, alice, first.id, -1)
     assert resp.status_code == 200 and resp.json()["status"] == "applied"
     assert sample_of(server, first.id).reward == -1.0
@@ -88,7 +88,7 @@ def test_a_trained_turn_is_recorded_not_retrained(server_factory):
     alice = server.key("alice")
     reply = server.client(alice).chat.completions.create(model="tiny", messages=ASK, max_tokens=3)
     assert rate(server, alice, reply.id, 1).json()["status"] == "applied"
-    wait_for(lambda: server.app.state.policies.current("alice").version == 1)
+    wait_for(lambda: server.app.state.services.policies.current("alice").version == 1)
     resp = rate(server, alice, reply.id, -1)
     assert resp.status_code == 200 and resp.json()["status"] == "already_trained"
     sample = sample_of(server, reply.id)
@@ -109,16 +109,16 @@ def test_feedback_alone_moves_the_model_toward_what_the_user_rewards(server_fact
         liked[reply.id] = i % 2 == 0
         correction = None if liked[reply.id] else "Be brief and friendly."
         assert rate(server, alice, reply.id, 1 if liked[reply.id] else -1, correction).json()["status"] == "applied"
-    wait_for(lambda: server.app.state.policies.current("alice").version == 2, timeout=120)
+    wait_for(lambda: server.app.state.services.policies.current("alice").version == 2, timeout=120)
 
-    engine, adapter = server.app.state.turns.engine, server.app.state.policies.current("alice").adapter
+    engine, adapter = server.app.state.services.turns.engine, server.app.state.services.policies.current("alice").adapter
 
     async def logprob(sample, under):
         scores = await engine.score(sample.prompt_ids + sample.response_ids, len(sample.prompt_ids), adapter=under)
         return sum(scores)
 
     moved = {True: [], False: []}
-    for sample in server.app.state.samples.samples():
+    for sample in server.app.state.services.samples.samples():
         delta = server.call(logprob(sample, adapter)) - server.call(logprob(sample, None))
         moved[liked[sample.response_id]].append(delta)
     up, down = sum(moved[True]) / 4, sum(moved[False]) / 4
@@ -144,8 +144,8 @@ def test_a_few_ratings_publish_a_version_without_filling_a_batch(server_factory)
         reply = client.chat.completions.create(model="tiny", messages=ASK, max_tokens=4, seed=i)
         rate(server, alice, reply.id, 1 if i % 2 else -1)
     assert server.settings.learner.batch_size == 16 and server.settings.learner.lr == "auto"
-    wait_for(lambda: server.app.state.policies.current("alice").version == 1, timeout=60)
-    step = server.app.state.learner.steps[-1]
+    wait_for(lambda: server.app.state.services.policies.current("alice").version == 1, timeout=60)
+    step = server.app.state.services.learner.steps[-1]
     assert step["published"] and step["samples"] == 4
 
 
@@ -162,12 +162,12 @@ def test_the_policy_teacher_scores_with_the_serving_version_once_the_turns_is_go
             assert rate(server, alice, reply.id, 1).json()["status"] == "applied"
 
     rated_pair(0)
-    wait_for(lambda: server.app.state.policies.current("alice").version == 1)
+    wait_for(lambda: server.app.state.services.policies.current("alice").version == 1)
     late = client.chat.completions.with_raw_response.create(model="tiny", messages=ASK, max_tokens=3, seed=9)
     assert late.headers["x-policy-version"] == "1"
     rated_pair(10)
-    wait_for(lambda: server.app.state.policies.current("alice").version == 2)
-    engine = server.app.state.turns.engine
+    wait_for(lambda: server.app.state.services.policies.current("alice").version == 2)
+    engine = server.app.state.services.turns.engine
     wait_for(lambda: "shared-v1" not in engine.adapters)
     resp = rate(server, alice, late.parse().id, -1, "Say it more kindly.")
     assert resp.status_code == 200 and resp.json()["status"] == "applied", resp.text

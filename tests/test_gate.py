@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from nextstate.learner.gate import GateFigures, judge_version, repetition
+from nextstate.learner.gate import GATE_NEW_TOKENS, GateFigures, repetition, verdict_from_figures
 from tests.test_learner import feed, learning_server, served_samples, wait_for
 
 
@@ -12,15 +12,15 @@ def test_the_verdict_rules():
     assert repetition([1, 2, 3]) is None and repetition([1, 2, 3, 4, 5, 6]) == 0
     assert repetition([7, 8, 7, 8, 7, 8]) == 0.5, "(7,8,7) and (8,7,8) each come back once"
     assert repetition([1, 2, 1, 3, 1, 4, 1, 5]) == 0, "a token coming back is not a repeated phrase"
-    ok = judge_version(GateFigures(-2.0, 0.1), GateFigures(-2.05, 0.12), 0.1, max_likelihood_drop=0.1,
+    ok = verdict_from_figures(GateFigures(-2.0, 0.1), GateFigures(-2.05, 0.12), 0.1, max_likelihood_drop=0.1,
                        max_repetition_rise=0.05, held_out=4, prompts=4)
     assert ok.passed and ok.reasons == []
-    bad = judge_version(GateFigures(-2.0, 0.1), GateFigures(-2.5, 0.4), 0.1, max_likelihood_drop=0.1,
+    bad = verdict_from_figures(GateFigures(-2.0, 0.1), GateFigures(-2.5, 0.4), 0.1, max_likelihood_drop=0.1,
                         max_repetition_rise=0.05, held_out=4, prompts=4)
     assert not bad.passed and len(bad.reasons) == 2
     assert "less likely" in bad.reasons[0] and "repeat themselves" in bad.reasons[1]
     # drift is measured from the base model, not from the serving version: it cannot pile up
-    drift = judge_version(GateFigures(-2.0, 0.3), GateFigures(-2.0, 0.32), 0.1, max_likelihood_drop=0.1,
+    drift = verdict_from_figures(GateFigures(-2.0, 0.3), GateFigures(-2.0, 0.32), 0.1, max_likelihood_drop=0.1,
                           max_repetition_rise=0.05, held_out=4, prompts=4)
     assert not drift.passed
 
@@ -29,22 +29,23 @@ def test_a_version_that_unlearns_what_users_liked_does_not_serve(server_factory)
     server = learning_server(server_factory, publish_gate=True, lr=2e-2, max_kl=1e9, gate_backtracks=0)
     liked = served_samples(server, 4, advantage=1.0)
     feed(server, liked)
-    wait_for(lambda: server.app.state.policies.current("alice").version == 1)
+    wait_for(lambda: server.app.state.services.policies.current("alice").version == 1)
     # the same replies, now punished hard: what users rewarded would become far less likely
     punished = [s.model_copy(update={"advantages": [-5.0] * len(s.response_ids), "reward": -1.0, "id": None})
                 for s in liked]
     feed(server, punished)
-    wait_for(lambda: any(st.get("gate") for st in server.app.state.learner.steps[1:]), timeout=120)
-    step = server.app.state.learner.steps[-1]
+    wait_for(lambda: any(st.get("gate") for st in server.app.state.services.learner.steps[1:]), timeout=120)
+    step = server.app.state.services.learner.steps[-1]
     assert step["published"] is False and step["skipped"].startswith("gate: rewarded replies became less likely")
     assert step["gate"]["step_scale"] == 1 and step["gate"]["refused"] == [], "held back at once: no backtracking"
     assert step["gate"]["held_out"] == 4 and step["gate"]["candidate"]["liked_logprob"] < step["gate"]["serving"]["liked_logprob"]
-    assert server.app.state.policies.current("alice").version == 1, "v1 keeps serving"
+    assert server.app.state.services.policies.current("alice").version == 1, "v1 keeps serving"
     records = [r for r in server.records() if r["kind"] == "train_step"]
     assert records[-1]["gate"]["passed"] is False
     # the learner's weights went back to v1's: its next figures are v1's again
-    learner = server.app.state.learner
-    again = server.call(asyncio_to_thread(learner._gate_figures, "shared", (server.app.state.samples.samples("consumed")[:4], [])))
+    learner = server.app.state.services.learner
+    liked = server.app.state.services.samples.samples("consumed")[:4]
+    again = server.call(asyncio_to_thread(learner.trainer.gate_figures, "shared", liked, [], GATE_NEW_TOKENS))
     assert again.liked_logprob == pytest.approx(step["gate"]["serving"]["liked_logprob"], abs=1e-4)
 
 
@@ -52,8 +53,8 @@ def test_a_step_that_went_too_far_is_tried_at_half_its_length(server_factory, mo
     """NEXTSTATE_GATE_BACKTRACKS at its default: the whole step is refused (forced here, so the
     test does not hang on how far a tiny model moves), half of it is scored again and serves."""
     server = learning_server(server_factory, publish_gate=True, gate_max_likelihood_drop=10.0)
-    learner = server.app.state.learner
-    real, verdicts = learner._gate, []
+    learner = server.app.state.services.learner
+    real, verdicts = learner.gate._check, []
 
     def gate(*args):
         verdict = real(*args)
@@ -62,11 +63,11 @@ def test_a_step_that_went_too_far_is_tried_at_half_its_length(server_factory, mo
         verdicts.append(verdict)
         return verdict
 
-    monkeypatch.setattr(learner, "_gate", gate)
+    monkeypatch.setattr(learner.gate, "_check", gate)
     feed(server, served_samples(server, 4, advantage=1.0))
-    wait_for(lambda: server.app.state.policies.current("alice").version == 1)
+    wait_for(lambda: server.app.state.services.policies.current("alice").version == 1)
     feed(server, served_samples(server, 4, advantage=1.0, seed0=40))
-    wait_for(lambda: server.app.state.policies.current("alice").version == 2)
+    wait_for(lambda: server.app.state.services.policies.current("alice").version == 2)
     assert len(verdicts) == 2, "v1 had nothing held out; v2 was scored twice"
     gate_record = learner.steps[-1]["gate"]
     assert gate_record["passed"] and gate_record["step_scale"] == 0.5
@@ -85,10 +86,10 @@ def asyncio_to_thread(fn, *args):
 def test_a_version_that_keeps_what_users_liked_serves_with_its_figures_recorded(server_factory):
     server = learning_server(server_factory, publish_gate=True)
     feed(server, served_samples(server, 4, advantage=1.0))
-    wait_for(lambda: server.app.state.policies.current("alice").version == 1)
+    wait_for(lambda: server.app.state.services.policies.current("alice").version == 1)
     feed(server, served_samples(server, 4, advantage=1.0, seed0=40))
-    wait_for(lambda: server.app.state.policies.current("alice").version == 2)
-    gate = server.app.state.learner.steps[-1]["gate"]
+    wait_for(lambda: server.app.state.services.policies.current("alice").version == 2)
+    gate = server.app.state.services.learner.steps[-1]["gate"]
     assert gate["passed"] and gate["held_out"] == 4 and gate["prompts"] == 4
     assert gate["candidate"]["liked_logprob"] >= gate["serving"]["liked_logprob"] - 0.1
     assert gate["base_repetition"] is not None

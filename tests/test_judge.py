@@ -45,7 +45,7 @@ SCRIPT = [
 def samples_by_turn(server) -> dict[int, object]:
     server.end_conversations()
     server.drain_judge()
-    return {s.turn_index: s for s in server.app.state.samples.samples()}
+    return {s.turn_index: s for s in server.app.state.services.samples.samples()}
 
 
 def test_combined_mode_rewards_hints_and_advantages(server_factory, judge):
@@ -93,7 +93,7 @@ def test_teacher_is_the_base_model_under_the_enhanced_prompt(server_factory, jud
         sampling={}, policy_version=0, adapter=None, response_message=request["response"], finish_reason="length", created_at=0,
     )
     app = server.app
-    rescored = server.call(teacher_logprobs(app.state.turns.engine, app.state.turns.renderer, turn, sample.hint, None))
+    rescored = server.call(teacher_logprobs(app.state.services.turns.engine, app.state.services.turns.renderer, turn, sample.hint, None))
     assert rescored == pytest.approx(sample.teacher_logprobs, abs=1e-5)
 
 
@@ -150,7 +150,7 @@ def test_a_broken_judge_costs_samples_not_requests(server_factory, judge, mode):
     assert len(samples) == 3
     for s in samples.values():
         assert s.votes == [None, None, None] and s.hint is None and s.reward == 0
-    stats = server.app.state.judge.stats.snapshot()
+    stats = server.app.state.services.judge.stats.snapshot()
     assert stats["votes_failed"] == stats["votes"] == 18
     records = [r for r in server.records() if r["kind"] == "judgement"]
     assert all(v["error"] or v["score"] is None for r in records for v in r["votes"])
@@ -239,9 +239,9 @@ def test_an_outcome_posted_while_the_episode_is_open_reaches_its_last_step(serve
     resp = httpx.post(f"{server.base_url}/sessions/episode-2/outcome", json={"reward": -1.0},
                       headers={"Authorization": f"Bearer {key}"})
     assert resp.status_code == 200
-    assert server.app.state.sessions.get("env", "episode-2") is None, "the outcome ended the episode"
+    assert server.app.state.services.sessions.get("env", "episode-2") is None, "the outcome ended the episode"
     server.drain_judge()
-    samples = {s.turn_index: s for s in server.app.state.samples.samples()}
+    samples = {s.turn_index: s for s in server.app.state.services.samples.samples()}
     assert sorted(samples) == [1, 2]
     assert (samples[2].status, samples[2].reward, samples[2].track) == ("ready", -1.0, "outcome")
     assert samples[1].reward == -2.0, "o + the correction's vote"
@@ -272,7 +272,7 @@ def test_each_step_of_a_judgement_waits_for_a_quiet_moment(server_factory, judge
 
     monkeypatch.setattr(service, "QUIET_WAIT_S", 30.0)
     server = judged_server(server_factory, judge, prm_votes=1, mode="binary")
-    state = server.app.state
+    state = server.app.state.services
     asked, answer = [], None
 
     async def complete(messages, **kwargs):
@@ -332,7 +332,7 @@ def test_unfinished_judgements_resume_after_a_restart(server_factory, judge, tmp
     converse(server.client(server.key("alice")), SCRIPT[:2])
     server.end_conversations()
     server.drain_judge()
-    (sample,) = server.app.state.samples.samples()
+    (sample,) = server.app.state.services.samples.samples()
     request = next(r for r in server.records() if r["kind"] == "request")
     settings = server.settings
     server.stop()
@@ -350,10 +350,10 @@ def test_unfinished_judgements_resume_after_a_restart(server_factory, judge, tmp
     restarted = start_server(settings)
     try:
         restarted.drain_judge()
-        samples = restarted.app.state.samples.samples()
+        samples = restarted.app.state.services.samples.samples()
         assert [s.session_id for s in samples] == [sample.session_id, "crashed"]
         assert samples[1].reward == 1 and samples[1].status == "ready"
-        assert restarted.app.state.samples.pending_transitions() == []
+        assert restarted.app.state.services.samples.pending_transitions() == []
     finally:
         restarted.stop()
 

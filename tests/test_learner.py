@@ -177,7 +177,7 @@ def learning_server(server_factory, **overrides):
 
 def feed(server, samples: list[Sample]) -> None:
     """Put judged samples in the store as the judge would, and wake the learner."""
-    store, learner = server.app.state.samples, server.app.state.learner
+    store, learner = server.app.state.services.samples, server.app.state.services.learner
 
     async def put():
         for s in samples:
@@ -195,8 +195,8 @@ def wait_for(predicate, timeout=60.0):
 
 
 def served_samples(server, n, user="alice", advantage=1.0, seed0=0):
-    chat = server.app.state.turns
-    ref = server.app.state.policies.current(user)
+    chat = server.app.state.services.turns
+    ref = server.app.state.services.policies.current(user)
     runs = server.call(generate(chat.engine, n, ref.adapter, seed0))
     return [make_sample(toks, advantage=advantage, user=user, policy_version=ref.version) for toks in runs]
 
@@ -207,15 +207,15 @@ def test_updates_publish_versions_that_serve(server_factory):
     ask = dict(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=3)
     assert client.chat.completions.with_raw_response.create(**ask).headers["x-policy-version"] == "0"
     feed(server, served_samples(server, 4))
-    wait_for(lambda: server.app.state.policies.current("alice").version == 1)
+    wait_for(lambda: server.app.state.services.policies.current("alice").version == 1)
     raw = client.chat.completions.with_raw_response.create(**ask)
     assert raw.headers["x-policy-version"] == "1"
     vdir = server.settings.adapters_dir / "shared" / "v1"
     assert (vdir / "adapter_model.safetensors").is_file() and (vdir / "adapter_config.json").is_file()
     manifest = json.loads((vdir / "manifest.json").read_text())
     assert len(manifest["sample_ids"]) == 4 and manifest["step"]["samples"] == 4
-    assert server.app.state.samples.samples("ready") == []
-    assert len(server.app.state.samples.samples("consumed")) == 4
+    assert server.app.state.services.samples.samples("ready") == []
+    assert len(server.app.state.services.samples.samples("consumed")) == 4
     steps = [r for r in server.records() if r["kind"] == "train_step"]
     assert steps[0]["version"] == 1 and steps[0]["published"] and "mismatch" in steps[0] and "clip_fraction" in steps[0]
     assert (server.settings.records_dir / "policy-v0001.jsonl").is_file()
@@ -248,15 +248,15 @@ def test_no_request_fails_or_stalls_across_swaps(server_factory):
         futures = [pool.submit(hammer, i) for i in range(3)]
         for round_ in range(4):
             feed(server, served_samples(server, 4, seed0=10 * round_))
-            wait_for(lambda: server.app.state.policies.current("alice").version == round_ + 1)
+            wait_for(lambda: server.app.state.services.policies.current("alice").version == round_ + 1)
         for f in futures:
             results += f.result()  # any failed request would raise here
     versions = [v for _, v in results]
     assert set(versions) >= {0, 4} and max(versions) == 4
     assert len(results) >= 20
     assert max(latency for latency, _ in results) < 5, "no request stalled during a swap"
-    assert server.app.state.turns.engine.adapters == ["shared-v4"] or wait_for(
-        lambda: server.app.state.turns.engine.adapters == ["shared-v4"]
+    assert server.app.state.services.turns.engine.adapters == ["shared-v4"] or wait_for(
+        lambda: server.app.state.services.turns.engine.adapters == ["shared-v4"]
     ) is None, "old versions are unloaded"
 
 
@@ -265,18 +265,20 @@ def test_a_reply_prepared_before_a_swap_is_served_by_the_version_that_replaced_i
     old before the request reached the engine (the route awaits between the two): the reply
     comes from the new version, recorded as such, instead of failing on an unloaded adapter."""
     from nextstate.proxy.keys import ApiKey
-    from nextstate.proxy.turns import TurnHints, TurnRequest
+    from nextstate.proxy.turn_response import response_headers
+    from nextstate.proxy.turns import TurnRequest
+    from nextstate.proxy.wire import TurnHints
 
     server = learning_server(server_factory)
     feed(server, served_samples(server, 4))
-    wait_for(lambda: server.app.state.policies.current("alice").version == 1)
-    turns, policies = server.app.state.turns, server.app.state.policies
+    wait_for(lambda: server.app.state.services.policies.current("alice").version == 1)
+    turns, policies = server.app.state.services.turns, server.app.state.services.policies
     key = ApiKey(id="k", user="alice", hint="k", admin=False, created_at=0.0, revoked_at=None)
     request = TurnRequest(model="tiny", messages=[{"role": "user", "content": "hi"}], hints=TurnHints(), max_tokens=3)
 
     async def swap_between_prepare_and_generate():
         prep = await turns.prepare(request, key)
-        assert prep.policy.adapter == "shared-v1"
+        assert prep.policy is None and policies.current("alice").adapter == "shared-v1", "settled only at admission"
         await turns.engine.load_adapter("shared-v2", str(server.settings.adapters_dir / "shared" / "v1"))
         policies.publish("shared", PolicyRef(version=2, adapter="shared-v2"))
         await turns.engine.unload_adapter("shared-v1")
@@ -285,12 +287,12 @@ def test_a_reply_prepared_before_a_swap_is_served_by_the_version_that_replaced_i
 
     prep, done = server.call(swap_between_prepare_and_generate())
     assert done.completion_tokens >= 1
-    assert prep.policy == PolicyRef(version=2, adapter="shared-v2") and prep.headers["X-Policy-Version"] == "2"
+    assert prep.policy == PolicyRef(version=2, adapter="shared-v2") and response_headers(prep)["X-Policy-Version"] == "2"
 
 
 def test_user_scope_keeps_users_apart(server_factory):
     server = learning_server(server_factory, adapter_scope="user")
-    policies = server.app.state.policies
+    policies = server.app.state.services.policies
     feed(server, served_samples(server, 4, user="alice"))
     wait_for(lambda: policies.current("alice").version == 1)
     assert policies.current("bob").version == 0 and policies.current("bob").adapter is None
@@ -307,7 +309,7 @@ def test_user_scope_keeps_users_apart(server_factory):
 
 def test_rollback_restores_an_earlier_version(server_factory):
     server = learning_server(server_factory)
-    policies = server.app.state.policies
+    policies = server.app.state.services.policies
     for round_ in range(2):
         feed(server, served_samples(server, 4, seed0=round_ * 10))
         wait_for(lambda: policies.current("alice").version == round_ + 1)
@@ -329,17 +331,17 @@ def test_restart_resumes_without_losing_or_repeating_samples(server_factory, tmp
 
     server = learning_server(server_factory)
     feed(server, served_samples(server, 4))
-    wait_for(lambda: server.app.state.policies.current("alice").version == 1)
+    wait_for(lambda: server.app.state.services.policies.current("alice").version == 1)
     feed(server, served_samples(server, 3, seed0=50))  # a partial batch when the process stops
     settings = server.settings
     server.stop()
 
     restarted = start_server(settings)
     try:
-        assert restarted.app.state.policies.current("alice").version == 1, "serving resumes at the latest version"
-        assert len(restarted.app.state.samples.samples("ready")) == 3
+        assert restarted.app.state.services.policies.current("alice").version == 1, "serving resumes at the latest version"
+        assert len(restarted.app.state.services.samples.samples("ready")) == 3
         feed(restarted, served_samples(restarted, 1, seed0=90))
-        wait_for(lambda: restarted.app.state.policies.current("alice").version == 2)
+        wait_for(lambda: restarted.app.state.services.policies.current("alice").version == 2)
         manifests = [json.loads((settings.adapters_dir / "shared" / f"v{v}" / "manifest.json").read_text()) for v in (1, 2)]
         ids = manifests[0]["sample_ids"] + manifests[1]["sample_ids"]
         assert len(ids) == len(set(ids)) == 8, "every sample trained exactly once"
@@ -353,7 +355,7 @@ def test_crash_between_publish_and_bookkeeping_trains_nothing_twice(server_facto
     from tests.conftest import start_server
 
     server = learning_server(server_factory, learn=False)
-    samples = server.app.state.samples
+    samples = server.app.state.services.samples
     stored = [samples.add_sample(s) for s in served_samples(server, 4)]
     settings = server.settings
     server.stop()
@@ -367,8 +369,8 @@ def test_crash_between_publish_and_bookkeeping_trains_nothing_twice(server_facto
     )  # ... and the process "dies" here
     restarted = start_server(settings.with_overrides(learn=True))
     try:
-        assert restarted.app.state.samples.samples("ready") == []
-        assert restarted.app.state.policies.current("alice").version == 1
+        assert restarted.app.state.services.samples.samples("ready") == []
+        assert restarted.app.state.services.policies.current("alice").version == 1
     finally:
         restarted.stop()
 
@@ -385,7 +387,7 @@ def test_a_consistent_reward_moves_the_policy(server_factory, peaked_model_dir):
     """Reward +1 for replies that start with a chosen token, −1 otherwise: after a few
     updates the served adapter gives that token markedly more probability."""
     server = learning_server(server_factory, model=str(peaked_model_dir), batch_size=16, lr=5e-3, lora_r=8, lora_alpha=16)
-    chat, policies = server.app.state.turns, server.app.state.policies
+    chat, policies = server.app.state.services.turns, server.app.state.services.policies
     prompt = chat.renderer.render([{"role": "user", "content": "Pick a word."}]).ids
 
     def first_token_distribution():
@@ -498,20 +500,20 @@ def test_samples_without_signal_or_too_stale_take_no_batch_slot(server_factory):
     # two samples with advantage 0 (the at-least-one rule's) and four with signal: the batch
     # is the four, and the two are dropped with their reason
     feed(server, served_samples(server, 2, advantage=0.0) + served_samples(server, 4, advantage=1.0, seed0=10))
-    wait_for(lambda: server.app.state.policies.current(alice).version == 1)
-    dropped = server.app.state.samples.samples("dropped")
+    wait_for(lambda: server.app.state.services.policies.current(alice).version == 1)
+    dropped = server.app.state.services.samples.samples("dropped")
     assert len(dropped) == 2 and all(s.reason.startswith("no signal") for s in dropped)
-    assert len(server.app.state.samples.samples("consumed")) == 4
+    assert len(server.app.state.services.samples.samples("consumed")) == 4
     # samples served by v0 while v2 serves are more than one version behind: dropped as stale
     old = served_samples(server, 4, seed0=20)
     for s in old:
         s.policy_version = 0
     feed(server, served_samples(server, 4, seed0=30))
-    wait_for(lambda: server.app.state.policies.current(alice).version == 2)
+    wait_for(lambda: server.app.state.services.policies.current(alice).version == 2)
     feed(server, old)
-    wait_for(lambda: len(server.app.state.samples.samples("dropped")) == 6)
-    assert server.app.state.policies.current(alice).version == 2
-    assert all(s.reason.startswith("stale") for s in server.app.state.samples.samples("dropped")[2:])
+    wait_for(lambda: len(server.app.state.services.samples.samples("dropped")) == 6)
+    assert server.app.state.services.policies.current(alice).version == 2
+    assert all(s.reason.startswith("stale") for s in server.app.state.services.samples.samples("dropped")[2:])
 
 
 async def test_chunked_logprobs_match_the_whole_head_and_its_gradients(trainer, engine, monkeypatch):
@@ -568,8 +570,8 @@ def test_a_response_longer_than_the_training_limit_is_dropped_with_its_reason(se
     long = long.model_copy(update={"response_ids": long.response_ids * 3, "old_logprobs": long.old_logprobs * 3,
                                    "advantages": long.advantages * 3, "loss_mask": long.loss_mask * 3})
     feed(server, [long])
-    wait_for(lambda: len(server.app.state.samples.samples("dropped")) == 1)
-    assert "NEXTSTATE_MAX_TRAIN_TOKENS" in server.app.state.samples.samples("dropped")[0].reason
+    wait_for(lambda: len(server.app.state.services.samples.samples("dropped")) == 1)
+    assert "NEXTSTATE_MAX_TRAIN_TOKENS" in server.app.state.services.samples.samples("dropped")[0].reason
 
 
 def test_micro_batches_keep_to_the_token_budget():

@@ -353,7 +353,7 @@ def test_an_abandoned_stream_is_recorded_and_never_trained(scripted):
     (aborted,) = [r for r in server.records() if r["kind"] == "aborted"]
     assert aborted["user"] == "alice" and aborted["turn_type"] == "main"
     assert not [r for r in server.records() if r["kind"] == "request"], "an abandoned reply is not a turn"
-    assert len(server.app.state.sessions) == 0, "and it opened no session"
+    assert len(server.app.state.services.sessions) == 0, "and it opened no session"
     metrics = server.metrics()
     assert 'nextstate_requests_aborted_total{turn_type="main"} 1.0' in metrics
 

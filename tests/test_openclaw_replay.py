@@ -134,7 +134,7 @@ def test_an_openclaw_conversation_is_one_session_with_the_users_next_states(repl
     assert all(t["reason"] == "next_state" for t in with_next)
     assert any(t["edited"] for t in with_next), "OpenClaw rewrote our replies; those turns say so"
 
-    samples = {s.turn_index: s for s in server.app.state.samples.samples() if s.session_id == session}
+    samples = {s.turn_index: s for s in server.app.state.services.samples.samples() if s.session_id == session}
     retry_turns = [t["turn_index"] for t in with_next if "did not produce a user-visible answer" in json.dumps(t["next_state"])]
     assert len(retry_turns) == 1
     for index, sample in samples.items():

@@ -18,6 +18,7 @@ import subprocess
 import sys
 import sysconfig
 import time
+import tomllib
 import zipfile
 from pathlib import Path
 
@@ -30,15 +31,41 @@ from tests.judge_server import ScriptedJudge
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def package_folders() -> dict[str, str]:
+    """pyproject.toml's package-dir: each `nextstate.*` package and its folder, written once there."""
+    with open(ROOT / "pyproject.toml", "rb") as f:
+        return tomllib.load(f)["tool"]["setuptools"]["package-dir"]
+
+
+LAYER_FOLDERS = sorted({folder.split("/")[0] for name, folder in package_folders().items() if name != "nextstate"})
+
+
+def copy_of_the_source(dest: Path) -> Path:
+    """The checkout without what a build or a run left in it."""
+    shutil.copytree(ROOT, dest, ignore=shutil.ignore_patterns(
+        ".git", "build", "dist", "*.egg-info", "__pycache__", ".pytest_cache", ".mypy_cache", "results", "data"
+    ))
+    return dest
+
+
+def borrowing_venv(venv: Path) -> Path:
+    """A fresh venv that borrows this environment's packages (torch, ...) through a `.pth`
+    path entry — which adds the folders to sys.path without running the `.pth` files in them,
+    so the test environment's own install of nextstate stays out. Returns its python."""
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+    python = venv / "bin" / "python"
+    site = Path(subprocess.check_output([str(python), "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"], text=True).strip())
+    deps = {sysconfig.get_path("purelib"), sysconfig.get_path("platlib")}
+    (site / "borrowed-dependencies.pth").write_text("".join(f"{path}\n" for path in sorted(deps)))
+    return python
+
+
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory) -> Path:
     """Built from a copy of the source, so no build/ folder lands in the checkout and no file
     left over from an earlier build can slip into the wheel."""
     tmp = tmp_path_factory.mktemp("dist")
-    source = tmp / "source"
-    shutil.copytree(ROOT, source, ignore=shutil.ignore_patterns(
-        ".git", "build", "dist", "*.egg-info", "__pycache__", ".pytest_cache", "results", "data"
-    ))
+    source = copy_of_the_source(tmp / "source")
     subprocess.run(
         [sys.executable, "-m", "pip", "wheel", str(source), "--no-deps", "--no-build-isolation", "-q", "-w", str(tmp)],
         check=True, cwd=tmp, capture_output=True,
@@ -50,16 +77,11 @@ def wheel(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def wheel_env(wheel, tmp_path_factory) -> Path:
     """A fresh venv with only the built wheel installed; returns its python."""
-    venv = tmp_path_factory.mktemp("wheel") / "venv"
-    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
-    python = venv / "bin" / "python"
+    python = borrowing_venv(tmp_path_factory.mktemp("wheel") / "venv")
     subprocess.run(
         [sys.executable, "-m", "pip", "--python", str(python), "install", "--no-deps", "-q", str(wheel)],
         check=True, capture_output=True,
     )
-    site = Path(subprocess.check_output([str(python), "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"], text=True).strip())
-    deps = {sysconfig.get_path("purelib"), sysconfig.get_path("platlib")}
-    (site / "borrowed-dependencies.pth").write_text("".join(f"{path}\n" for path in sorted(deps)))
     return python
 
 
@@ -72,7 +94,7 @@ def test_the_wheel_holds_the_package_and_nothing_else(wheel):
     names = zipfile.ZipFile(wheel).namelist()
     assert all(n.startswith(("nextstate/", "nextstate-")) for n in names), "files outside the nextstate namespace"
     sources = {n.removeprefix("nextstate/") for n in names if n.endswith((".py", ".txt"))}
-    for folder in ("core", "modelio", "engine", "proxy", "judge", "learner", "prompts"):
+    for folder in LAYER_FOLDERS:
         expected = {str(p.relative_to(ROOT)) for p in (ROOT / folder).rglob("*") if p.suffix in (".py", ".txt")}
         assert expected <= sources, f"missing from the wheel: {sorted(expected - sources)}"
     assert not any("tiny_model" in n or "background_server" in n for n in names), "test helpers were shipped"
@@ -85,7 +107,7 @@ def test_the_wheel_ships_one_namespace_with_its_prompts(wheel_env, tmp_path):
     venv = wheel_env.parent.parent
     for path in json.loads(done.stdout):
         assert Path(path).is_relative_to(venv), f"{path} does not come from the wheel"
-    for name in ("proxy", "engine", "judge", "learner", "core", "prompts"):
+    for name in LAYER_FOLDERS:
         failed = run_in(wheel_env, f"import {name}", tmp_path)
         assert failed.returncode != 0 and "ModuleNotFoundError" in failed.stderr, f"'import {name}' worked"
 
@@ -126,3 +148,27 @@ def test_serve_from_the_wheel_judges_with_its_bundled_prompts(wheel_env, tmp_pat
     systems = [messages[0]["content"] for messages in judge.calls]
     # the judge appends its fencing note (judge/context.py) to whichever prompt it loaded
     assert any(system.startswith(bundled) for system in systems), "the judge did not get the bundled PRM prompt"
+
+
+def test_mypy_follows_every_module_of_a_strict_editable_install(tmp_path):
+    """docs/DEVELOPING.md's install for tools: setuptools' strict editable mode lays a link tree
+    that mypy (and editors) read, and `py.typed` lets mypy type the package; the default mode's
+    import hook is invisible to them."""
+    source = copy_of_the_source(tmp_path / "source")
+    python = borrowing_venv(tmp_path / "venv")
+    subprocess.run(
+        [sys.executable, "-m", "pip", "--python", str(python), "install", "--no-deps", "--no-build-isolation", "-q",
+         "-e", str(source), "--config-settings", "editable_mode=strict"],
+        check=True, capture_output=True, cwd=tmp_path,
+    )
+    probe = tmp_path / "probe.py"
+    probe.write_text("from nextstate.proxy.turns import TurnService\nreveal_type(TurnService.prepare)\n")
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "MYPYPATH")}
+    done = subprocess.run([str(python), "-m", "mypy", "--no-incremental", str(probe)], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert "nextstate.proxy.turns.PreparedTurn" in done.stdout, done.stdout + done.stderr
+    assert "Cannot find implementation" not in done.stdout and "missing library stubs" not in done.stdout
+    # and the checkout still runs from its root in that install (nextstate/__init__.py)
+    ran = subprocess.run([str(python), "-c", "import nextstate.proxy.turns as t; print(t.__file__)"], cwd=source, env=env,
+                         capture_output=True, text=True, timeout=60)
+    assert ran.returncode == 0 and ran.stdout.strip().startswith(str(source)), ran.stderr

@@ -28,7 +28,7 @@ def test_the_data_dir_is_private(server_factory):
     server = learning_server(server_factory, adapter_scope="user")
     chat(server, server.key("alice"))
     feed(server, served_samples(server, 4, user="alice"))
-    wait_for(lambda: server.app.state.policies.current("alice").version == 1)
+    wait_for(lambda: server.app.state.services.policies.current("alice").version == 1)
     server.records()
     data = server.settings.data_dir
     assert stat.S_IMODE(data.stat().st_mode) == 0o700
@@ -46,18 +46,18 @@ def test_a_user_can_be_forgotten_while_the_server_runs(server_factory):
     stored = server.client(alice).responses.create(model="tiny", input="my pin is 4711", max_output_tokens=3)
     chat(server, bob)
     feed(server, served_samples(server, 4, user="alice"))
-    wait_for(lambda: server.app.state.policies.current("alice").version == 1)
+    wait_for(lambda: server.app.state.services.policies.current("alice").version == 1)
     assert httpx.delete(f"{server.base_url}/admin/users/alice", headers={"Authorization": f"Bearer {bob}"}).status_code == 403
     resp = httpx.delete(f"{server.base_url}/admin/users/alice", headers={"Authorization": f"Bearer {admin}"}, timeout=60)
     assert resp.status_code == 200 and resp.json()["adapter_deleted"] and resp.json()["keys"] == 1
     assert resp.json()["responses"] == 1
-    assert server.app.state.responses.store.conversation("alice", stored.id) is None
+    assert server.app.state.services.responses.store.conversation("alice", stored.id) is None
     records = server.records()
     assert records and not [r for r in records if r.get("user") == "alice"]
     assert [r["user"] for r in records if r["kind"] == "request"] == ["bob"]
-    assert not [s for s in server.app.state.samples.samples() if s.user == "alice"]
+    assert not [s for s in server.app.state.services.samples.samples() if s.user == "alice"]
     assert not (server.settings.adapters_dir / "alice").exists()
-    assert server.app.state.policies.current("alice").version == 0
+    assert server.app.state.services.policies.current("alice").version == 0
     assert "swordfish" not in "".join(p.read_text() for p in server.settings.records_dir.glob("*.jsonl"))
     assert httpx.post(f"{server.base_url}/chat/completions", json={"model": "tiny", "messages": HELLO},
                       headers={"Authorization": f"Bearer {alice}"}).status_code == 401

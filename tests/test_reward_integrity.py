@@ -45,28 +45,28 @@ def test_one_user_cannot_fill_a_shared_batch_while_others_have_keys(server_facto
     server.key("alice"), server.key("bob")  # two users: the shared adapter is everyone's
     feed(server, served_samples(server, 6, user="alice"))
     server.call(_sleep(1.5))
-    assert server.app.state.policies.current("bob").version == 0, "alice alone published a version for bob"
+    assert server.app.state.services.policies.current("bob").version == 0, "alice alone published a version for bob"
     feed(server, served_samples(server, 2, user="bob", seed0=50))
-    wait_for(lambda: server.app.state.policies.current("bob").version == 1)
+    wait_for(lambda: server.app.state.services.policies.current("bob").version == 1)
     (step,) = [r for r in server.records() if r["kind"] == "train_step"]
-    users = [s.user for s in server.app.state.samples.samples("consumed")]
+    users = [s.user for s in server.app.state.services.samples.samples("consumed")]
     assert sorted(users) == ["alice", "alice", "bob", "bob"] and len(step["sample_ids"]) == 4
 
 
 def test_a_single_user_server_trains_on_its_own(server_factory):
     server = learning_server(server_factory, max_user_share=0.5)
     feed(server, served_samples(server, 4, user="alice"))
-    wait_for(lambda: server.app.state.policies.current("alice").version == 1)
+    wait_for(lambda: server.app.state.services.policies.current("alice").version == 1)
 
 
 def test_a_batch_without_signal_publishes_nothing(server_factory):
     server = learning_server(server_factory)
     feed(server, served_samples(server, 4, advantage=0.0))
     # with no KL term they carry nothing to learn: dropped before batching, no step at all
-    wait_for(lambda: len(server.app.state.samples.samples("dropped")) == 4)
-    assert all(s.reason.startswith("no signal") for s in server.app.state.samples.samples("dropped"))
+    wait_for(lambda: len(server.app.state.services.samples.samples("dropped")) == 4)
+    assert all(s.reason.startswith("no signal") for s in server.app.state.services.samples.samples("dropped"))
     assert not [r for r in server.records() if r["kind"] == "train_step"]
-    assert server.app.state.policies.current("alice").version == 0
+    assert server.app.state.services.policies.current("alice").version == 0
     assert not (server.settings.adapters_dir / "shared").exists()
 
 
@@ -76,10 +76,10 @@ def test_a_sample_with_non_finite_values_is_dropped_alone(server_factory):
     samples[1] = samples[1].model_copy(update={"advantages": [float("inf")] * len(samples[1].response_ids)})
     samples[2] = samples[2].model_copy(update={"old_logprobs": [float("nan")] * len(samples[2].response_ids)})
     feed(server, samples)
-    wait_for(lambda: server.app.state.policies.current("alice").version == 1)
-    dropped = server.app.state.samples.samples("dropped")
+    wait_for(lambda: server.app.state.services.policies.current("alice").version == 1)
+    dropped = server.app.state.services.samples.samples("dropped")
     assert sorted(s.id for s in dropped) == [2, 3] and all("not finite" in s.reason for s in dropped)
-    assert [s.id for s in server.app.state.samples.samples("consumed")] == [1, 4], "the rest of the batch trained"
+    assert [s.id for s in server.app.state.services.samples.samples("consumed")] == [1, 4], "the rest of the batch trained"
 
 
 async def test_advantages_are_clipped_in_training(tiny_model_dir):

@@ -261,7 +261,7 @@ def test_two_users_cannot_see_each_others_sessions(server):
     by_user = {(r["user"], r["session_id"]) for r in records if r["kind"] == "request"}
     assert ("alice", "s") in by_user and ("bob", "s") in by_user
     assert b2.headers["x-turn-type"] == "main"
-    sessions = server.app.state.sessions
+    sessions = server.app.state.services.sessions
     assert sessions.get("alice", "s") is not sessions.get("bob", "s")
     assert sessions.get("alice", "s").turn_count == 1
 
@@ -278,7 +278,7 @@ def test_idle_timeout_closes_sessions_in_the_server(server_factory, idle):
         time.sleep(0.1)
     (t,) = [r for r in server.records() if r["kind"] == "transition"]
     assert t["reason"] == "session_closed"
-    assert len(server.app.state.sessions) == 0
+    assert len(server.app.state.services.sessions) == 0
 
 
 # ---------------------------------------------------------------------------- agents that rewrite history

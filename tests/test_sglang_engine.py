@@ -233,10 +233,10 @@ def test_a_turn_served_by_sglang_keeps_old_and_teacher_logprobs_on_one_footing(s
     server = server_factory(engine="sglang", sglang_url=sglang.url, judge_enabled=False, learn=False)
     reply = server.client(server.key("alice")).chat.completions.create(
         model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=6, temperature=0.7, seed=1)
-    turn = server.app.state.sessions.find_turn("alice", reply.id)
+    turn = server.app.state.services.sessions.find_turn("alice", reply.id)
     assert turn.logprob_temperature == 1.0 and turn.sampling["temperature"] == 0.7
     # what the OPD teacher pass computes (scoring the response as prompt tokens) without a hint
-    engine = server.app.state.turns.engine
+    engine = server.app.state.services.turns.engine
     scored = server.call(engine.score(turn.prompt_ids + turn.response_ids, len(turn.prompt_ids), temperature=1.0))
     assert scored == pytest.approx(turn.response_logprobs, abs=1e-5), "teacher - old is 0 without a hint"
 
@@ -275,7 +275,7 @@ def test_per_user_adapters_on_one_sglang_server(server_factory, sglang):
         batch_size=4, lr=5e-3, lora_r=4, lora_alpha=8,
     )
     feed(server, served_samples(server, 4, user="alice"))
-    wait_for(lambda: server.app.state.policies.current("alice").version == 1)
+    wait_for(lambda: server.app.state.services.policies.current("alice").version == 1)
     assert ("/load_lora_adapter", {"lora_name": "alice-v1", "lora_path": str(server.settings.adapters_dir / "alice" / "v1")}) in sglang.requests
     ask = dict(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=3)
     raw = server.client(server.key("alice")).chat.completions.with_raw_response.create(**ask)
@@ -317,7 +317,7 @@ def test_a_reply_ending_on_its_stop_token_keeps_the_connection_to_sglang(server_
 async def test_sse_data_splits_events_on_bytes_whatever_the_chunking():
     """Events cut across network chunks, CRLF line ends, comments and a last line without its
     newline: each `data:` value comes out whole, in order, as bytes."""
-    from nextstate.engine.sse import sse_data
+    from nextstate.engine.sse import read_sse_data
 
     body = b': ping\r\ndata: {"a": 1}\r\n\r\nevent: x\ndata:{"b": "\xc3\xa9"}\n\ndata: [DONE]'
     for size in (1, 3, 7, len(body)):
@@ -326,5 +326,5 @@ async def test_sse_data_splits_events_on_bytes_whatever_the_chunking():
             for i in range(0, len(body), size):
                 yield body[i : i + size]
 
-        got = [d async for d in sse_data(chunks())]
+        got = [d async for d in read_sse_data(chunks())]
         assert got == [b'{"a": 1}', b'{"b": "\xc3\xa9"}', b"[DONE]"]

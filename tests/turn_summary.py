@@ -47,7 +47,7 @@ def conversation_summary(server, user: str) -> dict:
     records = [r for r in server.records() if r.get("user") == user]
     requests = [r for r in records if r["kind"] == "request"]
     transitions = [r for r in records if r["kind"] == "transition"]
-    samples = [s for s in server.app.state.samples.samples() if s.user == user]
+    samples = [s for s in server.app.state.services.samples.samples() if s.user == user]
     return {
         "sessions": len({r["session_id"] for r in requests}),
         "turns": [(r["turn_type"], r["turn_index"], r["prompt_ids"], r["response_ids"]) for r in requests],

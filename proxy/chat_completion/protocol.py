@@ -14,10 +14,10 @@ from typing import Any, Literal
 from pydantic import BaseModel, Field, field_validator, model_serializer, model_validator
 
 from nextstate.modelio.chat_template import parse_arguments
-from nextstate.proxy.wire import OpenModel, SessionFields
+from nextstate.proxy.wire import ExtraAllowedModel, SessionFields
 
 
-class ContentPart(OpenModel):
+class ContentPart(ExtraAllowedModel):
     type: str
     text: str | None = None
 
@@ -30,18 +30,18 @@ class ContentPart(OpenModel):
         return self
 
 
-class FunctionCall(OpenModel):
+class FunctionCall(ExtraAllowedModel):
     name: str
     arguments: str | dict[str, Any] = "{}"
 
 
-class ToolCall(OpenModel):
+class ToolCall(ExtraAllowedModel):
     id: str | None = None
     type: Literal["function"] = "function"
     function: FunctionCall
 
 
-class ChatMessage(OpenModel):
+class ChatMessage(ExtraAllowedModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = Field(None, max_length=256)
@@ -85,14 +85,14 @@ class ChatMessage(OpenModel):
         return out
 
 
-class FunctionDefinition(OpenModel):
+class FunctionDefinition(ExtraAllowedModel):
     name: str = Field(pattern=r"^[a-zA-Z0-9_.\-]{1,64}$")
     description: str | None = None
     parameters: dict[str, Any] | None = None
     strict: bool | None = None
 
 
-class Tool(OpenModel):
+class Tool(ExtraAllowedModel):
     type: Literal["function"]
     function: FunctionDefinition
 
@@ -106,11 +106,11 @@ class NamedToolChoice(BaseModel):
     function: NamedFunction
 
 
-class StreamOptions(OpenModel):
+class StreamOptions(ExtraAllowedModel):
     include_usage: bool = False
 
 
-class ResponseFormat(OpenModel):
+class ResponseFormat(ExtraAllowedModel):
     type: str
 
     @field_validator("type")

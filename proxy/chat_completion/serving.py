@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator, Mapping
 
 import pydantic_core
 
+from nextstate.core.policy import PolicyRef
 from nextstate.proxy.chat_completion.protocol import (
     AssistantMessage,
     ChatCompletionChunk,
@@ -31,11 +32,12 @@ from nextstate.proxy.chat_completion.protocol import (
 from nextstate.proxy.decode import Finished
 from nextstate.proxy.decode import Delta as TurnDelta
 from nextstate.proxy.decode import TokenLogprob as TurnLogprob
-from nextstate.proxy.errors import OpenAIError
+from nextstate.proxy.errors import ApiError
 from nextstate.proxy.keys import ApiKey
-from nextstate.proxy.sse import sse_comment, sse_data, sse_done
-from nextstate.proxy.turn_response import stream_turn
-from nextstate.proxy.turns import PreparedTurn, TurnHints, TurnRequest, TurnService
+from nextstate.proxy.sse import sse_comment, sse_event, sse_done
+from nextstate.proxy.turn_stream import stream_turn
+from nextstate.proxy.turns import PreparedTurn, TurnRequest, TurnService
+from nextstate.proxy.wire import TurnHints
 
 
 def turn_request(body: ChatCompletionRequest, headers: Mapping[str, str]) -> TurnRequest:
@@ -75,17 +77,15 @@ class ChatCompletionBuilder:
         self.prep, self.model = prep, model
         self.include_usage = include_usage
         self.want_logprobs = want_logprobs
-        self._open()
 
-    def _open(self) -> None:
-        """The envelope, and the text chunks' template. Built again when a stream starts: the
-        version that serves the reply (the fingerprint) is settled only once the engine has
-        admitted it, and a stream's builder is made before that."""
+    def _open(self, policy: PolicyRef) -> None:
+        """The envelope, and the text chunks' template, once the version that serves the reply
+        (the fingerprint) is settled: when the engine admitted it."""
         self.envelope = {
             "id": self.prep.id,
             "created": self.prep.created,
             "model": self.model,
-            "system_fingerprint": f"nextstate-v{self.prep.policy.version}",
+            "system_fingerprint": f"nextstate-v{policy.version}",
         }
         # Most chunks of a stream carry nothing but text: their JSON is this builder's own
         # chunk for a probe text, with the text put in its place (0.7 µs a chunk against 12 for
@@ -95,6 +95,8 @@ class ChatCompletionBuilder:
         self._text_chunk = (head, tail[0]) if len(tail) == 1 and not self.want_logprobs else None
 
     def response(self, done: Finished) -> ChatCompletionResponse:
+        assert self.prep.policy is not None, "a finished turn was admitted"
+        self._open(self.prep.policy)
         message = AssistantMessage(
             content=done.message()["content"],
             tool_calls=[_tool_call(c) for c in done.tool_calls] or None,
@@ -104,7 +106,7 @@ class ChatCompletionBuilder:
         return ChatCompletionResponse(**self.envelope, choices=[choice], usage=Usage(**done.usage))
 
     def chunk(self, delta: Delta, finish_reason: str | None = None, logprobs: list[TurnLogprob] | None = None) -> str:
-        return sse_data(self._chunk_json(delta, finish_reason, logprobs))
+        return sse_event(self._chunk_json(delta, finish_reason, logprobs))
 
     def _chunk_json(
         self, delta: Delta, finish_reason: str | None = None, logprobs: list[TurnLogprob] | None = None
@@ -120,15 +122,15 @@ class ChatCompletionBuilder:
         if self._text_chunk is None:
             return self.chunk(Delta(content=text))
         head, tail = self._text_chunk
-        return sse_data(head + pydantic_core.to_json(text).decode() + tail)
+        return sse_event(head + pydantic_core.to_json(text).decode() + tail)
 
     def usage_chunk(self, done: Finished) -> str:
         body = ChatCompletionChunk(**self.envelope, choices=[], usage=Usage(**done.usage))
-        return sse_data(body.model_dump_json())
+        return sse_event(body.model_dump_json())
 
-    # the StreamWriter of proxy/turn_response.py: start, keep_alive, delta, finish, error, end
-    def start(self) -> str:
-        self._open()
+    # the StreamWriter of proxy/turn_stream.py: start, keep_alive, delta, finish, error, end
+    def start(self, policy: PolicyRef) -> str:
+        self._open(policy)
         return self.chunk(Delta(role="assistant", content=""))
 
     def keep_alive(self) -> str:
@@ -147,8 +149,8 @@ class ChatCompletionBuilder:
     def finish(self, done: Finished) -> list[str]:
         return [self.chunk(Delta(), finish_reason=done.finish_reason), *([self.usage_chunk(done)] if self.include_usage else [])]
 
-    def error(self, exc: OpenAIError) -> str:
-        return sse_data(exc.body())
+    def error(self, exc: ApiError) -> str:
+        return sse_event(exc.body())
 
     def end(self) -> list[str]:
         return [sse_done()]
@@ -180,5 +182,5 @@ class ChatCompletionServing:
     def stream(self, prep: PreparedTurn, body: ChatCompletionRequest) -> AsyncIterator[str]:
         """SSE lines: the role chunk once the engine admitted the request, keep-alive comments
         during a long prefill, then content / tool-call chunks, the finish, usage if asked and
-        `[DONE]` (proxy/turn_response.stream_turn)."""
+        `[DONE]` (proxy/turn_stream.stream_turn)."""
         return stream_turn(self.turns.run(prep), self._builder(prep, body))

@@ -6,6 +6,7 @@ from __future__ import annotations
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
 
+from nextstate.proxy.app_state import services
 from nextstate.proxy.auth import authenticate
 from nextstate.proxy.keys import ApiKey
 from nextstate.proxy.messages.protocol import CountTokensRequest, MessagesRequest
@@ -19,7 +20,7 @@ router = APIRouter()
 @router.post("/v1/messages", openapi_extra=request_body_schema(MessagesRequest))
 async def messages(request: Request, key: ApiKey = Depends(authenticate)) -> Response:
     body = await read_model(request, MessagesRequest)
-    serving: MessagesServing = request.app.state.messages
+    serving: MessagesServing = services(request).messages
     prep = await serving.prepare(body, request.headers, key)
     return await turn_response(request, prep, bool(body.stream), lambda: serving.stream(prep), lambda: serving.complete(prep))
 
@@ -27,4 +28,4 @@ async def messages(request: Request, key: ApiKey = Depends(authenticate)) -> Res
 @router.post("/v1/messages/count_tokens", openapi_extra=request_body_schema(CountTokensRequest))
 async def count_tokens(request: Request, key: ApiKey = Depends(authenticate)) -> dict[str, int]:
     body = await read_model(request, CountTokensRequest)
-    return await request.app.state.messages.count_tokens(body, request.headers)
+    return await services(request).messages.count_tokens(body, request.headers)

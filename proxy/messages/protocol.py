@@ -18,10 +18,10 @@ from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
-from nextstate.proxy.wire import OpenModel, SessionFields, function_tool
+from nextstate.proxy.wire import ExtraAllowedModel, SessionFields, function_tool
 
 
-class TextPart(OpenModel):
+class TextPart(ExtraAllowedModel):
     """A text block inside a tool_result or `system` (no tool blocks nest there)."""
 
     type: str
@@ -34,7 +34,7 @@ class TextPart(OpenModel):
         return self
 
 
-class Block(OpenModel):
+class Block(ExtraAllowedModel):
     """A content block of a request message; only text and the two tool blocks are taken."""
 
     type: str
@@ -70,7 +70,7 @@ class Block(OpenModel):
         return "".join(part.text or "" for part in self.content or [])
 
 
-class InputMessage(OpenModel):
+class InputMessage(ExtraAllowedModel):
     role: Literal["user", "assistant"]
     content: str | list[Block]
 
@@ -81,7 +81,7 @@ class InputMessage(OpenModel):
         return self
 
 
-class Tool(OpenModel):
+class Tool(ExtraAllowedModel):
     name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")
     description: str | None = None
     input_schema: dict[str, Any]
@@ -94,13 +94,13 @@ class Tool(OpenModel):
         return self
 
 
-class ToolChoice(OpenModel):
+class ToolChoice(ExtraAllowedModel):
     type: Literal["auto", "any", "tool", "none"]
     name: str | None = None
     disable_parallel_tool_use: bool | None = None
 
 
-class Thinking(OpenModel):
+class Thinking(ExtraAllowedModel):
     type: str
 
     @model_validator(mode="after")

@@ -14,13 +14,15 @@ import json
 from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
+from nextstate.core.policy import PolicyRef
 from nextstate.proxy.decode import Finished
 from nextstate.proxy.decode import Delta as TurnDelta
-from nextstate.proxy.errors import OpenAIError
+from nextstate.proxy.errors import ApiError
 from nextstate.proxy.keys import ApiKey
 from nextstate.proxy.messages.protocol import MessagesRequest, tool_input
-from nextstate.proxy.turn_response import stream_turn
-from nextstate.proxy.turns import PreparedTurn, TurnHints, TurnRequest, TurnService
+from nextstate.proxy.turn_stream import stream_turn
+from nextstate.proxy.turns import PreparedTurn, TurnRequest, TurnService
+from nextstate.proxy.wire import TurnHints
 from nextstate.modelio.tool_calls import ParsedToolCall
 
 _STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
@@ -78,7 +80,7 @@ class MessageBuilder:
             "stop_reason": stop_reason(done), "stop_sequence": done.stop_sequence, "usage": usage(done),
         }
 
-    def start(self) -> str:
+    def start(self, policy: PolicyRef) -> str:
         message = {
             "id": self.id, "type": "message", "role": "assistant", "model": self.model, "content": [],
             "stop_reason": None, "stop_sequence": None, "usage": {"input_tokens": self.prompt_tokens, "output_tokens": 0},
@@ -118,11 +120,11 @@ class MessageBuilder:
         self._open = None
         return [event("content_block_stop", {"index": self._index})]
 
-    # with start, delta and finish above: the StreamWriter of proxy/turn_response.py
+    # with start, delta and finish above: the StreamWriter of proxy/turn_stream.py
     def keep_alive(self) -> str:
         return event("ping", {})
 
-    def error(self, exc: OpenAIError) -> str:
+    def error(self, exc: ApiError) -> str:
         return event("error", {"error": exc.anthropic_body()["error"]})
 
     def end(self) -> list[str]:
@@ -151,5 +153,5 @@ class MessagesServing:
 
     def stream(self, prep: PreparedTurn) -> AsyncIterator[str]:
         """SSE events: message_start once the engine admitted the request, `ping` during a long
-        prefill, an `error` event after the start (proxy/turn_response.stream_turn)."""
+        prefill, an `error` event after the start (proxy/turn_stream.stream_turn)."""
         return stream_turn(self.turns.run(prep), MessageBuilder(prep, self.model_name))

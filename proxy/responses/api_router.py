@@ -6,6 +6,7 @@ from __future__ import annotations
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
 
+from nextstate.proxy.app_state import services
 from nextstate.proxy.auth import authenticate
 from nextstate.proxy.keys import ApiKey
 from nextstate.proxy.request_body import read_model, request_body_schema
@@ -19,7 +20,7 @@ router = APIRouter()
 @router.post("/v1/responses", openapi_extra=request_body_schema(ResponsesRequest))
 async def responses(request: Request, key: ApiKey = Depends(authenticate)) -> Response:
     body = await read_model(request, ResponsesRequest)
-    serving: ResponsesServing = request.app.state.responses
+    serving: ResponsesServing = services(request).responses
     prep, conversation = await serving.prepare(body, request.headers, key)
     return await turn_response(
         request, prep, bool(body.stream),

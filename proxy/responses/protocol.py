@@ -20,10 +20,10 @@ from typing import Any, Literal
 from pydantic import Field, model_validator
 
 from nextstate.modelio.chat_template import parse_arguments
-from nextstate.proxy.wire import OpenModel, SessionFields, function_tool
+from nextstate.proxy.wire import ExtraAllowedModel, SessionFields, function_tool
 
 
-class Part(OpenModel):
+class Part(ExtraAllowedModel):
     type: str
     text: str | None = None
 
@@ -36,7 +36,7 @@ class Part(OpenModel):
         return self
 
 
-class Item(OpenModel):
+class Item(ExtraAllowedModel):
     """An input item: a message (with or without `type`), a function call or its output."""
 
     type: str | None = None
@@ -74,7 +74,7 @@ class Item(OpenModel):
         return "".join(part.text or "" for part in value or [])
 
 
-class FunctionTool(OpenModel):
+class FunctionTool(ExtraAllowedModel):
     type: str
     name: str | None = Field(None, pattern=r"^[a-zA-Z0-9_.\-]{1,64}$")
     description: str | None = None
@@ -90,12 +90,12 @@ class FunctionTool(OpenModel):
         return self
 
 
-class NamedFunction(OpenModel):
+class NamedFunction(ExtraAllowedModel):
     type: Literal["function"]
     name: str
 
 
-class TextFormat(OpenModel):
+class TextFormat(ExtraAllowedModel):
     type: str
 
     @model_validator(mode="after")
@@ -105,7 +105,7 @@ class TextFormat(OpenModel):
         return self
 
 
-class TextOptions(OpenModel):
+class TextOptions(ExtraAllowedModel):
     format: TextFormat | None = None
 
 

@@ -20,15 +20,17 @@ from typing import Any
 
 from nextstate.modelio.chat_template import parse_arguments
 from nextstate.modelio.tool_calls import ParsedToolCall
+from nextstate.core.policy import PolicyRef
 from nextstate.proxy.decode import Finished
 from nextstate.proxy.decode import Delta as TurnDelta
-from nextstate.proxy.errors import OpenAIError
+from nextstate.proxy.errors import ApiError
 from nextstate.proxy.keys import ApiKey
 from nextstate.proxy.responses.protocol import ResponsesRequest
 from nextstate.proxy.responses.store import ResponseStore
 from nextstate.proxy.sse import sse_comment
-from nextstate.proxy.turn_response import stream_turn
-from nextstate.proxy.turns import PreparedTurn, TurnHints, TurnRequest, TurnService
+from nextstate.proxy.turn_stream import stream_turn
+from nextstate.proxy.turns import PreparedTurn, TurnRequest, TurnService
+from nextstate.proxy.wire import TurnHints
 
 
 def stored_reply(done: Finished) -> dict[str, Any]:
@@ -99,15 +101,15 @@ class ResponseBuilder:
         payload = {"type": kind, "sequence_number": self._sequence, **data}
         return f"event: {kind}\ndata: {json.dumps(payload, ensure_ascii=False)}\n\n"
 
-    # the StreamWriter of proxy/turn_response.py
-    def start(self) -> str:
+    # the StreamWriter of proxy/turn_stream.py
+    def start(self, policy: PolicyRef) -> str:
         response = self.response("in_progress", [])
         return self.event("response.created", response=response) + self.event("response.in_progress", response=response)
 
     def keep_alive(self) -> str:
         return sse_comment()
 
-    def error(self, exc: OpenAIError) -> str:
+    def error(self, exc: ApiError) -> str:
         return self.event("error", code=exc.code or exc.type, message=exc.message, param=exc.param)
 
     def end(self) -> list[str]:
@@ -172,7 +174,7 @@ class ResponsesServing:
         if body.previous_response_id:
             found = await asyncio.to_thread(self.store.conversation, key.user, body.previous_response_id)
             if found is None:  # another user's id is as unknown as one that never existed
-                raise OpenAIError(404, f"Response with id '{body.previous_response_id}' not found.",
+                raise ApiError(404, f"Response with id '{body.previous_response_id}' not found.",
                                   param="previous_response_id", code="response_not_found")
             history = found
         conversation = history + body.new_messages()
@@ -196,7 +198,7 @@ class ResponsesServing:
 
     def stream(self, prep: PreparedTurn, body: ResponsesRequest, conversation: list) -> AsyncIterator[str]:
         """SSE events: response.created and .in_progress once the engine admitted the request,
-        an `error` event after that (proxy/turn_response.stream_turn); the conversation is
+        an `error` event after that (proxy/turn_stream.stream_turn); the conversation is
         stored before response.completed goes out, so a client may chain on it at once."""
         build = ResponseBuilder(prep, self.model_name, body)
 

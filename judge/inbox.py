@@ -1,0 +1,149 @@
+"""The judge's inbox: where each (turn, next state) transition is handed over, crash-safely.
+
+The sessions hand over a transition and may forget it once the returned future resolves:
+by then it is on disk (`samples.sqlite3`'s inbox), so a crash or restart re-judges it instead of
+losing it. From there the inbox decides *whether and when* a transition is judged — after the
+judge's start-up check, in a quiet moment, never when its user rated the reply already — and
+`judge.service.Judge` decides *how*. Transitions with nothing to judge (no next state, or no
+implicit judging) are kept as `unjudged`, so that their turns can still be rated.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from nextstate.core.durable import Durable, StorageUnavailable
+from nextstate.core.sample_store import SampleStore
+from nextstate.core.types import Transition, Turn
+from nextstate.judge.service import Judge
+
+log = logging.getLogger(__name__)
+
+
+class JudgeInbox:
+    def __init__(self, judge: Judge, store: SampleStore) -> None:
+        self.judge = judge
+        self.store = store
+        self.tasks = judge.tasks
+        # a full or read-only disk holds transitions here until it takes them again
+        self._writes = Durable("the judge's inbox (transitions)")
+        # Transitions handed over but not yet on disk, by response id (feedback looks here too).
+        self._arriving: dict[str, Transition] = {}
+
+    async def resume(self) -> int:
+        """Judge again what a previous run took but did not finish; returns how many."""
+        pending = await asyncio.to_thread(self.store.pending_transitions)
+        for transition_id, transition in pending:
+            self.tasks.spawn(self._judge(transition_id, transition))
+        if pending:
+            log.info("re-judging %d transitions left over from the last run", len(pending))
+        return len(pending)
+
+    def arriving(self, response_id: str) -> Turn | None:
+        """The turn of a transition handed over but not on disk yet."""
+        transition = self._arriving.get(response_id)
+        return transition.turn if transition is not None else None
+
+    # ---------------------------------------------------------------- TransitionSink
+
+    def submit(self, transition: Transition) -> asyncio.Future[None]:
+        """Take a transition; the future resolves once it is safe on disk (the judge's inbox),
+        so that whoever handed it over may forget it. Judging follows, off the request path."""
+        turn = transition.turn
+        durable: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        if turn.response_id:
+            self._arriving[turn.response_id] = transition
+        key = (turn.user, turn.session_id)
+        if transition.next_state is None and transition.reason == "session_closed" and turn.track == "outcome":
+            # An episode's last step: no next state to vote on, its next state is the outcome.
+            self.tasks.spawn(self._last_step(transition, durable))
+            return durable
+        if transition.next_state is None or not self.judge.implicit:
+            # Nothing to judge (and the session is over for the guarantee too), but kept so that
+            # the turn can still be rated explicitly.
+            if transition.reason == "session_closed":
+                self.judge.guarantee.session_over(key)
+            self.tasks.spawn(self._keep(transition, durable))
+            return durable
+        self.judge.guarantee.judging(key)
+        self.tasks.spawn(self._accept(transition, durable))
+        return durable
+
+    async def _take(self, transition: Transition, status: str = "pending") -> int | None:
+        """Put `transition` in the inbox and record it; None when the inbox has its turn
+        already (a session handed it over again after a restart): recorded the first time."""
+        try:
+            transition_id = await self._writes.write(self.store.add_transition, transition, status)
+        except Exception:
+            self.judge.record_transition(transition)  # not kept, but it happened
+            raise
+        if transition_id is not None:
+            self.judge.record_transition(transition)
+        return transition_id
+
+    def _handed_over(self, transition: Transition, durable: asyncio.Future[None]) -> None:
+        """The transition is on disk (or never will be): feedback looks for it there from now
+        on, and whoever handed it over may forget it."""
+        self._arriving.pop(transition.turn.response_id or "", None)
+        if not durable.done():
+            durable.set_result(None)
+
+    async def _keep(self, transition: Transition, durable: asyncio.Future[None]) -> None:
+        try:
+            await self._take(transition, "unjudged")
+        except Exception:  # noqa: BLE001 - beyond the disk's waiting room: only feedback on it is lost
+            log.exception("could not keep an unjudged turn")
+        finally:
+            self._handed_over(transition, durable)
+
+    async def _last_step(self, transition: Transition, durable: asyncio.Future[None]) -> None:
+        """Store the last step of an outcome episode as a sample awaiting the outcome (taking it
+        at once if the outcome is known): paper §4.4 gives every step o + its process reward,
+        and the step most tied to the outcome would otherwise learn nothing from it."""
+        try:
+            transition_id = await self._take(transition)
+            if transition_id is None:
+                return
+            sample = self.judge.sample(transition.turn, "awaiting_outcome", "last step: its next state is the outcome",
+                                       0.0, track="outcome")
+            await self.judge.store_sample(sample, transition_id)
+        except Exception:  # noqa: BLE001 - costs this step's sample only
+            log.exception("could not keep the last step of an outcome episode")
+        finally:
+            self._handed_over(transition, durable)
+
+    async def _accept(self, transition: Transition, durable: asyncio.Future[None]) -> None:
+        try:
+            try:
+                transition_id = await self._take(transition)
+                if transition_id is None:  # the inbox has this turn already: it is judged once
+                    log.info("turn %d of session %s was handed over again; judged once", transition.turn.turn_index,
+                             transition.turn.session_id)
+                    return
+            except StorageUnavailable:
+                transition_id = None  # judged all the same; only a crash before it is stored loses it
+            finally:
+                self._handed_over(transition, durable)
+            await self._judge(transition_id, transition)
+        finally:
+            self.judge.guarantee.judged((transition.turn.user, transition.turn.session_id))
+
+    async def _judge(self, transition_id: int | None, transition: Transition) -> None:
+        judge = self.judge
+        await judge.calibrated.wait()
+        if not judge.implicit:  # the judge failed its calibration: the turn waits for explicit feedback
+            if transition_id is not None:
+                await self._writes.write(self.store.close_transition, transition_id, "unjudged")
+            return
+        await judge.quiet()
+        turn = transition.turn
+        async with judge.turn_lock(turn.response_id):
+            rated, outcome = await asyncio.to_thread(self.store.judging_state, turn.user, turn.response_id, turn.session_id)
+            if rated:
+                # its user rated it already: their word stands, no judge is asked
+                if transition_id is not None:
+                    await self._writes.write(self.store.close_transition, transition_id)
+                return
+            await judge.judge(transition_id, transition, outcome)
+
