@@ -116,6 +116,48 @@ class SampleStore:
             )
         return int(cur.lastrowid) if cur.rowcount else None
 
+    def revise_transition(self, transition: Transition, status: str = "pending") -> int | None:
+        """Put a revised next state in place of the one handed over earlier for the same turn,
+        its untrained judgement deleted, so that the turn is judged again; the id of its inbox
+        entry, or None when it stands as it is: trained already, or rated by its user. A turn
+        not in the inbox yet is simply added."""
+        turn = transition.turn
+        key = f"{turn.user}\x1f{turn.session_id}\x1f{turn.turn_index}"
+        with self._lock:
+            self._conn.execute("BEGIN IMMEDIATE")
+            try:
+                row = self._conn.execute("SELECT id FROM transitions WHERE turn_key = ?", (key,)).fetchone()
+                if row is None:
+                    cur = self._conn.execute(
+                        "INSERT INTO transitions (created_at, status, data, turn_key, response_id) VALUES (?, ?, ?, ?, ?)",
+                        (time.time(), status, transition.model_dump_json(), key, turn.response_id),
+                    )
+                    self._conn.execute("COMMIT")
+                    return int(cur.lastrowid)
+                rated = turn.response_id is not None and self._conn.execute(
+                    "SELECT 1 FROM feedback WHERE response_id = ? AND user = ?", (turn.response_id, turn.user)
+                ).fetchone() is not None
+                trained = self._conn.execute(
+                    "SELECT 1 FROM samples WHERE user = ? AND session_id = ? AND turn_index = ? AND status = 'consumed'",
+                    (turn.user, turn.session_id, turn.turn_index),
+                ).fetchone() is not None
+                if rated or trained:
+                    self._conn.execute("COMMIT")
+                    return None
+                self._conn.execute(
+                    "DELETE FROM samples WHERE user = ? AND session_id = ? AND turn_index = ?",
+                    (turn.user, turn.session_id, turn.turn_index),
+                )
+                self._conn.execute(
+                    "UPDATE transitions SET data = ?, status = ?, created_at = ? WHERE id = ?",
+                    (transition.model_dump_json(), status, time.time(), row[0]),
+                )
+                self._conn.execute("COMMIT")
+                return int(row[0])
+            except BaseException:
+                self._conn.execute("ROLLBACK")
+                raise
+
     def find_turn(self, user: str, response_id: str) -> tuple[int, Transition] | None:
         """The stored transition of `user`'s turn that answered with `response_id`."""
         with self._lock:
@@ -244,6 +286,15 @@ class SampleStore:
         with self._lock:
             rows = self._conn.execute(sql, params).fetchall()
         return [s for s in map(_sample_from_row, rows) if s.id not in exclude][:limit]
+
+    def training_users(self, since: float) -> set[str]:
+        """Users with samples ready to train, or with samples trained that were made since `since`."""
+        with self._lock:
+            rows = self._conn.execute(
+                "SELECT DISTINCT user FROM samples WHERE status = 'ready' OR (status = 'consumed' AND created_at >= ?)",
+                (since,),
+            ).fetchall()
+        return {user for (user,) in rows}
 
     def ready_counts_by_user(self) -> dict[str, int]:
         with self._lock:

@@ -40,6 +40,13 @@ OPENCLAW_HARNESS_PATTERNS = (
     r"^(?:\[[^\]\n]{1,60}\]\s*)?The previous attempt did not produce a user-visible answer\.",
 )
 
+# Text an agent wraps around its user's words, removed from what the judge reads. OpenClaw 2026.9
+# sends a message typed while a reply was aborted folded into the next one under this notice.
+OPENCLAW_HARNESS_WRAPPERS = (
+    r"(?m)^\[Queued user message from a previous active turn; preserved as context only\. "
+    r"Continue with the active prompt below\.\]\n?",
+)
+
 
 def _compiled(patterns: list[str]) -> list[str]:
     for pattern in patterns:
@@ -67,6 +74,11 @@ class ServerSettings(BaseSettings):
             so clients and proxies in between do not give up.
         session_idle_s, max_sessions: when an open session closes (its last turn then has no
             next state and is not trained).
+        session_settle_s: a session quiet for this long hands the judge its provisional next
+            state (the user's last reaction, which no later request confirmed: a closing
+            "thanks" waited for the idle close, half an hour, before anything learned from it).
+            A later request that replaces it has it judged again, unless its turn trained. 0
+            waits for a later request or the close, as before.
         max_sessions_per_user, max_parallel_per_user: what one user may hold, so that no user
             can close another's sessions (by opening many) or take every decoding slot.
     """
@@ -90,6 +102,9 @@ class ServerSettings(BaseSettings):
         5.0, gt=0, description="A stream with nothing new for this long sends an SSE comment (long prefills)."
     )
     session_idle_s: float = Field(1800.0, gt=0, description="An idle session closes after this.")
+    session_settle_s: float = Field(
+        60.0, ge=0, description="A session quiet this long has its provisional next state judged; 0 = never early."
+    )
     max_sessions: int = Field(10000, ge=1, description="Open sessions kept; the least recent closes.")
     max_sessions_per_user: int = Field(
         100, ge=1, description="Open sessions kept per user; that user's least recent closes first."
@@ -208,7 +223,12 @@ class JudgeSettings(BaseSettings):
         description="Regexes (JSON list): a next state matching one is the agent's own notice, a format failure.",
     )
 
-    @field_validator("harness_patterns")
+    harness_wrappers: list[str] = Field(
+        list(OPENCLAW_HARNESS_WRAPPERS),
+        description="Regexes (JSON list) of text an agent wraps around its user's words, removed before judging.",
+    )
+
+    @field_validator("harness_patterns", "harness_wrappers")
     @classmethod
     def _compiles(cls, value: list[str]) -> list[str]:
         return _compiled(value)
@@ -242,9 +262,16 @@ class LearnerSettings(BaseSettings):
             scope's current one is dropped (and recorded) instead of trained: its old logprobs
             no longer describe the policy being trained (AReaL bounds off-policyness alike).
             0 lifts the bound.
-        max_user_share: in the shared scope, at most this share of a batch comes from one user,
-            when more than one user has an active key: one user's feedback alone never
-            publishes a version everyone is served. A single-user server trains as before.
+        adapter_scope: `user` (default) trains each user an adapter of their own, only on their
+            samples: the paper's setting (one person's agent, one person's model), and the only
+            one where one user's feedback never changes what another is served; a check with two
+            users of opposite taste learned one's preference per user (0.00 → 0.75) where one
+            shared adapter learned nothing (0.12 → 0.06). `shared` trains one adapter on
+            everyone's samples: a team's common model.
+        max_user_share: in the shared scope, at most this share of a batch comes from one user
+            while other users train the adapter too (samples waiting, or trained within the
+            hour; a key alone does not count, learner/batching.py): one user's feedback alone
+            never publishes a version everyone is served. A lone user trains as before.
         lora_r, lora_alpha, lora_target_modules: r 16, α 32 on every attention and MLP
             projection, as the authors' LoRA scripts.
         publish_gate, gate_max_likelihood_drop, gate_max_repetition_rise: before a version
@@ -270,7 +297,7 @@ class LearnerSettings(BaseSettings):
     model_config = _ENV
 
     learn: bool = Field(True, description="Run the co-located learner.")
-    adapter_scope: Literal["shared", "user"] = Field("shared", description="One adapter for all, or one per user.")
+    adapter_scope: Literal["shared", "user"] = Field("user", description="One adapter per user (each their own model), or one for all.")
     batch_size: int = Field(16, ge=1, description="Ready samples per update.")
     min_batch_size: int = Field(4, ge=1, description="Smallest partial batch trained after batch_wait_s.")
     batch_wait_s: float = Field(

@@ -33,7 +33,7 @@ class Turn(BaseModel):
     track: Literal["personal", "outcome"] = Field(
         "personal", description="'outcome': an environment will post a verifiable outcome for the session."
     )
-    response_id: str | None = Field(None, description="The id of the reply the client got (`chatcmpl-…`; Messages and Responses clients got `msg_…` / `resp_…` for it): what feedback names.")
+    response_id: str | None = Field(None, description="The id of the reply its client got (`chatcmpl-…`, `msg_…` or `resp_…` by API): what feedback names.")
 
 
 class NextState(BaseModel):
@@ -55,6 +55,9 @@ class Transition(BaseModel):
     next_state: NextState | None
     reason: Literal["next_state", "session_closed", "superseded"]
     edited: bool = Field(False, description="The client went on from an edited copy of the turn's reply.")
+    revises: bool = Field(
+        False, description="Replaces the next state handed over when the session settled: judged instead, unless trained."
+    )
 
     def record(self) -> dict[str, Any]:
         """The `transition` record: who, which turn, why, and the next state itself."""
@@ -67,6 +70,7 @@ class Transition(BaseModel):
             "reason": self.reason,
             "next_state": self.next_state.messages if self.next_state else None,
             "edited": self.edited,
+            "revises": self.revises,
             "response_tokens": len(turn.response_ids),
         }
 

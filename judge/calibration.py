@@ -13,6 +13,7 @@ explicit feedback only. Restarting with a better `NEXTSTATE_JUDGE_BASE_URL` is t
 
 from __future__ import annotations
 
+import hashlib
 import json
 import time
 from dataclasses import asdict, dataclass, field
@@ -45,9 +46,28 @@ class Calibration:
     cases: list[CaseResult] = field(default_factory=list)
     seconds: float = 0.0
     checked_at: float | None = None
+    key: str | None = None  # what was checked (`calibration_key`): a verdict is reused only for the same
 
     def to_dict(self) -> dict[str, Any]:
         return {**asdict(self), "cases": [asdict(c) for c in self.cases]}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Calibration:
+        cases = [CaseResult(**c) for c in data.get("cases") or []]
+        return cls(data.get("state", "pending"), data.get("detail", ""), cases, data.get("seconds", 0.0),
+                   data.get("checked_at"), data.get("key"))
+
+
+def calibration_key(judge_identity: str, directory: Path, prompt_texts: list[str], settings: dict[str, Any]) -> str:
+    """What a verdict depends on: the judge, the cases, the prompts and the voting settings.
+    The same key after a restart means the same check would be asked again of the same judge,
+    so its last verdict stands instead of costing minutes beside the first users."""
+    digest = hashlib.sha256()
+    for part in (judge_identity, (directory / CALIBRATION_FILE).read_text(encoding="utf-8"), *prompt_texts,
+                 json.dumps(settings, sort_keys=True)):
+        digest.update(part.encode())
+        digest.update(b"\0")
+    return digest.hexdigest()[:32]
 
 
 def load_cases(directory: Path) -> list[dict[str, Any]]:

@@ -14,6 +14,10 @@ from nextstate.modelio.chat_template import ChatRenderer
 
 
 class JudgeClient(Protocol):
+    # Which model answers, as precisely as the client knows: a start-up check of this judge is
+    # kept under it (judge/calibration.py), and a different judge is checked anew.
+    identity: str
+
     async def complete(self, messages: list[dict[str, str]], *, temperature: float, max_tokens: int, n: int = 1) -> list[str]:
         """`n` independent answers to `messages` (the m votes of one prompt)."""
         ...
@@ -49,6 +53,7 @@ class OpenAIJudgeClient:
 
     def __init__(self, base_url: str, model: str, api_key: str | None, timeout_s: float) -> None:
         self.model = model
+        self.identity = f"{base_url.rstrip('/')} {model}"
         self.takes_n = True  # until the endpoint refuses n > 1
         self._url = base_url.rstrip("/") + "/chat/completions"
         self._http = LazySession(
@@ -101,6 +106,8 @@ class EngineJudgeClient:
     def __init__(self, engine: Engine, renderer: ChatRenderer) -> None:
         self.engine = engine
         self.renderer = renderer
+        info = engine.info
+        self.identity = f"engine {info.model_name} {info.dtype}"
 
     async def complete(self, messages: list[dict[str, Any]], *, temperature: float, max_tokens: int, n: int = 1) -> list[str]:
         """n generations of one prompt: the engine prefills it once (prefix reuse) and decodes

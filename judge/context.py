@@ -54,19 +54,40 @@ def fence(text: str, key: str) -> str:
     return f"<data {key}>\n{defused(text)}\n</data {key}>"
 
 
-def prompt_values(turn: Turn, next_state: NextState, max_chars: int, key: str | None = None) -> dict[str, str]:
+class Unwrap:
+    """Removes the text an agent wraps around its user's words (`NEXTSTATE_HARNESS_WRAPPERS`,
+    OpenClaw's "[Queued user message ...]" notice by default): the judge reads the person, not
+    the harness."""
+
+    def __init__(self, patterns: list[str] | tuple[str, ...] = ()) -> None:
+        self.patterns = [re.compile(p) for p in patterns]
+
+    def __call__(self, text: str) -> str:
+        for pattern in self.patterns:
+            text = pattern.sub("", text)
+        return text
+
+
+def prompt_values(
+    turn: Turn, next_state: NextState, max_chars: int, key: str | None = None, unwrap: Unwrap | None = None,
+) -> dict[str, str]:
     """Template values for the judge prompts, every text fenced under one random `key`."""
     key = key or secrets.token_hex(4)
+    unwrap = unwrap or Unwrap()
+
+    def text(message: dict[str, Any]) -> str:
+        return unwrap(message_text(message))
+
     messages = turn.messages
     last_request = next((m for m in reversed(messages) if m["role"] in ("user", "tool")), None)
     first_user = next((m for m in messages if m["role"] == "user"), None)
     history_msgs = [m for m in messages if m["role"] != "system" and m is not last_request]
-    history = "\n".join(f"[{m['role']}] {message_text(m)}" for m in history_msgs)
+    history = "\n".join(f"[{m['role']}] {text(m)}" for m in history_msgs)
     return {
-        "task": fence(_clip(message_text(first_user) if first_user else "", max_chars), key),
+        "task": fence(_clip(text(first_user) if first_user else "", max_chars), key),
         "history": fence(_clip(history, max_chars) or "(none)", key),
-        "request": fence(_clip(message_text(last_request) if last_request else "", max_chars), key),
+        "request": fence(_clip(text(last_request) if last_request else "", max_chars), key),
         "response": fence(_clip(message_text(turn.response_message), max_chars), key),
         "next_state_role": next_state.role,
-        "next_state": fence(_clip("\n\n".join(message_text(m) for m in next_state.messages), max_chars), key),
+        "next_state": fence(_clip("\n\n".join(text(m) for m in next_state.messages), max_chars), key),
     }

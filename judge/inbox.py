@@ -55,6 +55,10 @@ class JudgeInbox:
         if turn.response_id:
             self._arriving[turn.response_id] = transition
         key = (turn.user, turn.session_id)
+        if transition.revises:
+            # its session settled and went on after all, replacing the next state judged then
+            self.tasks.spawn(self._revise(transition, durable))
+            return durable
         if transition.next_state is None and transition.reason == "session_closed" and turn.track == "outcome":
             # An episode's last step: no next state to vote on, its next state is the outcome.
             self.tasks.spawn(self._last_step(transition, durable))
@@ -112,6 +116,31 @@ class JudgeInbox:
             log.exception("could not keep the last step of an outcome episode")
         finally:
             self._handed_over(transition, durable)
+
+    async def _revise(self, transition: Transition, durable: asyncio.Future[None]) -> None:
+        """Judge a turn again with its revised next state (or keep it unjudged when the revision
+        supersedes it), unless it was trained or rated meanwhile: nothing is trained twice."""
+        turn = transition.turn
+        judged = transition.next_state is not None and self.judge.implicit
+        try:
+            async with self.judge.turn_lock(turn.response_id):  # not while its first judgement is being stored
+                transition_id = await self._writes.write(
+                    self.store.revise_transition, transition, "pending" if judged else "unjudged"
+                )
+            if transition_id is not None:
+                self.judge.record_transition(transition)
+        except Exception:  # noqa: BLE001 - the earlier judgement stands
+            log.exception("could not revise the next state of turn %d of session %s", turn.turn_index, turn.session_id)
+            return
+        finally:
+            self._handed_over(transition, durable)
+        if transition_id is not None and judged:
+            key = (turn.user, turn.session_id)
+            self.judge.guarantee.judging(key)
+            try:
+                await self._judge(transition_id, transition)
+            finally:
+                self.judge.guarantee.judged(key)
 
     async def _accept(self, transition: Transition, durable: asyncio.Future[None]) -> None:
         try:

@@ -32,6 +32,11 @@ class PromptLibrary:
                     f"judge prompt '{name}' needs {name}.{part}.txt in {self.directory} (have: {', '.join(self.names())})"
                 )
 
+    def source(self, name: str) -> str:
+        """The prompt's files as they are on disk (what a calibration verdict depends on)."""
+        self.require(name)
+        return "\n".join((self.directory / f"{name}.{part}.txt").read_text(encoding="utf-8") for part in ("system", "user"))
+
     def render(self, name: str, **values: str) -> list[dict[str, str]]:
         """Chat messages for the judge. Unknown placeholders are an error, not silent text."""
         if name not in self._templates:

@@ -31,8 +31,8 @@ from nextstate.engine.base import Engine, UnknownAdapterError
 from nextstate.judge.at_least_one import AtLeastOne
 from nextstate.judge.advantages import opd_delta, step_reward, token_advantages, with_outcome
 from nextstate.judge.client import JudgeClient
-from nextstate.judge.calibration import CALIBRATION_PROMPT, Calibration, case_values, conclude, judge_case, load_cases
-from nextstate.judge.context import FENCE_NOTE, prompt_values
+from nextstate.judge.calibration import Calibration
+from nextstate.judge.context import FENCE_NOTE, Unwrap, prompt_values
 from nextstate.judge.parsing import majority_vote, parse_hint, parse_score, select_hint
 from nextstate.judge.prompts import PromptLibrary
 from nextstate.judge.stats import JudgeStats, Vote
@@ -88,6 +88,7 @@ class Judge:
         # a full or read-only disk holds samples here until it takes them again
         self._samples = Durable("the sample store (judged samples)")
         self._harness = [re.compile(p) for p in settings.harness_patterns]
+        self._unwrap = Unwrap(settings.harness_wrappers)
         # Work off the request path (calibration, judgements, ratings being applied): the inbox
         # and explicit feedback start theirs here too, so one drain waits for all of it.
         self.tasks = BackgroundTasks()
@@ -102,16 +103,14 @@ class Judge:
 
     # ---------------------------------------------------------------- lifecycle
 
-    async def start(self) -> None:
-        """Check the judge (judge/calibration.py), off the start-up path."""
-        if not self.settings.judge_enabled or not self.settings.judge_calibration:
-            why = "judging is off (NEXTSTATE_JUDGE_ENABLED=false)" if not self.settings.judge_enabled else (
-                "not checked (NEXTSTATE_JUDGE_CALIBRATION=false)")
-            self.calibration = Calibration("skipped", why)
-            self.calibrated.set()
-            await self._remember_calibration()
-        else:
-            self.tasks.spawn(self.calibrate())
+    def conclude(self, calibration: Calibration) -> None:
+        """The start-up check's verdict (judge/startup_check.py): a failed judge gets no
+        implicit work, and implicit judging waits no longer."""
+        self.calibration = calibration
+        if calibration.state == "failed":
+            self.implicit = False
+            log.warning("judge: %s", calibration.detail)
+        self.calibrated.set()
 
     async def drain(self, timeout: float | None = None) -> None:
         """Wait until every submitted transition is judged and stored, and every rating applied."""
@@ -125,45 +124,6 @@ class Judge:
     def report(self) -> dict[str, Any]:
         """What the judge did and whether it judges implicit feedback (admin stats, progress)."""
         return {**self.stats.snapshot(), "implicit_feedback": self.implicit, "calibration": self.calibration.to_dict()}
-
-    async def calibrate(self) -> Calibration:
-        """Ask the judge the calibration cases; implicit judging waits for the verdict."""
-        started = time.monotonic()
-        try:
-            if not (self.prompts.directory / "calibration.json").is_file():
-                self.calibration = Calibration("skipped", f"no calibration.json in {self.prompts.directory}")
-                return self.calibration
-            cases = load_cases(self.prompts.directory)
-            log.info("judge: checking it on %d calibration cases before it scores any turn", len(cases))
-            results = []
-            for case in cases:  # one case at a time: the first one wrong settles it, at a quarter of the cost
-                votes = await self._votes(CALIBRATION_PROMPT, case_values(case, self.settings.judge_max_chars), (1, 0, -1))
-                results.append(judge_case(case, [v.score for v in votes]))
-                if not results[-1].passed:
-                    break
-            self.calibration = conclude(results, time.monotonic() - started, asked_of=len(cases))
-            if self.calibration.state == "failed":
-                self.implicit = False
-                log.warning("judge: %s", self.calibration.detail)
-            else:
-                log.info("judge: %s (%.1f s)", self.calibration.detail, self.calibration.seconds)
-            self.records.write("judge_calibration", self.calibration.to_dict())
-            return self.calibration
-        except Exception as exc:  # noqa: BLE001 - a check that cannot run leaves the judge as configured
-            log.warning("judge: the calibration could not run (%s: %s); judging goes on unchecked", type(exc).__name__, exc)
-            self.calibration = Calibration("skipped", f"could not run: {type(exc).__name__}: {exc}")
-            return self.calibration
-        finally:
-            self.calibrated.set()
-            await self._remember_calibration()
-
-    async def _remember_calibration(self) -> None:
-        try:  # for `nextstate status`, which reads the data dir
-            await asyncio.to_thread(self.store.set_meta, "judge_calibration", self.calibration.to_dict())
-        except Exception:  # noqa: BLE001 - a fact for display, not worth failing anything
-            log.warning("could not keep the judge's calibration in the sample store", exc_info=True)
-
-    # ---------------------------------------------------------------- judging
 
     async def quiet(self) -> None:
         """Wait (up to `QUIET_WAIT_S`) for no user request to be in flight: each step of a
@@ -255,12 +215,12 @@ class Judge:
                 turn, "ready", "format failure (the agent's own notice)", -1.0,
                 token_advantages(n, -1.0, None, w_binary, 0.0),
             )
-        values = prompt_values(turn, next_state, cfg.judge_max_chars)
+        values = prompt_values(turn, next_state, cfg.judge_max_chars, unwrap=self._unwrap)
         outcome_track = turn.track == "outcome" or outcome is not None
         want_prm = cfg.uses_prm or outcome_track
 
-        prm_task = self._votes(cfg.prm_prompt, values, (1, 0, -1)) if want_prm else _nothing()
-        hint_task = self._votes(HINT_PROMPT, values, (1, -1)) if cfg.uses_opd else _nothing()
+        prm_task = self.votes(cfg.prm_prompt, values, (1, 0, -1)) if want_prm else _nothing()
+        hint_task = self.votes(HINT_PROMPT, values, (1, -1)) if cfg.uses_opd else _nothing()
         prm_votes, hint_votes = await asyncio.gather(prm_task, hint_task)
         detail["votes"] = [asdict(v) for v in prm_votes]
         detail["hint_votes"] = [asdict(v) for v in hint_votes]
@@ -333,7 +293,7 @@ class Judge:
                 return text[:200]
         return None
 
-    async def _votes(self, prompt: str, values: dict[str, str], allowed: tuple[int, ...]) -> list[Vote]:
+    async def votes(self, prompt: str, values: dict[str, str], allowed: tuple[int, ...]) -> list[Vote]:
         """m votes on one prompt, asked as one judge call (judge/client.py: `n` answers)."""
         cfg = self.settings
         m = cfg.prm_votes

@@ -21,6 +21,7 @@ from typing import Any
 
 from nextstate.engine.base import Engine
 from nextstate.engine.devices import resolve_device
+from nextstate.learner.batching import RECENT_USER_S, Waiting, choose_batch
 from nextstate.learner.gate import PublishGate
 from nextstate.learner.trainer import LoraTrainer, StepResult
 from nextstate.learner.versions import AdapterVersions, scope_dir_name
@@ -49,11 +50,9 @@ class Learner:
         policies: PolicyDirectory,
         records: RecordWriter,
         prepare_batch: BatchAdvantages | None = None,
-        active_users: Callable[[], int] = lambda: 1,
     ) -> None:
         self.settings = settings
         self.prepare_batch = prepare_batch or (lambda samples: samples)
-        self.active_users = active_users  # how many users have an active key (for the share cap)
         self.model_dir = model_dir
         self.engine = engine
         self.store = store
@@ -64,6 +63,7 @@ class Learner:
         self.trainer: LoraTrainer | None = None
         self.gate: PublishGate | None = None
         self.steps: list[dict[str, Any]] = []
+        self.waiting: dict[str, Waiting] = {}  # per scope with ready samples and no batch: why
         self._step_index: dict[str, int] = {}  # updates tried per scope, published or skipped
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
@@ -133,38 +133,26 @@ class Learner:
         return True
 
     def _next_batch(self) -> tuple[str, list[Sample]]:
-        """The oldest ready samples of a scope that make a full batch, or, once the oldest of
-        them waited `batch_wait_s`, a partial one of at least `min_batch_size`. In the shared
-        scope no user fills more than `max_user_share` of a batch while others have keys: until
-        other users' samples come, one user's feedback waits rather than steering everyone's
-        model."""
+        """The first scope with a batch to train (learner/batching.py), oldest samples first;
+        what every other scope with ready samples waits for is kept in `waiting`."""
         size = self.batch_size
         ready = self._screen(self.store.ready_samples(size * 50))
+        waiting: dict[str, Waiting] = {}
         if self.policies.per_user:
-            counts = self.store.ready_counts_by_user()
-            user = next((u for u, n in counts.items() if n >= size), None)
-            if user is not None:
-                return user, self.store.ready_samples(size, user)
-            for user, n in counts.items():
-                if n >= self.settings.min_batch_size:
-                    partial = self.store.ready_samples(n, user)
-                    if self._waited(partial):
-                        return user, partial
-            return "", []
-        several = self.active_users() > 1
-        cap = size if not several else max(1, math.ceil(self.settings.max_user_share * size))
-        taken: dict[str, int] = {}
-        batch: list[Sample] = []
-        for sample in ready:
-            if taken.get(sample.user, 0) < cap:
-                taken[sample.user] = taken.get(sample.user, 0) + 1
-                batch.append(sample)
-                if len(batch) == size:
-                    return "shared", batch
-        if len(batch) >= self.settings.min_batch_size and self._waited(batch):
-            if not several or max(taken.values()) <= self.settings.max_user_share * len(batch):
-                return "shared", batch
-        return "shared", []
+            scopes = [(user, self.store.ready_samples(max(n, size), user)) for user, n in self.store.ready_counts_by_user().items()]
+            training: set[str] = set()
+        else:
+            scopes = [("shared", ready)]
+            training = self.store.training_users(time.time() - RECENT_USER_S)
+        found: tuple[str, list[Sample]] = ("", [])
+        for scope, samples in scopes:
+            choice = choose_batch(scope, samples, self.settings, training)
+            if isinstance(choice, Waiting):
+                waiting[scope] = choice
+            elif choice and not found[1]:
+                found = (scope, choice)
+        self.waiting = waiting
+        return found
 
     def _screen(self, ready: list[Sample]) -> list[Sample]:
         """Drop, with the reason, ready samples that must not take a batch slot: those with no
@@ -190,10 +178,6 @@ class Learner:
             log.info("learner: %d sample(s) dropped before training (%s)", len(ids), why)
         dropped = {i for ids in reasons.values() for i in ids}
         return [x for x in ready if x.id not in dropped]
-
-    def _waited(self, samples: list[Sample]) -> bool:
-        wait = self.settings.batch_wait_s
-        return wait > 0 and time.time() - min(x.created_at for x in samples) >= wait
 
     async def update(self, scope: str, samples: list[Sample]) -> StepResult | None:
         """One update of `scope` on `samples`: screen → step → gate → publish."""

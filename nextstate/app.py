@@ -19,6 +19,7 @@ from nextstate.judge.advantages import prepare_batch
 from nextstate.judge.feedback import ExplicitFeedback
 from nextstate.judge.inbox import JudgeInbox
 from nextstate.judge.service import Judge
+from nextstate.judge.startup_check import StartupCheck
 from nextstate.learner.service import Learner
 from nextstate.core.sample_store import SampleStore
 from nextstate import __version__
@@ -173,12 +174,12 @@ def create_app(settings: Settings | None = None, *, engine_factory: EngineFactor
             learner = Learner(
                 settings.learner, model_dir, settings.adapters_dir, engine, samples, policies, records,
                 prepare_batch=functools.partial(prepare_batch, settings=settings.judge),
-                active_users=keys.active_user_count,
             )
         session_db = SessionDB(settings.sessions_db)
         sessions = SessionStore(
             emit,
             idle_s=settings.server.session_idle_s,
+            settle_s=settings.server.session_settle_s,
             max_sessions=settings.server.max_sessions,
             max_per_user=settings.server.max_sessions_per_user,
             volatile=VolatileText(settings.server.session_volatile_patterns),
@@ -213,7 +214,7 @@ def create_app(settings: Settings | None = None, *, engine_factory: EngineFactor
         mark_running(settings, settings.server.port)
         if learner is not None:
             await learner.start()
-        await judge.start()
+        await StartupCheck(judge).start()
         await inbox.resume()
         if resumed := sessions.resume():
             log.info("handed the judge %d transitions again that were on their way when the last run stopped", resumed)
@@ -259,7 +260,7 @@ async def shutdown(services: Services) -> None:
 
 
 async def _sweep(sessions: SessionStore, metrics: Metrics) -> None:
-    interval = max(0.05, min(30.0, sessions.idle_s / 4))
+    interval = max(0.05, min(30.0, sessions.idle_s / 4, (sessions.settle_s or sessions.idle_s) / 4))
     while True:
         await asyncio.sleep(interval)
         if sessions.sweep():

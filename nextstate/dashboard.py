@@ -221,7 +221,11 @@ def render_page(report: dict[str, Any]) -> str:
                       sorted(samples["dropped_reasons"].items(), key=lambda kv: -kv[1]))
     gate = "".join(f"<tr><td>{_e(s.get('step'))}</td><td>{_e(s.get('scope'))}</td><td>{_e(s.get('skipped'))}</td></tr>"
                    for s in report["steps"] if s.get("skipped"))
+    waits = "".join(f"<tr><td>{_e(w['scope'])}</td><td>{_e(w['reason'])}</td><td>{_e(w['detail'])}</td></tr>"
+                    for w in report.get("waiting") or [])
     cards = [
+        f'<div class="card"><h2>Training waits for</h2><table><tr><th>scope</th><th>reason</th><th>what releases it</th></tr>'
+        f'{waits or "<tr><td colspan=3>nothing: every ready batch trains</td></tr>"}</table></div>',
         f'<div class="card"><h2>Serving</h2><table><tr><th>scope</th><th>serving</th><th>versions</th></tr>{scopes}</table>'
         f'<div class="muted">mode {_e(report["mode"])}, learning rate {_num(report.get("learning_rate"))}</div></div>',
         f'<div class="card"><h2>Explicit feedback</h2><div>{fb["up"]} good · {fb["down"]} bad · '

@@ -43,8 +43,10 @@ def progress_report(
     learning_rate: float | None = None,
     judge: dict[str, Any] | None = None,
     live_steps: list[dict[str, Any]] | None = None,
+    waiting: list[dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
-    """The figures; `judge` and `live_steps` come from a running server, else from the disk."""
+    """The figures; `judge`, `live_steps` and `waiting` (why scopes with ready samples are not
+    training, learner/batching.py) come from a running server, else from the disk."""
     scopes = []
     steps: list[dict[str, Any]] = []
     for scope in versions.scopes():
@@ -76,7 +78,22 @@ def progress_report(
         "by_version": samples.by_version(per_user),
         "scopes": scopes,
         "steps": steps,
+        "waiting": _waiting(waiting, judge),
     }
+
+
+def _waiting(waiting: list[dict[str, Any]] | None, judge: dict[str, Any] | None) -> list[dict[str, Any]] | None:
+    """What training waits for: each scope's reason, and a benched judge (its next states are
+    kept, not judged). None when no server is running to say."""
+    if waiting is None:
+        return None
+    out = list(waiting)
+    calibration = (judge or {}).get("calibration") or {}
+    if calibration.get("state") == "failed":
+        out.append({"scope": "*", "reason": "judge_benched", "ready": None,
+                    "detail": "the judge failed its start-up check: next states are kept, not judged; explicit "
+                              "ratings (POST /v1/feedback) train. A capable judge: NEXTSTATE_JUDGE_BASE_URL."})
+    return out
 
 
 def live_report(services: Services) -> dict[str, Any]:
@@ -91,6 +108,7 @@ def live_report(services: Services) -> dict[str, Any]:
         learning_rate=learner.trainer.lr if learner is not None and learner.trainer is not None else None,
         judge={key: report[key] for key in ("implicit_feedback", "calibration", "feedback_applied")},
         live_steps=list(learner.steps) if learner is not None else [],
+        waiting=[w.to_dict() for w in learner.waiting.values()] if learner is not None else [],
     )
 
 
@@ -121,6 +139,11 @@ def render_text(report: dict[str, Any], where: str) -> str:
         lines.append("adapters: " + ", ".join(f"{x['scope']} serves v{x['serving']} of {x['versions']}" for x in report["scopes"]))
     else:
         lines.append("adapters: none yet (the base model serves)")
+    if report.get("waiting"):
+        for w in report["waiting"]:
+            lines.append(f"training waits ({w['scope']}, {w['reason']}): {w['detail']}")
+    elif report.get("waiting") is None:
+        lines.append("training: no server running to say what it waits for")
     if report["by_version"]:
         lines.append("")
         lines.append(f"{'scope':<10} {'served by':>9}  {'samples':>7}  {'accepted':>8}  {'mean reward':>11}  {'rated +/-':>9}")

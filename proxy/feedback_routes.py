@@ -1,9 +1,10 @@
 """`POST /v1/feedback`: a person rates one of their replies, and may say how it should have been.
 
 The one direct way to teach the model: no judge is asked (judge/feedback.py says how a rating
-and a correction become a sample). The reply is named by the `id` its client got
-(`chatcmpl-…`); only the user it was served to may rate it, and for anyone else it does not
-exist (404, as for an unknown id).
+and a correction become a sample). The reply is named by the `id` its client got, from any of
+the three APIs: a chat completion's `chatcmpl-…`, a Messages reply's `msg_…`, a Response's
+`resp_…`. Only the user it was served to may rate it, and for anyone else it does not exist
+(404, as for an unknown id).
 """
 
 from __future__ import annotations
@@ -22,13 +23,15 @@ from nextstate.proxy.request_body import read_model, request_body_schema
 router = APIRouter()
 
 MAX_CORRECTION_CHARS = 4000
+RESPONSE_ID_PATTERN = r"^(chatcmpl-|msg_|resp_)[A-Za-z0-9]{1,64}$"
 
 
 class FeedbackRequest(BaseModel):
     model_config = ConfigDict(strict=True, extra="forbid")
 
     response_id: str = Field(
-        pattern=r"^chatcmpl-[A-Za-z0-9]{1,64}$", description="The `id` of the chat completion being rated."
+        pattern=RESPONSE_ID_PATTERN,
+        description="The `id` of the reply being rated: `chatcmpl-…` (chat completions), `msg_…` (Messages) or `resp_…` (Responses).",
     )
     rating: Literal[1, -1] = Field(description="1: good, do more of this. -1: bad, do less of this.")
     correction: str | None = Field(
@@ -62,6 +65,11 @@ async def post_feedback(request: Request, key: ApiKey = Depends(authenticate)) -
     result = await state.feedback.apply(
         key.user, body.response_id, body.rating, body.correction, open_turn=open_turn
     )
+    if result.status == "not_found" and (legacy := _stored_before_api_ids(body.response_id)) is not None:
+        # Messages and Responses turns served before their ids were kept were stored under the
+        # chat completion id with the same key
+        open_turn = state.sessions.find_turn(key.user, legacy)
+        result = await state.feedback.apply(key.user, legacy, body.rating, body.correction, open_turn=open_turn)
     if result.status == "not_found":
         raise ApiError(
             404, f"No reply '{body.response_id}' of yours is known here: only the main turns of your own "
@@ -72,3 +80,10 @@ async def post_feedback(request: Request, key: ApiKey = Depends(authenticate)) -
         response_id=body.response_id, rating=body.rating, correction=body.correction, status=result.status,
         session_id=result.session_id, turn_index=result.turn_index,
     )
+
+
+def _stored_before_api_ids(response_id: str) -> str | None:
+    for prefix in ("msg_", "resp_"):
+        if response_id.startswith(prefix):
+            return "chatcmpl-" + response_id.removeprefix(prefix)
+    return None

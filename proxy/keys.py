@@ -108,11 +108,6 @@ class KeyStore:
             ).fetchall()
         return [ApiKey(r[0], r[1], r[2], bool(r[3]), r[4], r[5], r[6], r[7]) for r in rows]
 
-    def active_user_count(self) -> int:
-        """How many users hold a key that is not revoked."""
-        with self._lock:
-            return int(self._conn.execute("SELECT COUNT(DISTINCT user) FROM api_keys WHERE revoked_at IS NULL").fetchone()[0])
-
     def forget(self, user: str) -> int:
         """Delete every key of `user` (revoked ones too); returns how many."""
         with self._lock:

@@ -50,7 +50,7 @@ from typing import Any, Literal
 import pydantic_core
 
 from nextstate.core.types import NextState, Transition, Turn
-from nextstate.proxy.session_chain import Chain, MessageDigests, VolatileText
+from nextstate.proxy.session_chain import Chain, MessageDigests, VolatileText, chain_step
 from nextstate.proxy.session_db import SessionDB
 
 # Where a session hands each transition (the judge's inbox). What it returns resolves once the
@@ -75,6 +75,9 @@ class Session:
     pending: Turn | None = None  # the last main turn; its reply ends the line
     provisional: Transition | None = None  # the turn before, with a next state not yet confirmed
     provisional_at: int = -1  # index of that turn's reply in the line
+    # The provisional transition went to the judge after the session settled (was quiet for
+    # `settle_s`): confirming it sends nothing more; replacing it sends a revision.
+    provisional_sent: bool = False
     closed: bool = False
     outcome_expected: bool = False  # its requests said an environment will post an outcome
     last_active_wall: float = field(default_factory=time.time)
@@ -93,6 +96,7 @@ class Session:
             "id": self.id, "user": self.user, "explicit": self.explicit, "last_active_wall": self.last_active_wall,
             "line": self.line.to_json() if self.line else None, "turn_count": self.turn_count,
             "provisional_at": self.provisional_at, "outcome_expected": self.outcome_expected,
+            "provisional_sent": self.provisional_sent,
         }
         encoded, self._encoded = self._encoded, {}
         pending = self._turn_json(self.pending, encoded) if self.pending else "null"
@@ -121,6 +125,7 @@ class Session:
             pending=Turn.model_validate(data["pending"]) if data["pending"] else None,
             provisional=Transition.model_validate(data["provisional"]) if data["provisional"] else None,
             provisional_at=data["provisional_at"], last_active_wall=data["last_active_wall"],
+            provisional_sent=data.get("provisional_sent", False),
             outcome_expected=data.get("outcome_expected", False),
             handing=[Transition.model_validate(t) for t in data.get("handing", ())],
         )
@@ -156,6 +161,7 @@ class SessionStore:
         self,
         emit: TransitionSink,
         idle_s: float = 1800.0,
+        settle_s: float = 0.0,
         max_sessions: int = 10000,
         clock: Callable[[], float] = time.monotonic,
         max_per_user: int | None = None,
@@ -166,6 +172,7 @@ class SessionStore:
         self._handed: list[asyncio.Future[None]] = []  # what `emit` returned, until the judge has it on disk
         self._dirty: set[tuple[str, str]] = set()
         self.idle_s = idle_s
+        self.settle_s = settle_s
         self.max_sessions = max_sessions
         self.max_per_user = max_per_user or max_sessions
         self._clock = clock
@@ -250,9 +257,9 @@ class SessionStore:
         request = Chain.of(user, messages, self.digests)
         if session_id is not None:
             session = self._sessions.get((user, session_id)) or Session(session_id, user, True, self._clock())
-            match = self._classify(session, request)
+            match = self._classify(session, request, messages)
         else:
-            session, match = self._find(request)
+            session, match = self._find(request, messages)
             if session is None and turn_type != "side":
                 session, match = Session("sess_" + secrets.token_hex(12), user, False, self._clock()), "new"
         plan = TurnPlan(session, turn_type or ("main" if match != "none" else "side"), match, request, messages)
@@ -261,8 +268,7 @@ class SessionStore:
             plan.turn_index = session.turn_count + 1
         return plan
 
-    @staticmethod
-    def _classify(s: Session, request: Chain) -> Match:
+    def _classify(self, s: Session, request: Chain, messages: list[dict[str, Any]] | None = None) -> Match:
         line = s.line
         if line is None or len(line) == 0:
             return "new"
@@ -273,16 +279,39 @@ class SessionStore:
             return "extend"
         if k < min(n, m) and request.roles[k] == "assistant" and line.roles[k] == "assistant" and has_next:
             return "edited"
+        if messages is not None and has_next and self._only_user_message_rewritten(line, request, k, messages):
+            return "edited"
         if "assistant" in request.roles[:k] and has_next:
             return "fork"
         return "none"
 
-    def _find(self, request: Chain) -> tuple[Session | None, Match]:
+    def _only_user_message_rewritten(self, line: Chain, request: Chain, k: int, messages: list[dict[str, Any]]) -> bool:
+        """The request is the whole line with one user message (at `k`) reworded, and goes on
+        past it. OpenClaw does this after an aborted reply: it sends the next message with the
+        aborted one folded in (its "[Queued user message ...]" wrapper), and on the following
+        turn rewrites that entry to the new message alone. Our reply to it is still the reply
+        it got, so the conversation goes on (edited), instead of forking and dropping that turn.
+        Checked by chaining the request's later messages onto the line's hash at `k`."""
+        if not (k < len(line) - 1 and k < len(request) and line.roles[k] == "user" and request.roles[k] == "user"):
+            return False
+        if len(request) <= len(line) or request.roles[: len(line)] != line.roles:
+            return False
+        h = line.hashes[k]
+        for j in range(k + 1, len(line)):
+            digest = self.digests(messages[request.positions[j]])
+            if digest is None:
+                return False
+            h = chain_step(h, digest)
+            if h != line.hashes[j]:
+                return False
+        return True
+
+    def _find(self, request: Chain, messages: list[dict[str, Any]]) -> tuple[Session | None, Match]:
         """The session sharing the longest prefix with the request (hashes are user-seeded)."""
         for k in range(len(request), 0, -1):
             session = self._index.get(request.hashes[k - 1])
             if session is not None:
-                match = self._classify(session, request)
+                match = self._classify(session, request, messages)
                 return (session, match) if match != "none" else (None, "none")
         return None, "none"
 
@@ -299,7 +328,7 @@ class SessionStore:
             return turn
         if (s.user, s.id) not in self._sessions:
             self._register(s)
-        match = self._classify(s, plan.request)
+        match = self._classify(s, plan.request, plan.messages)
         old_hashes = s.line.hashes if s.line else ()
         if match in ("extend", "edited"):
             self._continue(s, plan, edited=match == "edited")
@@ -344,18 +373,22 @@ class SessionStore:
             self._supersede_pending(s)
         if s.provisional is None:
             return
+        sent = s.provisional_sent
         if s.provisional_at >= k:
-            self._emit(s, Transition(turn=s.provisional.turn, next_state=None, reason="superseded"))
-            s.provisional = None
+            self._emit(s, Transition(turn=s.provisional.turn, next_state=None, reason="superseded", revises=sent))
+            s.provisional, s.provisional_sent = None, False
             return
         replaced = _messages_from(plan, s.provisional_at + 1)
-        if replaced:
+        if replaced and replaced != s.provisional.next_state.messages:
             s.provisional = Transition(turn=s.provisional.turn, next_state=NextState(messages=replaced), reason="next_state")
+            if sent:  # the judge has the settled one: it judges this one instead, unless that turn trained
+                self._emit(s, s.provisional.model_copy(update={"revises": True}))
 
     def _confirm(self, s: Session) -> None:
         if s.provisional is not None:
-            self._emit(s, s.provisional)
-            s.provisional = None
+            if not s.provisional_sent:
+                self._emit(s, s.provisional)
+            s.provisional, s.provisional_sent = None, False
 
     def _supersede_pending(self, s: Session) -> None:
         if s.pending is not None:
@@ -406,16 +439,35 @@ class SessionStore:
         return dropped
 
     def sweep(self) -> int:
-        """Close sessions idle for longer than idle_s; returns how many closed."""
-        deadline = self._clock() - self.idle_s
-        closed = 0
+        """Close sessions idle for longer than idle_s, and hand the judge the provisional next
+        state of those quiet for `settle_s`; returns how many sessions changed."""
+        now = self._clock()
+        deadline = now - self.idle_s
+        changed = 0
         while self._sessions:
             s = next(iter(self._sessions.values()))
             if s.last_active > deadline:
                 break
             self.close(s)
-            closed += 1
-        return closed
+            changed += 1
+        if self.settle_s > 0:
+            settled = now - self.settle_s
+            for s in self._sessions.values():  # least recently active first
+                if s.last_active > settled:
+                    break
+                if s.provisional is not None and not s.provisional_sent:
+                    self._settle(s)
+                    changed += 1
+        return changed
+
+    def _settle(self, s: Session) -> None:
+        """A closing reaction ("Thanks, that is fine.") has no later request to confirm it: once
+        the session has been quiet for `settle_s`, the judge gets it. It stays provisional: a
+        later request that replaces it sends a revision (judged instead, unless trained)."""
+        assert s.provisional is not None
+        self._emit(s, s.provisional)
+        s.provisional_sent = True
+        self._dirty.add((s.user, s.id))
 
     def close_all(self) -> None:
         for s in list(self._sessions.values()):
@@ -454,5 +506,13 @@ class SessionStore:
 
 
 def _messages_from(plan: TurnPlan, chain_index: int) -> list[dict[str, Any]]:
-    """The request's messages from chain position `chain_index` on (volatile-only ones left out)."""
-    return [plan.messages[i] for i in plan.request.positions[chain_index:]]
+    """The request's messages from chain position `chain_index` on (volatile-only ones left
+    out), up to the first assistant message: a next state is the user's and the tools' reaction
+    to a reply, never a reply of ours (after an abort, OpenClaw's history put our superseded
+    reply between two user messages, and the judge read it as the user's)."""
+    out = []
+    for i in plan.request.positions[chain_index:]:
+        if plan.messages[i]["role"] == "assistant":
+            break
+        out.append(plan.messages[i])
+    return out

@@ -61,6 +61,9 @@ class TurnRequest:
     stop: list[str] = field(default_factory=list)
     top_logprobs: int | None = None  # None: no logprobs; 0: the sampled token's only
     parallel_tool_calls: bool = True
+    # The reply's id is the one its API gives (`chatcmpl-…`, Messages' `msg_…`, Responses'
+    # `resp_…`): the turn keeps the id its client got, so `POST /v1/feedback` can name it.
+    id_prefix: str = "chatcmpl-"
 
     @property
     def parse_tools(self) -> bool:
@@ -82,7 +85,7 @@ class PreparedTurn:
     # engine admits the request (`Admitted.policy`); None until then. One lookup, one moment:
     # a swap between preparing and generating must not leave parts of a reply naming another.
     policy: PolicyRef | None = None
-    id: str = field(default_factory=lambda: "chatcmpl-" + secrets.token_hex(12))
+    id: str = field(default_factory=lambda: "chatcmpl-" + secrets.token_hex(12))  # `prepare` gives the API's prefix
     created: int = field(default_factory=lambda: int(time.time()))
     started: float = field(default_factory=time.monotonic)
     extra_headers: dict[str, str] = field(default_factory=dict)  # the key's rate-limit standing
@@ -130,7 +133,7 @@ class TurnService:
         )
         self.metrics.turns.labels(plan.turn_type, plan.match).inc()
         self.metrics.sessions_open.set(len(self.sessions))
-        prep = PreparedTurn(request, key, prompt, sampling, plan)
+        prep = PreparedTurn(request, key, prompt, sampling, plan, id=request.id_prefix + secrets.token_hex(12))
         prep.extra_headers.update(quota.headers)
         return prep
 

@@ -78,3 +78,34 @@ def test_a_case_passes_only_when_most_votes_have_a_verdict():
     assert not judge_case(case, [1, None, None]).passed, "one valid vote of three is not a judge"
     assert judge_case(case, [1, 1, None]).passed and judge_case(case, [1]).passed
     assert not judge_case(case, [-1, -1, 1]).passed
+
+
+def test_a_restart_keeps_the_verdict_on_the_same_judge_and_asks_a_new_one(server_factory, judge, tmp_path):
+    """The check costs minutes on a slow judge and used to run again beside the first user of
+    every restart: the same judge, cases and prompt keep their verdict; another judge is asked."""
+    data = tmp_path / "kept"
+    first = calibrated_server(server_factory, judge, data_dir=data)
+    assert first.app.state.services.judge.calibration.state == "passed"
+    asked = len(judge.calls)
+    first.stop()
+
+    again = calibrated_server(server_factory, judge, data_dir=data)
+    calibration = again.app.state.services.judge.calibration
+    assert calibration.state == "passed" and len(judge.calls) == asked, "nothing asked again"
+    assert again.app.state.services.judge.implicit is True
+    again.stop()
+
+    other = calibrated_server(server_factory, judge, data_dir=data, judge_model="another-judge")
+    assert other.app.state.services.judge.calibration.state == "passed"
+    assert len(judge.calls) > asked, "a different judge is checked anew"
+
+
+def test_a_check_whose_votes_all_failed_is_asked_again_at_the_next_start(server_factory, judge, tmp_path):
+    data = tmp_path / "kept"
+    judge.mode = "error"
+    first = calibrated_server(server_factory, judge, data_dir=data, judge_timeout_s=2)
+    assert first.app.state.services.judge.calibration.state == "failed"
+    first.stop()
+    judge.mode = "rules"
+    again = calibrated_server(server_factory, judge, data_dir=data)
+    assert again.app.state.services.judge.calibration.state == "passed", "an unreachable judge's verdict is not kept"

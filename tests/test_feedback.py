@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import anthropic
 import httpx
 import pytest
 
@@ -147,6 +148,35 @@ def test_a_few_ratings_publish_a_version_without_filling_a_batch(server_factory)
     wait_for(lambda: server.app.state.services.policies.current("alice").version == 1, timeout=60)
     step = server.app.state.services.learner.steps[-1]
     assert step["published"] and step["samples"] == 4
+
+
+@pytest.mark.parametrize("scope", ["user", "shared"])
+def test_a_lone_user_beside_an_admin_key_trains_from_four_ratings_of_any_api(server_factory, scope):
+    """A person makes their own key and an admin key for the dashboard (as the README says),
+    talks through all three APIs with their SDKs, and rates four replies by the ids those
+    SDKs returned: a version is published. Everything at its default but the partial batch's
+    wait (120 s by default); `user` is the default scope."""
+    server = server_factory(judge_enabled=False, batch_wait_s=1.0, adapter_scope=scope)
+    alice = server.key("alice")
+    server.key("root", admin=True)
+    chat = server.client(alice)
+    messages = anthropic.Anthropic(base_url=server.base_url.removesuffix("/v1"), api_key=alice)
+    ids = [
+        chat.chat.completions.create(model="tiny", messages=ASK, max_tokens=4, seed=1).id,
+        messages.messages.create(model="tiny", max_tokens=4, messages=[{"role": "user", "content": "Hello there."}]).id,
+        chat.responses.create(model="tiny", input="Tell me one thing.", max_output_tokens=4).id,
+        chat.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Another one."}], max_tokens=4).id,
+    ]
+    assert [i.split("-")[0].split("_")[0] for i in ids] == ["chatcmpl", "msg", "resp", "chatcmpl"]
+    for i, response_id in enumerate(ids):
+        answer = rate(server, alice, response_id, 1 if i % 2 else -1)
+        assert answer.status_code == 200 and answer.json()["status"] == "applied", answer.text
+        assert sample_of(server, response_id).feedback["rating"] == (1 if i % 2 else -1)
+    assert server.settings.learner.max_user_share == 0.5 and server.settings.learner.batch_size == 16
+    wait_for(lambda: server.app.state.services.policies.current("alice").version == 1, timeout=90)
+    step = server.app.state.services.learner.steps[-1]
+    assert step["published"] and step["samples"] == 4 and step["scope"] == ("alice" if scope == "user" else "shared")
+    assert server.app.state.services.policies.current("root").version == (0 if scope == "user" else 1)
 
 
 def test_the_policy_teacher_scores_with_the_serving_version_once_the_turns_is_gone(server_factory):

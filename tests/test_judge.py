@@ -454,3 +454,42 @@ async def test_the_votes_on_a_prompt_are_one_call_where_the_endpoint_takes_n():
         assert len(await client.complete([], temperature=0.6, max_tokens=8, n=2)) == 2
         assert [b.get("n") for b in seen] == [3, None, None, None, None, None] and client.takes_n is False
         await client.aclose()
+
+
+def test_a_closing_reaction_is_judged_once_the_session_settles_and_again_if_replaced(server_factory, judge):
+    """NEXTSTATE_SESSION_SETTLE_S: the last "thanks" of a conversation is judged a moment after
+    the conversation goes quiet, not when its session closes half an hour later. When the user
+    comes back and rewords it, the turn is judged again on the new words (once: one sample)."""
+    from tests.test_learner import wait_for
+
+    server = judged_server(server_factory, judge, prm_votes=1, mode="binary", session_settle_s=0.3, learn=False)
+    client = server.client(server.key("alice"))
+    messages = converse(client, [SCRIPT[0], SCRIPT[3]])  # the reaction to turn 1: "Thanks, that's great!"
+    samples = server.app.state.services.samples
+    wait_for(lambda: len(samples.samples()) == 1, timeout=20)
+    (first,) = samples.samples()
+    assert (first.turn_index, first.reward) == (1, 1.0), "judged while the session is still open"
+
+    reworded = messages[:3] + [{"role": "user", "content": "No, that's wrong. I need it in French."}]
+    client.chat.completions.create(model="tiny", messages=reworded, max_tokens=4)
+    wait_for(lambda: [s.reward for s in samples.samples()] == [-1.0], timeout=20)
+    (again,) = samples.samples()
+    assert again.turn_index == 1 and again.id != first.id, "judged again on the new words, one sample for the turn"
+    transitions = [r for r in server.records() if r["kind"] == "transition" and r["turn_index"] == 1]
+    assert [t["revises"] for t in transitions] == [False, True]
+
+
+def test_a_settled_reaction_whose_turn_trained_is_not_judged_again(server_factory, judge):
+    from tests.test_learner import wait_for
+
+    server = judged_server(server_factory, judge, prm_votes=1, mode="binary", session_settle_s=0.3,
+                           batch_size=1, min_batch_size=1, lr=5e-3, lora_r=4, lora_alpha=8)
+    client = server.client(server.key("alice"))
+    messages = converse(client, [SCRIPT[0], SCRIPT[3]])
+    services = server.app.state.services
+    wait_for(lambda: services.policies.current("alice").version == 1, timeout=60)
+    reworded = messages[:3] + [{"role": "user", "content": "No, that's wrong. I need it in French."}]
+    client.chat.completions.create(model="tiny", messages=reworded, max_tokens=4)
+    server.drain_judge()
+    turn_one = [s for s in services.samples.samples() if s.turn_index == 1]
+    assert [(s.status, s.reward) for s in turn_one] == [("consumed", 1.0)], "trained once, on what was judged then"

@@ -142,3 +142,60 @@ def test_an_openclaw_conversation_is_one_session_with_the_users_next_states(repl
             assert "format failure" in sample.reason and sample.reward == -1 and sample.votes == []
         else:
             assert "format failure" not in sample.reason and sample.votes, f"turn {index} was judged as user feedback"
+
+
+QUEUED = ("[Queued user message from a previous active turn; preserved as context only. "
+          "Continue with the active prompt below.]")
+
+
+def test_an_aborted_reply_and_openclaws_merge_and_rewrite_keep_every_turn_and_only_the_users_words(replay):
+    """OpenClaw's abort sequence, built from the capture's real requests: the user's second
+    message is answered, the stream aborted mid-way; OpenClaw sends the next message with the
+    aborted one folded in under its queued-message notice; on the turn after, it rewrites that
+    entry to the new message alone. Every transition's next state holds no reply of ours (the
+    superseded reply once sat between two user messages), the turn that answered the merged
+    message is kept (edited, not dropped), and the judge never reads OpenClaw's notice."""
+    captured = rows()
+    first, second, third, fourth = (captured[i]["req_body"] for i in (4, 5, 6, 7))
+    u2, u3, u4 = (body["messages"][-1] for body in (second, third, fourth))
+    assert replay.send(captured[4])[0] == 200
+    a1 = second["messages"][2]
+
+    # the reply to u2 is aborted mid-stream (the engine is slow; the client hangs up)
+    replay.engine.delay_s = 0.05
+    replay.engine.script("A long answer that the user will never see to its end. " * 4)
+    headers = {"Authorization": f"Bearer {replay.key}"}
+    with httpx.stream("POST", f"{replay.server.base_url}/chat/completions", headers=headers, timeout=60,
+                      json={**second, "max_completion_tokens": 1024}) as response:
+        chunks = response.iter_lines()
+        next(chunks), next(chunks)  # the stream started
+    replay.engine.delay_s = 0.0
+
+    merged = {"role": "user", "content": f"{QUEUED}\n{u2['content']}\n\n{u3['content']}"}
+    reply3 = "Paris is the capital of France, and I will read notes.txt now."
+    replay.engine.script(reply3)
+    body3 = {**first, "messages": [*first["messages"], a1, merged], "max_completion_tokens": 1024}
+    replay.send({"req_body": body3, "req_headers": captured[6]["req_headers"], "resp_body": ""})
+    replay.engine.script("Noted.")
+    body4 = {**first, "messages": [*first["messages"], a1, u3, {"role": "assistant", "content": reply3}, u4],
+             "max_completion_tokens": 1024}
+    status, session, _ = replay.send({"req_body": body4, "req_headers": captured[7]["req_headers"], "resp_body": ""})
+    assert status == 200
+
+    server = replay.server
+    server.end_conversations()
+    server.drain_judge()
+    records = server.records()
+    matches = [r["session_match"] for r in records if r["kind"] == "request"]
+    assert matches == ["new", "extend", "edited"], matches
+    assert [r["reason"] for r in records if r["kind"] == "aborted"] == ["the client closed the stream before its end"]
+    transitions = sorted((r for r in records if r["kind"] == "transition"), key=lambda r: r["turn_index"])
+    assert [(t["turn_index"], t["reason"]) for t in transitions] == [
+        (1, "next_state"), (2, "next_state"), (3, "session_closed")], "no turn dropped as superseded"
+    for t in transitions:
+        assert not any(m["role"] == "assistant" for m in t["next_state"] or []), t
+    assert transitions[0]["next_state"] == [merged], "the reaction to the first reply: both of the user's messages"
+    assert transitions[1]["next_state"] == [u4] and transitions[1]["edited"], "the merged turn goes on, edited"
+    judged = [json.dumps(call) for call in replay.judge.calls]
+    assert judged and not any("Queued user message" in text for text in judged), "the judge reads the user, not OpenClaw"
+    assert any(u2["content"].split("] ", 1)[1][:40] in text for text in judged)

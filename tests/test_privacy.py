@@ -69,7 +69,7 @@ def test_forget_on_the_command_line(tmp_path, tiny_model_dir, server_factory):
     alice = server.key("alice")
     chat(server, alice, **{"X-Session-Id": "open-one"})
     chat(server, server.key("bob"))
-    env = {**os.environ, "NEXTSTATE_DATA_DIR": str(server.settings.data_dir)}
+    env = {**os.environ, "NEXTSTATE_DATA_DIR": str(server.settings.data_dir), "NEXTSTATE_ADAPTER_SCOPE": "shared"}
     refused = subprocess.run([sys.executable, "-m", "nextstate.cli", "forget", "--user", "alice", "--yes"],
                              env=env, capture_output=True, text=True)
     assert refused.returncode != 0 and "server is running" in refused.stderr

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import httpx
 import torch
 
@@ -40,21 +42,35 @@ def test_outcomes_only_for_declared_sessions_and_within_bounds(server_factory):
         judge.stop()
 
 
-def test_one_user_cannot_fill_a_shared_batch_while_others_have_keys(server_factory):
+def test_one_user_cannot_fill_a_shared_batch_while_others_train_it(server_factory):
     server = learning_server(server_factory, max_user_share=0.5)
-    server.key("alice"), server.key("bob")  # two users: the shared adapter is everyone's
+    server.key("alice"), server.key("bob")
+    # bob trains the shared adapter too: one of his samples was trained a moment ago
+    store = server.app.state.services.samples
+    (earlier,) = served_samples(server, 1, user="bob", seed0=90)
+    store.mark_consumed([store.add_sample(earlier.model_copy(update={"created_at": time.time()})).id])
     feed(server, served_samples(server, 6, user="alice"))
     server.call(_sleep(1.5))
     assert server.app.state.services.policies.current("bob").version == 0, "alice alone published a version for bob"
     feed(server, served_samples(server, 2, user="bob", seed0=50))
     wait_for(lambda: server.app.state.services.policies.current("bob").version == 1)
     (step,) = [r for r in server.records() if r["kind"] == "train_step"]
-    users = [s.user for s in server.app.state.services.samples.samples("consumed")]
-    assert sorted(users) == ["alice", "alice", "bob", "bob"] and len(step["sample_ids"]) == 4
+    assert len(step["sample_ids"]) == 4
+    users = [s.user for s in server.app.state.services.samples.samples("consumed") if s.id in step["sample_ids"]]
+    assert sorted(users) == ["alice", "alice", "bob", "bob"]
 
 
 def test_a_single_user_server_trains_on_its_own(server_factory):
     server = learning_server(server_factory, max_user_share=0.5)
+    feed(server, served_samples(server, 4, user="alice"))
+    wait_for(lambda: server.app.state.services.policies.current("alice").version == 1)
+
+
+def test_keys_alone_do_not_make_other_users(server_factory):
+    """An admin key for the dashboard, a colleague's idle key: neither trains the adapter, so
+    neither holds back the one user who does (it stalled a lone user's training for good)."""
+    server = learning_server(server_factory, max_user_share=0.5)
+    server.key("alice"), server.key("root", admin=True), server.key("bob")
     feed(server, served_samples(server, 4, user="alice"))
     wait_for(lambda: server.app.state.services.policies.current("alice").version == 1)
 

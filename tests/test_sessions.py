@@ -465,3 +465,49 @@ def test_a_rewritten_system_prompt_keeps_the_session():
     fewer = [{"role": "system", "content": "Tools: read."}, user("read notes.txt"), reply("reading"), user("and?")]
     p2 = h.turn("alice", fewer, "done")
     assert p2.session is p1.session and p2.match == "extend"
+
+
+def test_a_quiet_session_hands_over_its_last_reaction_once_and_revises_it_if_replaced():
+    """A closing "thanks" has no later request to confirm it: once the session has been quiet
+    for settle_s, it goes to the judge. Confirmed later, it is not sent again; replaced later
+    (the user went back and reworded it), the replacement goes as a revision."""
+    h = Harness(settle_s=60)
+    m1 = [user("write a poem")]
+    h.turn("alice", m1, "roses are red")
+    m2 = m1 + [reply("roses are red"), user("thanks, lovely")]
+    h.turn("alice", m2, "glad you like it")
+    h.now = 30
+    h.store.sweep()
+    assert h.emitted == [], "not quiet long enough"
+    h.now = 61
+    assert h.store.sweep() == 1
+    (settled,) = h.emitted
+    assert settled.turn.turn_index == 1 and settled.next_state.messages == [user("thanks, lovely")]
+    assert not settled.revises
+    h.store.sweep()
+    assert len(h.emitted) == 1, "handed over once"
+
+    # the user rewords the reaction: a fork before our reply to it, after the settled turn's reply
+    m2b = m1 + [reply("roses are red"), user("thanks, but shorter please")]
+    h.turn("alice", m2b, "roses.")
+    superseded, revision = h.emitted[1:]
+    assert (superseded.reason, superseded.turn.turn_index) == ("superseded", 2)
+    assert revision.revises and revision.turn.turn_index == 1
+    assert revision.next_state.messages == [user("thanks, but shorter please")]
+
+    # and a confirmation of a settled next state sends nothing more
+    h.now = 200
+    h.store.sweep()  # turn 1's revised next state was handed over already; nothing new settles
+    m3 = m2b + [reply("roses."), user("perfect")]
+    h.turn("alice", m3, "thanks!")
+    assert len(h.emitted) == 3, "confirming what the judge has sends nothing"
+
+
+def test_a_next_state_never_holds_a_reply_of_ours():
+    h = Harness()
+    m1 = [user("hi")]
+    h.turn("alice", m1, "hello")
+    m2 = m1 + [reply("hello"), user("first"), reply("an answer the agent kept"), user("second")]
+    h.turn("alice", m2, "ok")
+    (t, _) = h.flush()
+    assert t.next_state.messages == [user("first")]

@@ -40,6 +40,7 @@ def turn_request(body: MessagesRequest, headers: Mapping[str, str]) -> TurnReque
         top_p=body.top_p,
         stop=list(body.stop_sequences or []),
         parallel_tool_calls=body.parallel_tool_calls,
+        id_prefix="msg_",
     )
 
 
@@ -66,7 +67,7 @@ class MessageBuilder:
     """Anthropic's message object and stream events for one reply."""
 
     def __init__(self, prep: PreparedTurn, model: str) -> None:
-        self.id = "msg_" + prep.id.removeprefix("chatcmpl-")
+        self.id = prep.id
         self.model = model
         self.prompt_tokens = len(prep.prompt.ids)
         self._open: str | None = None  # the block being streamed: "text", or None

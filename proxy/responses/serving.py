@@ -56,8 +56,8 @@ class ResponseBuilder:
     """The Response object and its stream events for one reply."""
 
     def __init__(self, prep: PreparedTurn, model: str, body: ResponsesRequest) -> None:
-        self.key = prep.id.removeprefix("chatcmpl-")
-        self.id = "resp_" + self.key
+        self.key = prep.id.removeprefix("resp_")
+        self.id = prep.id
         self.message_id = "msg_" + self.key
         self.model = model
         self.created_at = prep.created
@@ -183,6 +183,7 @@ class ResponsesServing:
             model=body.model, messages=system + conversation, hints=TurnHints.from_request(headers, body),
             tools=body.tool_dicts(), tool_choice=body.tool_choice_plain(), max_tokens=body.max_output_tokens,
             temperature=body.temperature, top_p=body.top_p, parallel_tool_calls=body.parallel_tool_calls is not False,
+            id_prefix="resp_",
         )
         return await self.turns.prepare(request, key), conversation
 

@@ -1,0 +1,53 @@
+"""Choosing a batch (learner/batching.py): the batch, or what the scope waits for and why."""
+
+from __future__ import annotations
+
+from nextstate.core.settings import LearnerSettings
+from nextstate.core.types import Sample
+from nextstate.learner.batching import Waiting, choose_batch
+
+NOW = 10_000.0
+
+
+def sample(user: str = "alice", age_s: float = 0.0, i: int = 0) -> Sample:
+    return Sample(
+        id=i, user=user, session_id="s", turn_index=1, policy_version=0, adapter=None, mode="binary", status="ready",
+        prompt_ids=[1, 2], response_ids=[3], old_logprobs=[-1.0], logprob_temperature=1.0, advantages=[1.0],
+        loss_mask=[1], reward=1.0, created_at=NOW - age_s,
+    )
+
+
+def settings(**overrides) -> LearnerSettings:
+    return LearnerSettings(**overrides)  # batch 16, partial >= 4 after 120 s, one user <= 50% of a shared batch
+
+
+def test_a_lone_user_trains_whoever_else_holds_a_key():
+    ready = [sample(age_s=200, i=i) for i in range(4)]
+    assert choose_batch("shared", ready, settings(), training_users={"alice"}, now=NOW) == ready
+    full = [sample(i=i) for i in range(16)]
+    assert choose_batch("shared", full, settings(), training_users=set(), now=NOW) == full
+
+
+def test_the_share_cap_holds_while_another_user_trains_the_adapter_and_says_so():
+    ready = [sample(age_s=500, i=i) for i in range(12)]
+    waiting = choose_batch("shared", ready, settings(), training_users={"alice", "bob"}, now=NOW)
+    assert isinstance(waiting, Waiting) and waiting.reason == "user_share" and waiting.ready == 12
+    assert "alice" in waiting.detail and "bob" in waiting.detail and "NEXTSTATE_ADAPTER_SCOPE=user" in waiting.detail
+    # bob's samples arrive: half and half
+    mixed = ready + [sample("bob", age_s=10, i=100 + i) for i in range(8)]
+    batch = choose_batch("shared", mixed, settings(), training_users={"alice", "bob"}, now=NOW)
+    assert isinstance(batch, list) and len(batch) == 16 and sum(x.user == "bob" for x in batch) == 8
+    # the cap is the shared scope's: a user's own adapter takes all of their samples
+    assert len(choose_batch("alice", ready, settings(), training_users=set(), now=NOW)) == 12
+
+
+def test_a_partial_batch_waits_for_its_time_and_says_how_long():
+    ready = [sample(age_s=30, i=i) for i in range(5)]
+    waiting = choose_batch("alice", ready, settings(), set(), now=NOW)
+    assert waiting.reason == "batch_wait" and "in 90 s" in waiting.detail
+    assert choose_batch("alice", ready, settings(), set(), now=NOW + 90) == ready
+    few = choose_batch("alice", ready[:3], settings(), set(), now=NOW + 1000)
+    assert few.reason == "min_batch" and "3 sample(s) ready" in few.detail
+    off = choose_batch("alice", ready, settings(batch_wait_s=0), set(), now=NOW + 1000)
+    assert off.reason == "partial_off"
+    assert choose_batch("alice", [], settings(), set(), now=NOW) is None
