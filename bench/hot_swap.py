@@ -31,7 +31,9 @@ def main() -> None:
 
     model_dir = bench_model(smol=args.smol, peaked=True)
     batch = 4
-    with bench_server(model_dir, judge_enabled=False, batch_size=batch, lr=1e-4 if args.smol else 1e-3) as server:
+    # one shared adapter: the chatting clients are other users, and must be served each new version
+    with bench_server(model_dir, judge_enabled=False, batch_size=batch, lr=1e-4 if args.smol else 1e-3,
+                      adapter_scope="shared") as server:
         stop = threading.Event()
         outcomes: list[tuple[int, float, int | None, str | None]] = []  # thread, latency, version, error
         lock = threading.Lock()

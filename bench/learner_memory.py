@@ -2,6 +2,7 @@
 
     python -m bench.learner_memory                       # on a GPU: Qwen3-4B and -8B shapes, 4k/16k/32k
     python -m bench.learner_memory --shapes tiny --lengths 256 512   # a check of the script on a CPU
+    python -m bench.learner_memory --smol --lengths 8192 --batch 2    # the embedded SmolLM2 on a CPU
 
 The models are built from Qwen3-4B- and Qwen3-8B-shaped configs with random weights (nothing is
 downloaded: memory and speed do not depend on what the weights are), in the learner's own
@@ -10,7 +11,10 @@ projection, gradient checkpointing, the LM head over response tokens in chunks â
 of `--batch` samples of each length (a quarter of it response, the rest prompt, as in agent
 turns), packed into forward passes of up to `--micro-batch-tokens` (the default setting's). Peak memory is torch.cuda.max_memory_allocated over the update (on a CPU: the process's
 peak resident set, coarser). Writes bench/results/learner_memory[-<gpu>].json and a PNG; the
-numbers go into deploy/README.md's memory table.
+numbers go into deploy/README.md's memory table. `--smol` (or `--model DIR`) trains a real local
+model instead; on a CPU the figure that matters is what the update adds to the resident set
+(`added_gib`: the peak over what the loaded learner held), one micro-batch's worth â€” a batch
+of 16 needs the same memory as one of 2 and 8 times the seconds.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from pathlib import Path
 
 import torch
 
+from bench.models import bench_model
 from bench.report import pyplot, save
 from nextstate.core.settings import LearnerSettings
 from nextstate.core.types import Sample
@@ -79,12 +84,13 @@ def peak_bytes(device: str) -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def measure(shape: str, lengths: list[int], batch: int, device: str, micro_batch_tokens: int) -> list[dict]:
+def measure(shape: str, lengths: list[int], batch: int, device: str, micro_batch_tokens: int,
+            model_dir: Path | None = None) -> list[dict]:
     settings = LearnerSettings(lr=1e-5, max_train_tokens=max(lengths) + 16, max_kl=1e9, micro_batch_tokens=micro_batch_tokens)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         dtype = torch.bfloat16 if device == "cuda" else torch.float32
-        model_dir = build(shape, Path(tmp) / shape, dtype)
+        model_dir = model_dir or build(shape, Path(tmp) / shape, dtype)
         trainer = LoraTrainer(model_dir, settings, device=device)
         trainer.ensure_scope("shared")
         if device == "cuda":
@@ -96,7 +102,8 @@ def measure(shape: str, lengths: list[int], batch: int, device: str, micro_batch
                 torch.cuda.reset_peak_memory_stats()
             started = time.perf_counter()
             try:
-                result = trainer.step("shared", samples(length, batch, SHAPES[shape]["vocab_size"], length))
+                vocab = SHAPES[shape]["vocab_size"] if shape in SHAPES else trainer._base.config.vocab_size
+                result = trainer.step("shared", samples(length, batch, vocab, length))
                 error = result.skipped
             except torch.OutOfMemoryError as exc:
                 error = f"out of memory: {str(exc)[:120]}"
@@ -105,8 +112,9 @@ def measure(shape: str, lengths: list[int], batch: int, device: str, micro_batch
             seconds = time.perf_counter() - started
             rows.append({"shape": shape, "tokens_per_sample": length, "batch": batch, "seconds": round(seconds, 2),
                          "peak_gib": round(peak_bytes(device) / 2**30, 2), "weights_gib": round(base / 2**30, 2),
-                         "error": error})
-            print(f"{shape}: {length} tokens x {batch}: {rows[-1]['peak_gib']} GiB peak, {seconds:.1f} s"
+                         "added_gib": round((peak_bytes(device) - base) / 2**30, 2), "error": error})
+            print(f"{shape}: {length} tokens x {batch}: {rows[-1]['peak_gib']} GiB peak (+{rows[-1]['added_gib']} GiB "
+                  f"over the loaded learner), {seconds:.1f} s"
                   + (f" ({error})" if error else ""), flush=True)
         del trainer
         gc.collect()
@@ -140,6 +148,8 @@ def headline(result: dict) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shapes", nargs="+", default=["Qwen3-4B", "Qwen3-8B"], choices=list(SHAPES))
+    parser.add_argument("--smol", action="store_true", help="train the embedded SmolLM2-135M (its real weights)")
+    parser.add_argument("--model", type=Path, help="train this local model directory instead of random shapes")
     parser.add_argument("--lengths", nargs="+", type=int, default=[4096, 16384, 32768])
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--micro-batch-tokens", type=int, default=LearnerSettings().micro_batch_tokens,
@@ -147,10 +157,12 @@ def main() -> None:
     args = parser.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     rows = []
-    for shape in args.shapes:
-        rows += measure(shape, args.lengths, args.batch, device, args.micro_batch_tokens)
+    model = args.model or (bench_model(smol=True) if args.smol else None)
+    shapes = [model.name] if model is not None else args.shapes
+    for shape in shapes:
+        rows += measure(shape, args.lengths, args.batch, device, args.micro_batch_tokens, model)
     name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
-    save({"benchmark": "learner_memory", "variant": None if device == "cuda" else "-".join(args.shapes), "device": name,
+    save({"benchmark": "learner_memory", "variant": None if device == "cuda" else "-".join(shapes), "device": name,
           "batch": args.batch, "micro_batch_tokens": args.micro_batch_tokens, "rows": rows})
 
 

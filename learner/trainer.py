@@ -27,6 +27,7 @@ from nextstate.core.settings import LearnerSettings
 from nextstate.core.types import Sample
 from nextstate.learner.gate import GateFigures, mean, repetition
 from nextstate.learner.learning_rate import resolve_learning_rate
+from nextstate.learner.host_memory import release_freed_memory
 from nextstate.learner.micro_batches import micro_batches
 from nextstate.learner.ppo import k3_kl, ppo_token_losses
 from nextstate.modelio.logprobs import token_logprobs
@@ -89,6 +90,7 @@ class LoraTrainer:
     def __init__(self, model_dir: str | Path, settings: LearnerSettings, device: str = "cpu") -> None:
         from transformers import AutoModelForCausalLM
 
+        release_freed_memory()  # before the first step's tensors: learner/host_memory.py says why
         self.settings = settings
         self.device = device
         self.model_dir = Path(model_dir)
