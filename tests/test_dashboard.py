@@ -128,3 +128,30 @@ def test_per_user_adapters_are_reported_per_scope(server_factory):
     assert sorted(x["scope"] for x in report["scopes"]) == ["alice", "bob"]
     page = httpx.get(f"{server.root}/dashboard", headers={"Authorization": f"Bearer {admin}"}).text
     assert "reward (alice)" in page and "reward (bob)" in page
+
+
+def test_a_scope_that_does_not_train_says_why_everywhere(server_factory):
+    """Two ratings, a batch of 16 and a partial batch of 4: nothing trains, and the progress
+    report, `nextstate status`'s text and the dashboard say what it waits for."""
+    from nextstate.progress import render_text
+
+    server = learning_server(server_factory, batch_size=16, adapter_scope="user")
+    alice = server.key("alice")
+    client = server.client(alice)
+    for i in range(2):
+        reply = client.chat.completions.create(model="tiny", messages=ASK, max_tokens=4, seed=i)
+        rate(server, alice, reply.id, 1)
+    admin = server.key("root", admin=True)
+    headers = {"Authorization": f"Bearer {admin}"}
+
+    def waiting() -> list:
+        return httpx.get(f"{server.base_url}/admin/progress", headers=headers).json()["waiting"]
+
+    wait_for(lambda: any(w["reason"] == "min_batch" for w in waiting()), timeout=30)
+    (why,) = waiting()
+    assert why["scope"] == "alice" and why["ready"] == 2 and "NEXTSTATE_MIN_BATCH_SIZE" in why["detail"]
+    report = httpx.get(f"{server.base_url}/admin/progress", headers=headers).json()
+    assert "training waits (alice, min_batch): 2 sample(s) ready" in render_text(report, "here")
+    login = httpx.post(f"{server.root}/dashboard/login", data={"key": admin})
+    page = httpx.get(f"{server.root}/dashboard", cookies=login.cookies)
+    assert "Training waits for" in page.text and "2 sample(s) ready" in page.text
