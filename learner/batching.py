@@ -19,6 +19,7 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from nextstate.core.sample_store import SampleStore
 from nextstate.core.settings import LearnerSettings
 from nextstate.core.types import Sample
 
@@ -79,3 +80,16 @@ def choose_batch(
     detail = (f"{len(batch)} of {size} samples ready; they train as a partial batch once the oldest has waited "
               f"{settings.batch_wait_s:g} s, in {max(0.0, remaining):.0f} s (NEXTSTATE_BATCH_WAIT_S)")
     return Waiting(scope, "batch_wait", detail, len(ready))
+
+
+def waiting_in_store(store: SampleStore, settings: LearnerSettings, per_user: bool, now: float | None = None) -> list[Waiting]:
+    """What each scope waits for as the sample store stands (`nextstate status` on the data dir,
+    server running or not): the learner's own choice, before it screens stale or overlong
+    samples out."""
+    now = time.time() if now is None else now
+    if per_user:
+        scopes = [(user, store.ready_samples(n, user), set()) for user, n in store.ready_counts_by_user().items()]
+    else:
+        scopes = [("shared", store.ready_samples(settings.batch_size * 50), store.training_users(now - RECENT_USER_S))]
+    choices = (choose_batch(scope, ready, settings, users, now) for scope, ready, users in scopes)
+    return [c for c in choices if isinstance(c, Waiting)]

@@ -154,7 +154,8 @@ def cmd_status(args: argparse.Namespace) -> int:
     store = SampleStore(settings.samples_db)
     try:
         report = progress_report(store, AdapterVersions(settings.adapters_dir), mode=settings.judge.mode,
-                                 per_user=settings.learner.adapter_scope == "user")
+                                 per_user=settings.learner.adapter_scope == "user",
+                                 learner_settings=settings.learner)
     finally:
         store.close()
     print(json.dumps(report, indent=1) if args.json else render_text(report, where))

@@ -13,6 +13,8 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from nextstate.core.sample_store import SampleStore
+from nextstate.core.settings import LearnerSettings
+from nextstate.learner.batching import waiting_in_store
 from nextstate.learner.versions import AdapterVersions
 
 if TYPE_CHECKING:  # the running server's objects; offline use (status, forget) loads no model code
@@ -44,9 +46,13 @@ def progress_report(
     judge: dict[str, Any] | None = None,
     live_steps: list[dict[str, Any]] | None = None,
     waiting: list[dict[str, Any]] | None = None,
+    learner_settings: LearnerSettings | None = None,
 ) -> dict[str, Any]:
     """The figures; `judge`, `live_steps` and `waiting` (why scopes with ready samples are not
-    training, learner/batching.py) come from a running server, else from the disk."""
+    training, learner/batching.py) come from a running server, else from the disk (`waiting`
+    from the sample store as it stands, given `learner_settings`)."""
+    if waiting is None and learner_settings is not None:
+        waiting = [w.to_dict() for w in waiting_in_store(samples, learner_settings, per_user)]
     scopes = []
     steps: list[dict[str, Any]] = []
     for scope in versions.scopes():
@@ -143,7 +149,7 @@ def render_text(report: dict[str, Any], where: str) -> str:
         for w in report["waiting"]:
             lines.append(f"training waits ({w['scope']}, {w['reason']}): {w['detail']}")
     elif report.get("waiting") is None:
-        lines.append("training: no server running to say what it waits for")
+        lines.append("training: what it waits for is not known here")
     if report["by_version"]:
         lines.append("")
         lines.append(f"{'scope':<10} {'served by':>9}  {'samples':>7}  {'accepted':>8}  {'mean reward':>11}  {'rated +/-':>9}")

@@ -51,3 +51,23 @@ def test_a_partial_batch_waits_for_its_time_and_says_how_long():
     off = choose_batch("alice", ready, settings(batch_wait_s=0), set(), now=NOW + 1000)
     assert off.reason == "partial_off"
     assert choose_batch("alice", [], settings(), set(), now=NOW) is None
+
+
+def test_nextstate_status_says_what_training_waits_for_from_the_data_dir(tmp_path):
+    """Offline (`nextstate status`, server running or not): the same choice, from the store."""
+    from nextstate.core.sample_store import SampleStore
+    from nextstate.learner.batching import waiting_in_store
+    from nextstate.learner.versions import AdapterVersions
+    from nextstate.progress import progress_report, render_text
+
+    store = SampleStore(tmp_path / "samples.sqlite3")
+    try:
+        for i in range(2):
+            store.add_sample(sample(age_s=10, i=i).model_copy(update={"id": None, "created_at": NOW - 10}))
+        (why,) = waiting_in_store(store, settings(), per_user=True, now=NOW)
+        assert (why.scope, why.reason, why.ready) == ("alice", "min_batch", 2)
+        report = progress_report(store, AdapterVersions(tmp_path / "adapters"), mode="binary", per_user=True,
+                                 learner_settings=settings())
+        assert "training waits (alice, min_batch): 2 sample(s) ready" in render_text(report, "here")
+    finally:
+        store.close()
