@@ -10,6 +10,7 @@ the admin stats summarise. Calls are blocking; async callers use `asyncio.to_thr
 from __future__ import annotations
 
 import json
+import sqlite3
 import threading
 import time
 from collections.abc import Callable
@@ -17,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from nextstate.core.sqlite_store import add_missing_columns, open_sqlite
-from nextstate.core.types import Sample, Transition
+from nextstate.core.types import Sample, Transition, Turn
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS transitions (
@@ -63,6 +64,11 @@ CREATE TABLE IF NOT EXISTS outcomes (
 );
 """
 
+def _turn_key(turn: Turn) -> str:
+    """A turn's identity in the inbox: the inbox keeps each turn once."""
+    return f"{turn.user}\x1f{turn.session_id}\x1f{turn.turn_index}"
+
+
 _COLUMNS = ("id", "created_at", "user", "session_id", "turn_index", "policy_version", "mode", "track", "status", "reason",
             "reward", "response_id")
 _DATA_FIELDS = ("adapter", "prompt_ids", "response_ids", "old_logprobs", "logprob_temperature", "advantages",
@@ -107,14 +113,16 @@ class SampleStore:
 
         `status` "unjudged" keeps a turn no judge will look at (no next state, or implicit
         judging off), so that explicit feedback can still find it by its response id."""
-        turn = transition.turn
-        key = f"{turn.user}\x1f{turn.session_id}\x1f{turn.turn_index}"
         with self._lock:
-            cur = self._conn.execute(
-                "INSERT OR IGNORE INTO transitions (created_at, status, data, turn_key, response_id) VALUES (?, ?, ?, ?, ?)",
-                (time.time(), status, transition.model_dump_json(), key, turn.response_id),
-            )
+            cur = self._insert_transition(transition, status, "OR IGNORE")
         return int(cur.lastrowid) if cur.rowcount else None
+
+    def _insert_transition(self, transition: Transition, status: str, conflict: str = "") -> sqlite3.Cursor:
+        turn = transition.turn
+        return self._conn.execute(
+            f"INSERT {conflict} INTO transitions (created_at, status, data, turn_key, response_id) VALUES (?, ?, ?, ?, ?)",
+            (time.time(), status, transition.model_dump_json(), _turn_key(turn), turn.response_id),
+        )
 
     def revise_transition(self, transition: Transition, status: str = "pending") -> int | None:
         """Put a revised next state in place of the one handed over earlier for the same turn,
@@ -122,16 +130,12 @@ class SampleStore:
         entry, or None when it stands as it is: trained already, or rated by its user. A turn
         not in the inbox yet is simply added."""
         turn = transition.turn
-        key = f"{turn.user}\x1f{turn.session_id}\x1f{turn.turn_index}"
         with self._lock:
             self._conn.execute("BEGIN IMMEDIATE")
             try:
-                row = self._conn.execute("SELECT id FROM transitions WHERE turn_key = ?", (key,)).fetchone()
+                row = self._conn.execute("SELECT id FROM transitions WHERE turn_key = ?", (_turn_key(turn),)).fetchone()
                 if row is None:
-                    cur = self._conn.execute(
-                        "INSERT INTO transitions (created_at, status, data, turn_key, response_id) VALUES (?, ?, ?, ?, ?)",
-                        (time.time(), status, transition.model_dump_json(), key, turn.response_id),
-                    )
+                    cur = self._insert_transition(transition, status)
                     self._conn.execute("COMMIT")
                     return int(cur.lastrowid)
                 rated = turn.response_id is not None and self._conn.execute(

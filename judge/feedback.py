@@ -86,7 +86,7 @@ class ExplicitFeedback:
             if existing is not None and existing.status == "consumed":
                 return self._recorded(turn.user, turn.response_id, rating, correction, existing, "already_trained")
             sample = await self._sample(turn, rating, correction)
-            if existing is not None and await self.judge.replace_sample(existing.id, sample):
+            if existing is not None and await asyncio.to_thread(self.store.replace_sample, existing.id, sample):
                 sample = sample.model_copy(update={"id": existing.id})
                 self.judge.notify(sample)
             elif existing is not None:  # trained while the correction was being scored

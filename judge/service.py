@@ -191,10 +191,6 @@ class Judge:
         if self.on_sample is not None:
             self.on_sample(sample)
 
-    async def replace_sample(self, sample_id: int, sample: Sample) -> bool:
-        """Put `sample` in place of a stored, untrained one; False if that one was trained meanwhile."""
-        return await asyncio.to_thread(self.store.replace_sample, sample_id, sample)
-
     def record_transition(self, transition: Transition) -> None:
         self.records.write("transition", transition.record(), version=transition.turn.policy_version)
 

@@ -47,7 +47,8 @@ def choose_batch(
         return None
     now = time.time() if now is None else now
     size, share = settings.batch_size, settings.max_user_share
-    capped = scope == "shared" and share < 1 and len(training_users | {x.user for x in ready}) > 1
+    users = training_users | {x.user for x in ready}
+    capped = scope == "shared" and share < 1 and len(users) > 1
     cap = max(1, math.ceil(share * size)) if capped else size
     taken: dict[str, int] = {}
     batch: list[Sample] = []
@@ -64,7 +65,7 @@ def choose_batch(
         return batch
     if capped and (len(batch) < len(ready) or not within_share):
         top = max(taken, key=lambda u: taken[u])
-        others = sorted((training_users | {x.user for x in ready}) - {top})
+        others = sorted(users - {top})
         detail = (f"{top}'s samples may fill at most {share:.0%} of a shared batch while other users train this "
                   f"adapter ({', '.join(others[:5])}{', ...' if len(others) > 5 else ''}); it trains once their samples "
                   "arrive. A personal model per user: NEXTSTATE_ADAPTER_SCOPE=user; no cap: NEXTSTATE_MAX_USER_SHARE=1.")
@@ -82,14 +83,21 @@ def choose_batch(
     return Waiting(scope, "batch_wait", detail, len(ready))
 
 
+def ready_by_scope(
+    store: SampleStore, settings: LearnerSettings, per_user: bool, now: float | None = None,
+) -> list[tuple[str, list[Sample], set[str]]]:
+    """Each scope with ready samples: (scope, its ready samples oldest first, who trains its
+    adapter besides the samples' own users: the share cap's "others", shared scope only)."""
+    if per_user:
+        return [(user, store.ready_samples(n, user), set()) for user, n in store.ready_counts_by_user().items()]
+    now = time.time() if now is None else now
+    return [("shared", store.ready_samples(settings.batch_size * 50), store.training_users(now - RECENT_USER_S))]
+
+
 def waiting_in_store(store: SampleStore, settings: LearnerSettings, per_user: bool, now: float | None = None) -> list[Waiting]:
     """What each scope waits for as the sample store stands (`nextstate status` on the data dir,
     server running or not): the learner's own choice, before it screens stale or overlong
     samples out."""
-    now = time.time() if now is None else now
-    if per_user:
-        scopes = [(user, store.ready_samples(n, user), set()) for user, n in store.ready_counts_by_user().items()]
-    else:
-        scopes = [("shared", store.ready_samples(settings.batch_size * 50), store.training_users(now - RECENT_USER_S))]
-    choices = (choose_batch(scope, ready, settings, users, now) for scope, ready, users in scopes)
+    choices = (choose_batch(scope, ready, settings, users, now) for scope, ready, users in
+               ready_by_scope(store, settings, per_user, now))
     return [c for c in choices if isinstance(c, Waiting)]

@@ -21,7 +21,7 @@ from typing import Any
 
 from nextstate.engine.base import Engine
 from nextstate.engine.devices import resolve_device
-from nextstate.learner.batching import RECENT_USER_S, Waiting, choose_batch
+from nextstate.learner.batching import Waiting, choose_batch, ready_by_scope
 from nextstate.learner.gate import PublishGate
 from nextstate.learner.trainer import LoraTrainer, StepResult
 from nextstate.learner.versions import AdapterVersions, scope_dir_name
@@ -59,7 +59,6 @@ class Learner:
         self.policies = policies
         self.records = records
         self.versions = AdapterVersions(adapters_dir)
-        self.batch_size = settings.batch_size
         self.trainer: LoraTrainer | None = None
         self.gate: PublishGate | None = None
         self.steps: list[dict[str, Any]] = []
@@ -135,17 +134,10 @@ class Learner:
     def _next_batch(self) -> tuple[str, list[Sample]]:
         """The first scope with a batch to train (learner/batching.py), oldest samples first;
         what every other scope with ready samples waits for is kept in `waiting`."""
-        size = self.batch_size
-        ready = self._screen(self.store.ready_samples(size * 50))
+        self._screen(self.store.ready_samples(self.settings.batch_size * 50))  # what it drops leaves the store's ready set
         waiting: dict[str, Waiting] = {}
-        if self.policies.per_user:
-            scopes = [(user, self.store.ready_samples(max(n, size), user)) for user, n in self.store.ready_counts_by_user().items()]
-            training: set[str] = set()
-        else:
-            scopes = [("shared", ready)]
-            training = self.store.training_users(time.time() - RECENT_USER_S)
         found: tuple[str, list[Sample]] = ("", [])
-        for scope, samples in scopes:
+        for scope, samples, training in ready_by_scope(self.store, self.settings, self.policies.per_user):
             choice = choose_batch(scope, samples, self.settings, training)
             if isinstance(choice, Waiting):
                 waiting[scope] = choice
