@@ -9,12 +9,15 @@ downloaded: memory and speed do not depend on what the weights are), in the lear
 dtype (bfloat16 on a GPU), and trained by the real `LoraTrainer` — LoRA r16 on every
 projection, gradient checkpointing, the LM head over response tokens in chunks — on one batch
 of `--batch` samples of each length (a quarter of it response, the rest prompt, as in agent
-turns), packed into forward passes of up to `--micro-batch-tokens` (the default setting's). Peak memory is torch.cuda.max_memory_allocated over the update (on a CPU: the process's
-peak resident set, coarser). Writes bench/results/learner_memory[-<gpu>].json and a PNG; the
-numbers go into deploy/README.md's memory table. `--smol` (or `--model DIR`) trains a real local
-model instead; on a CPU the figure that matters is what the update adds to the resident set
-(`added_gib`: the peak over what the loaded learner held), one micro-batch's worth — a batch
-of 16 needs the same memory as one of 2 and 8 times the seconds.
+turns), packed into forward passes of up to `--micro-batch-tokens` (the default setting's).
+Peak memory is torch.cuda.max_memory_allocated over the update (on a CPU: the process's peak
+resident set, VmHWM, reset before the update). Writes bench/results/learner_memory[-<gpu>].json
+and a PNG; the numbers go into deploy/README.md's memory table. `--smol` (or `--model DIR`)
+trains a real local model instead; on a CPU the figure that matters is what the update adds to
+the resident set (`added_gib`: the peak over what the loaded learner held after one short
+pass — a server has served requests before it trains, so the process's one-time allocations,
+`warmup_gib`, are made by then), one micro-batch's worth. `measured_pass_gib` is what the
+learner's own memory budget measured (learner/memory_budget.py).
 """
 
 from __future__ import annotations
@@ -79,8 +82,35 @@ def samples(length: int, batch: int, vocab: int, seed: int) -> list[Sample]:
 
 
 def peak_bytes(device: str) -> int:
+    """The peak since `reset_peak`: the CUDA allocator's, or the process's resident high-water
+    mark (VmHWM) on the CPU."""
     if device == "cuda":
         return torch.cuda.max_memory_allocated()
+    return _status_bytes("VmHWM")
+
+
+def current_bytes(device: str) -> int:
+    return torch.cuda.memory_allocated() if device == "cuda" else _status_bytes("VmRSS")
+
+
+def reset_peak(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        return
+    try:  # "5" resets the process's VmHWM to its current resident set (Linux)
+        Path("/proc/self/clear_refs").write_text("5")
+    except OSError:
+        pass
+
+
+def _status_bytes(field: str) -> int:
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
@@ -93,13 +123,19 @@ def measure(shape: str, lengths: list[int], batch: int, device: str, micro_batch
         model_dir = model_dir or build(shape, Path(tmp) / shape, dtype)
         trainer = LoraTrainer(model_dir, settings, device=device)
         trainer.ensure_scope("shared")
+        loaded = current_bytes(device)
+        reset_peak(device)
+        # A server has run its model before the learner's first step (it served the requests
+        # the samples came from): the process's one-time allocations (thread pools, kernel
+        # caches) are made by then. A short pass makes them here; they are reported apart.
+        with torch.no_grad():
+            trainer._logprobs_many(samples(512, 1, trainer._base.config.vocab_size, 0))
         if device == "cuda":
             torch.cuda.synchronize()
-        base = peak_bytes(device)
+        base = current_bytes(device)
+        warmup_gib = round((peak_bytes(device) - loaded) / 2**30, 2)
+        reset_peak(device)
         for length in lengths:
-            if device == "cuda":
-                torch.cuda.empty_cache()
-                torch.cuda.reset_peak_memory_stats()
             started = time.perf_counter()
             try:
                 vocab = SHAPES[shape]["vocab_size"] if shape in SHAPES else trainer._base.config.vocab_size
@@ -112,10 +148,14 @@ def measure(shape: str, lengths: list[int], batch: int, device: str, micro_batch
             seconds = time.perf_counter() - started
             rows.append({"shape": shape, "tokens_per_sample": length, "batch": batch, "seconds": round(seconds, 2),
                          "peak_gib": round(peak_bytes(device) / 2**30, 2), "weights_gib": round(base / 2**30, 2),
-                         "added_gib": round((peak_bytes(device) - base) / 2**30, 2), "error": error})
+                         "added_gib": round((peak_bytes(device) - base) / 2**30, 2), "warmup_gib": warmup_gib,
+                         "measured_pass_gib": round(result.peak_added_mb / 1024, 2) if not error else None,
+                         "pass_tokens": result.pass_tokens if not error else None, "error": error})
             print(f"{shape}: {length} tokens x {batch}: {rows[-1]['peak_gib']} GiB peak (+{rows[-1]['added_gib']} GiB "
-                  f"over the loaded learner), {seconds:.1f} s"
+                  f"over the loaded, warmed-up learner; warm-up +{warmup_gib} GiB; the learner measured its largest "
+                  f"pass at +{rows[-1]['measured_pass_gib']} GiB), {seconds:.1f} s"
                   + (f" ({error})" if error else ""), flush=True)
+            reset_peak(device)
         del trainer
         gc.collect()
         if device == "cuda":
@@ -140,7 +180,8 @@ def plot(result: dict):
 def headline(result: dict) -> str:
     return "; ".join(
         f"{r['shape']} {r['tokens_per_sample']} tok x{r['batch']}: "
-        + (f"{r['peak_gib']} GiB, {r['seconds']} s" if not r["error"] else r["error"][:40])
+        + (f"+{r['added_gib']} GiB over the learner ({r['peak_gib']} GiB peak), {r['seconds']} s" if not r["error"]
+           else r["error"][:40])
         for r in result["rows"]
     )
 

@@ -294,6 +294,11 @@ class LearnerSettings(BaseSettings):
             not the update. 8192: on SmolLM2 on two CPU cores, an update of two 8k-token
             samples added 1.78 GiB resident one per pass and 2.41 GiB two per pass, in the
             same time (bench.learner_memory); on a GPU an 8k-token pass keeps it busy.
+        learner_memory_mb: the most a training pass may add to memory; 0 = what the machine
+            has free (80% of MemAvailable or the container's room on the CPU, of the device's
+            free memory on a GPU). Every pass is measured, micro-batches shrink to what fits,
+            and a step whose longest sample would not fit is not started: its samples stay
+            ready and it is tried again later (learner/memory_budget.py).
     """
 
     model_config = _ENV
@@ -336,6 +341,9 @@ class LearnerSettings(BaseSettings):
     )
     max_train_tokens: int = Field(32768, ge=16, description="Longest sample trained; the prompt is cut from the left.")
     micro_batch_tokens: int = Field(8192, ge=1, description="Padded tokens per training forward pass (samples packed).")
+    learner_memory_mb: int = Field(
+        0, ge=0, description="Most memory a training pass may add (MB); 0 = what is free. A step that would not fit waits."
+    )
 
     @field_validator("lr")
     @classmethod

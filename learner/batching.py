@@ -30,7 +30,7 @@ RECENT_USER_S = 3600.0
 @dataclass(frozen=True)
 class Waiting:
     scope: str
-    reason: str  # batch_wait, min_batch, partial_off, user_share
+    reason: str  # batch_wait, min_batch, partial_off, user_share; memory (the learner's, after a step did not fit)
     detail: str  # what it waits for, and what would release it
     ready: int  # ready samples of the scope
 

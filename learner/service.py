@@ -23,6 +23,7 @@ from nextstate.engine.base import Engine
 from nextstate.engine.devices import resolve_device
 from nextstate.learner.batching import Waiting, choose_batch, ready_by_scope
 from nextstate.learner.gate import PublishGate
+from nextstate.learner.memory_budget import Refusal
 from nextstate.learner.trainer import LoraTrainer, StepResult
 from nextstate.learner.versions import AdapterVersions, scope_dir_name
 from nextstate.core.policy import PolicyDirectory, PolicyRef
@@ -33,6 +34,10 @@ from nextstate.core.records import RecordWriter
 
 log = logging.getLogger(__name__)
 
+
+# A step that did not fit in memory is tried again after this long (memory may have freed up:
+# serving's KV cache shrinks, another process ends); its samples wait, ready, meanwhile.
+MEMORY_RETRY_S = 300.0
 
 # Gives a training batch its final advantages (the judge's `prepare_batch`: outcome rewards
 # are standardised per batch); the learner applies it without knowing the reward math.
@@ -64,6 +69,7 @@ class Learner:
         self.steps: list[dict[str, Any]] = []
         self.waiting: dict[str, Waiting] = {}  # per scope with ready samples and no batch: why
         self._step_index: dict[str, int] = {}  # updates tried per scope, published or skipped
+        self._refused: dict[str, tuple[float, str]] = {}  # per scope: retry time and why its last step did not fit
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
         self._lock = asyncio.Lock()  # one update or rollback at a time
@@ -137,8 +143,13 @@ class Learner:
         self._screen(self.store.ready_samples(self.settings.batch_size * 50))  # what it drops leaves the store's ready set
         waiting: dict[str, Waiting] = {}
         found: tuple[str, list[Sample]] = ("", [])
+        now = time.monotonic()
         for scope, samples, training in ready_by_scope(self.store, self.settings, self.policies.per_user):
             choice = choose_batch(scope, samples, self.settings, training)
+            retry_at, why = self._refused.get(scope, (0.0, ""))
+            if choice and not isinstance(choice, Waiting) and now < retry_at:
+                detail = f"{why}; tried again in {retry_at - now:.0f} s"
+                choice = Waiting(scope, "memory", detail, len(samples))
             if isinstance(choice, Waiting):
                 waiting[scope] = choice
             elif choice and not found[1]:
@@ -181,8 +192,14 @@ class Learner:
             if batch is None:
                 self._finish(record, current.version)
                 return None
+            plan = await asyncio.to_thread(self.trainer.memory_plan, batch)
+            if isinstance(plan, Refusal):  # before the gate's passes: they cost memory too
+                return self._not_started(record, StepResult.not_started(scope, batch, plan), current.version)
             held = await asyncio.to_thread(self.gate.hold_out, scope, {x.id for x in batch}) if self.gate else None
             result = await asyncio.to_thread(self.trainer.step, scope, batch)
+            if result.refused:
+                return self._not_started(record, result, current.version)
+            self._refused.pop(scope, None)
             ids = [x.id for x in batch if x.id is not None and x.id not in result.dropped]
             if result.dropped:
                 await asyncio.to_thread(self.store.mark_dropped, result.dropped, "loss not finite: dropped by the learner")
@@ -200,6 +217,15 @@ class Learner:
                 await self._publish(scope, step_index, ids, result, record)
             self._finish(record, record["version"] or current.version)
             return result
+
+    def _not_started(self, record: dict[str, Any], result: StepResult, version: int) -> StepResult:
+        """A step that would not fit in memory: recorded, nothing trained, its samples left
+        ready; the scope waits MEMORY_RETRY_S before it is tried again."""
+        record.update(result.to_dict(), version=None, published=False)
+        self._refused[result.scope] = (time.monotonic() + MEMORY_RETRY_S, result.skipped or "")
+        log.warning("learner step %d (%s) not started: %s", record["step"], result.scope, result.skipped)
+        self._finish(record, version)
+        return result
 
     async def _screen_batch(self, scope: str, samples: list[Sample], record: dict[str, Any]) -> list[Sample] | None:
         """The batch with its final advantages, samples with non-finite values dropped; None

@@ -28,6 +28,7 @@ from nextstate.core.types import Sample
 from nextstate.learner.gate import GateFigures, mean, repetition
 from nextstate.learner.learning_rate import resolve_learning_rate
 from nextstate.learner.host_memory import release_freed_memory
+from nextstate.learner.memory_budget import MemoryBudget, Refusal
 from nextstate.learner.micro_batches import micro_batches
 from nextstate.learner.ppo import k3_kl, ppo_token_losses
 from nextstate.modelio.logprobs import token_logprobs
@@ -64,15 +65,33 @@ class StepResult:
     seconds: float
     skipped: str | None = None
     dropped: list[int] = field(default_factory=list)  # ids of samples left out: their loss was not finite
+    refused: bool = False  # not started: it would not fit in memory (the samples stay ready)
+    pass_tokens: int = 0  # padded tokens a forward pass could hold (the step's memory plan)
+    peak_added_mb: float = 0.0  # the most a training pass added to memory, measured
+
+    @classmethod
+    def not_started(cls, scope: str, samples: list[Sample], refusal: Refusal) -> StepResult:
+        nan = float("nan")
+        return cls(scope=scope, samples=len(samples), tokens=sum(sum(s.loss_mask) for s in samples), loss=nan,
+                   pg_loss=nan, clip_fraction=nan, kl_to_base=nan, policy_kl=nan, mismatch=nan, mean_advantage=nan,
+                   grad_norm=nan, seconds=0.0, skipped=refusal.reason(), refused=True)
 
     def to_dict(self) -> dict:
         return {k: (round(v, 6) if isinstance(v, float) else v) for k, v in asdict(self).items()}
 
 
-# Response positions that go through the LM head at once in training (see LoraTrainer._logprobs).
-LOGITS_CHUNK = 1024
+# Response positions go through the LM head at once in training so that their fp32 logits take
+# about this much (LoraTrainer._logprobs_many): with its log-softmax and gradient a chunk costs
+# three times it. 1,024 positions on SmolLM2's 49k vocabulary (192 MiB of logits) added 0.6 GB
+# on the CPU for nothing: a smaller chunk is as fast, the matmul stays large.
+LOGITS_CHUNK_BYTES = 64 << 20
 # Base-model repetition figures the publish gate keeps (one per recent prompt).
 BASE_REPLIES_KEPT = 256
+
+
+def logit_rows(vocab_size: int) -> int:
+    """Response positions per LM-head chunk: LOGITS_CHUNK_BYTES of fp32 logits, 64 to 1,024."""
+    return max(64, min(1024, LOGITS_CHUNK_BYTES // (4 * vocab_size)))
 
 
 def learner_dtype(setting: str, device: str) -> torch.dtype:
@@ -99,6 +118,9 @@ class LoraTrainer:
         self._base.requires_grad_(False)
         self._base.config.use_cache = False
         self.lr = resolve_learning_rate(settings.lr, self._base.config)
+        self.logit_rows = logit_rows(self._base.config.vocab_size)
+        self.memory = MemoryBudget(self._base.config, self.dtype, device, self.logit_rows, settings.learner_memory_mb)
+        self._pass_tokens = settings.micro_batch_tokens  # the step's, from its memory plan
         how = "auto, fitted to the model's size" if settings.lr == "auto" else "NEXTSTATE_LR"
         log.info("learner: learning rate %.3g (%s)", self.lr, how)
         # Activations are recomputed in the backward pass instead of kept: memory grows with a
@@ -201,7 +223,7 @@ class LoraTrainer:
         return sample.prompt_ids[-room:] + sample.response_ids
 
     def _micro_batches(self, samples: list[Sample]) -> list[list[int]]:
-        return micro_batches([len(self._train_ids(s)) - 1 for s in samples], self.settings.micro_batch_tokens)
+        return micro_batches([len(self._train_ids(s)) - 1 for s in samples], self._pass_tokens)
 
     def _logprobs_each(self, samples: list[Sample]) -> list[torch.Tensor]:
         """`_logprobs_many` over all `samples`, a micro-batch at a time, in their order (no grad)."""
@@ -218,9 +240,9 @@ class LoraTrainer:
         """Logprobs of each sample's response tokens, in fp32, from one forward pass over the
         samples right-padded to a common length (a micro-batch, learner/micro_batches.py).
 
-        Only response positions go through the LM head, and `LOGITS_CHUNK` of them at a time,
-        each chunk recomputed in the backward pass: a [tokens × vocab] logits tensor is 4.9 GB
-        in fp32 for an 8k-token response on a 152k vocabulary, a chunk 0.6 GB."""
+        Only response positions go through the LM head, `logit_rows` of them at a time, each
+        chunk recomputed in the backward pass: a [tokens × vocab] logits tensor is 4.9 GB in
+        fp32 for an 8k-token response on a 152k vocabulary, a chunk 64 MiB."""
         rows = [self._train_ids(s)[:-1] for s in samples]  # nothing is predicted after the last token
         width = max(map(len, rows))
         ids = torch.tensor([r + [0] * (width - len(r)) for r in rows], device=self.device)
@@ -244,8 +266,8 @@ class LoraTrainer:
         out = []
         for i, ((a, b), t, s) in enumerate(zip(spans, targets, samples)):
             pieces = []
-            for start in range(a, b, LOGITS_CHUNK):
-                h, tt = hidden[i, start : min(b, start + LOGITS_CHUNK)], t[start - a : start - a + LOGITS_CHUNK]
+            for start in range(a, b, self.logit_rows):
+                h, tt = hidden[i, start : min(b, start + self.logit_rows)], t[start - a : start - a + self.logit_rows]
                 if torch.is_grad_enabled():
                     pieces.append(torch.utils.checkpoint.checkpoint(chunk, h, tt, s.logprob_temperature, use_reentrant=False))
                 else:
@@ -335,11 +357,21 @@ class LoraTrainer:
                 p.copy_(before)
         self._optimizers[scope].load_state_dict(optimizer_state)
 
+    def memory_plan(self, samples: list[Sample]) -> int | Refusal:
+        """The padded tokens a forward pass of a step on `samples` may hold, or why the step
+        would not fit in memory now (learner/memory_budget.py)."""
+        return self.memory.plan([len(self._train_ids(s)) - 1 for s in samples], self.settings.micro_batch_tokens)
+
     def step(self, scope: str, samples: list[Sample]) -> StepResult:
         """One PPO update on `samples`. A sample whose loss is not finite is left out (its id in
         `dropped`) and the others train; a step whose gradients or policy KL go wrong is undone."""
         started = time.monotonic()
         c = self.settings
+        plan = self.memory_plan(samples)
+        if isinstance(plan, Refusal):
+            return StepResult.not_started(scope, samples, plan)
+        self._pass_tokens = plan
+        peak_added = 0
         _, params = self._activate(scope)
         optimizer = self._optimizers[scope]
         weights_before = [p.detach().clone() for p in params]
@@ -361,32 +393,36 @@ class LoraTrainer:
                     live = [i for i in range(start, start + len(batch)) if i not in dropped]
                     for group in self._micro_batches([samples[i] for i in live]):
                         members = [live[j] for j in group]
-                        logprobs_of = self._logprobs_many([samples[i] for i in members])
-                        base_of: list[torch.Tensor | None] = [None] * len(members)
-                        if c.kl_coef > 0:
-                            with torch.no_grad(), self.model.disable_adapter():
-                                base_of = self._logprobs_many([samples[i] for i in members])
-                        losses = []
-                        for i, logprobs, base in zip(members, logprobs_of, base_of):
-                            s = samples[i]
-                            old = torch.tensor(s.old_logprobs, device=self.device)
-                            # a single sample must never dominate an update, whatever its reward
-                            adv = torch.tensor(s.advantages, device=self.device).clamp(-c.max_advantage, c.max_advantage)
-                            mask = torch.tensor(s.loss_mask, device=self.device, dtype=torch.float32)
-                            tok_loss, clipped, kl, pg = ppo_token_losses(logprobs, old, adv, EPS, EPS_HIGH, base, c.kl_coef)
-                            loss = (tok_loss * mask).sum() / batch_tokens
-                            if not torch.isfinite(loss):
-                                dropped.add(i)  # this sample alone is left out; the batch trains on
-                                continue
-                            losses.append(loss)
-                            if epoch == 0:
-                                totals["mismatch"] += float(((logprobs.detach() - old).abs() * mask).sum())
-                            totals["loss"] += float(loss.detach())
-                            totals["pg"] += float((pg.detach() * mask).sum()) / batch_tokens
-                            totals["kl"] += float((kl.detach() * mask).sum())
-                            totals["clipped"] += float((clipped * mask).sum())
-                        if losses:
-                            torch.stack(losses).sum().backward()
+                        with self.memory.meter() as meter:
+                            logprobs_of = self._logprobs_many([samples[i] for i in members])
+                            base_of: list[torch.Tensor | None] = [None] * len(members)
+                            if c.kl_coef > 0:
+                                with torch.no_grad(), self.model.disable_adapter():
+                                    base_of = self._logprobs_many([samples[i] for i in members])
+                            losses = []
+                            for i, logprobs, base in zip(members, logprobs_of, base_of):
+                                s = samples[i]
+                                old = torch.tensor(s.old_logprobs, device=self.device)
+                                # a single sample must never dominate an update, whatever its reward
+                                adv = torch.tensor(s.advantages, device=self.device).clamp(-c.max_advantage, c.max_advantage)
+                                mask = torch.tensor(s.loss_mask, device=self.device, dtype=torch.float32)
+                                tok_loss, clipped, kl, pg = ppo_token_losses(logprobs, old, adv, EPS, EPS_HIGH, base, c.kl_coef)
+                                loss = (tok_loss * mask).sum() / batch_tokens
+                                if not torch.isfinite(loss):
+                                    dropped.add(i)  # this sample alone is left out; the batch trains on
+                                    continue
+                                losses.append(loss)
+                                if epoch == 0:
+                                    totals["mismatch"] += float(((logprobs.detach() - old).abs() * mask).sum())
+                                totals["loss"] += float(loss.detach())
+                                totals["pg"] += float((pg.detach() * mask).sum()) / batch_tokens
+                                totals["kl"] += float((kl.detach() * mask).sum())
+                                totals["clipped"] += float((clipped * mask).sum())
+                            if losses:
+                                torch.stack(losses).sum().backward()
+                        padded = len(members) * max(len(self._train_ids(samples[i])) - 1 for i in members)
+                        self.memory.record(padded, meter.added)
+                        peak_added = max(peak_added, meter.added)
                     if len(dropped) == len(samples) or not math.isfinite(totals["loss"]) or any(
                         p.grad is not None and not torch.isfinite(p.grad).all() for p in params
                     ):
@@ -431,4 +467,6 @@ class LoraTrainer:
             seconds=time.monotonic() - started,
             skipped=skipped,
             dropped=[samples[i].id for i in sorted(dropped) if samples[i].id is not None],
+            pass_tokens=plan,
+            peak_added_mb=round(peak_added / 2**20, 1),
         )
