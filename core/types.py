@@ -34,6 +34,9 @@ class Turn(BaseModel):
         "personal", description="'outcome': an environment will post a verifiable outcome for the session."
     )
     response_id: str | None = Field(None, description="The id of the reply its client got (`chatcmpl-…`, `msg_…` or `resp_…` by API): what feedback names.")
+    logprobs_masked: bool = Field(
+        False, description="Its logprobs are the engine's after a grammar mask (it could not be scored again): never trained."
+    )
 
 
 class NextState(BaseModel):

@@ -64,7 +64,9 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     top_logprobs: int = 0
     # Constrain the sampled text to this JSON schema (JSON text), then end of turn: a forced
-    # tool call. The logprobs reported stay the model's own, unmasked (what the learner sees).
+    # tool call. The embedded engine reports the model's own logprobs, unmasked (what the
+    # learner sees); SGLang reports them after the mask (EngineInfo.masked_constrained_logprobs),
+    # and the proxy scores such a reply again (proxy/turns.py).
     json_schema: str | None = None
 
     @property
@@ -99,6 +101,10 @@ class EngineInfo:
     # True: every logprob the engine reports, sampled or scored, is at temperature 1 whatever
     # the sampling temperature (SGLang: see engine/sglang.py). False: at the sampling temperature.
     raw_logprobs: bool = False
+    # True: under a JSON-schema constraint the sampled logprobs it reports are taken after the
+    # grammar mask, renormalised over the allowed tokens (SGLang), not the model's own; the
+    # proxy scores such a reply again without the constraint before it is kept for training.
+    masked_constrained_logprobs: bool = False
 
 
 class Engine(Protocol):

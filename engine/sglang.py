@@ -85,9 +85,15 @@ def _once(callback: Callable[[], None] | None) -> Callable[[], None]:
     return call
 
 
-# What SGLang answers (400) for a request naming an adapter it has not loaded
-# (tokenizer_manager: "The following requested LoRA adapters are not loaded: ...").
-LOST_ADAPTER = "LoRA adapters are not loaded"
+# What SGLang answers for a request naming an adapter it does not have: 0.5.23's tokenizer
+# manager says "Got LoRA adapter that has never been loaded: NAME" (a 400, or on a stream an
+# HTTP 200 whose first event is {"error": {..., "code": 400}}); earlier 0.5 releases said "The
+# following requested LoRA adapters are not loaded: NAME".
+LOST_ADAPTER = ("has never been loaded", "LoRA adapters are not loaded")
+
+
+def _adapter_lost(error: Exception) -> bool:
+    return any(text in str(error) for text in LOST_ADAPTER)
 
 
 _JSON = {"content-type": "application/json"}
@@ -126,7 +132,7 @@ class SGLangEngine:
         max_context, vocab = _model_info(model_dir)
         self.base_url = base_url.rstrip("/")
         self.info = EngineInfo(model_name=model_dir.name, max_context=max_context, device="sglang", dtype="server",
-                               vocab_size=vocab, raw_logprobs=True)
+                               vocab_size=vocab, raw_logprobs=True, masked_constrained_logprobs=True)
         self.retries = retries
         self.backoff_s = backoff_s
         self._adapters: set[str] = set()
@@ -260,7 +266,13 @@ class SGLangEngine:
         if not isinstance(event, dict):
             raise _Retryable(EngineBadGateway("SGLang sent an event that is not an object"))
         if "error" in event:
-            raise EngineBadGateway(f"SGLang reported an error: {event['error']}")
+            # a request SGLang refused after it had answered 200 (the stream's first event)
+            error = event["error"]
+            code = error.get("code") if isinstance(error, dict) else None
+            message = error.get("message", error) if isinstance(error, dict) else error
+            if isinstance(code, int) and 400 <= code < 500:
+                raise EngineRejected(f"SGLang refused the request ({code}): {message}")
+            raise EngineBadGateway(f"SGLang reported an error: {message}")
         return event
 
     @staticmethod
@@ -355,8 +367,13 @@ class SGLangEngine:
     # ---------------------------------------------------------------- adapters
 
     async def load_adapter(self, name: str, path: str) -> None:
+        """Load `path` as `name`. SGLang may have it already — nextstate restarted while SGLang ran
+        on — which is the same adapter when SGLang holds that name for the same path: a version's
+        name is never given to other weights (learner/versions.py), and SGLang never forgets a
+        name (an unloaded adapter is loaded again from its path when a request names it)."""
         body = await self._post("/load_lora_adapter", {"lora_name": name, "lora_path": str(path)}, retry=False, ok_400=True)
-        if not body.get("success", False):
+        held = (body.get("loaded_adapters") or {}).get(name) if isinstance(body.get("loaded_adapters"), dict) else None
+        if not body.get("success", False) and not ("already loaded" in str(body.get("error_message", "")) and held == str(path)):
             raise EngineError(f"SGLang could not load adapter {name!r}: {body.get('error_message', body)}")
         self._adapters.add(name)
         self._paths[name] = str(path)
@@ -365,7 +382,7 @@ class SGLangEngine:
         """SGLang lost an adapter this engine loaded (it restarted): load it again, once per
         loss, and say whether the request should be retried. Adapters live in SGLang's memory
         only, so after its restart every request on a published version would fail otherwise."""
-        if adapter is None or adapter not in self._paths or LOST_ADAPTER not in str(error):
+        if adapter is None or adapter not in self._paths or not _adapter_lost(error):
             return False
         async with self._reload_lock:  # many requests notice at once; one reload serves them all
             body = await self._post("/load_lora_adapter", {"lora_name": adapter, "lora_path": self._paths[adapter]},

@@ -332,6 +332,10 @@ class Judge:
         **extra: Any,
     ) -> Sample:
         n = len(turn.response_ids)
+        if turn.logprobs_masked and status != "dropped":
+            # π_old would be the grammar's renormalised distribution, the learner's π_θ the
+            # model's own: the PPO ratio between them is meaningless (engine/base.py)
+            status, reason = "dropped", "logprobs taken under a grammar mask (the reply could not be scored again)"
         accepted = status != "dropped"
         return Sample(
             user=turn.user, session_id=turn.session_id, turn_index=turn.turn_index, policy_version=turn.policy_version,

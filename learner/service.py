@@ -25,7 +25,7 @@ from nextstate.learner.batching import Waiting, choose_batch, ready_by_scope
 from nextstate.learner.gate import PublishGate
 from nextstate.learner.memory_budget import Refusal
 from nextstate.learner.trainer import LoraTrainer, StepResult
-from nextstate.learner.versions import AdapterVersions, scope_dir_name
+from nextstate.learner.versions import AdapterVersions
 from nextstate.core.policy import PolicyDirectory, PolicyRef
 from nextstate.core.sample_store import SampleStore
 from nextstate.core.settings import LearnerSettings
@@ -277,7 +277,7 @@ class Learner:
     async def _serve(self, scope: str, version: int, path: Path) -> float:
         """Load `path` as the scope's new adapter and move new requests to it."""
         started = time.monotonic()
-        name = f"{scope_dir_name(scope)}-v{version}"
+        name = await asyncio.to_thread(self.versions.serving_name, scope, version)
         old = self.policies.current_scope(scope)
         if name not in getattr(self.engine, "adapters", []):
             await self.engine.load_adapter(name, str(path))

@@ -78,6 +78,24 @@ class AdapterVersions:
                     out.append(json.loads(manifest.read_text())["scope"])
         return out
 
+    def serving_name(self, scope: str, version: int) -> str:
+        """The name a version is served under: `<scope>-v<N>-<digest of its weights>`.
+
+        A serving engine may never forget a name: SGLang 0.5.23 loads an unloaded adapter again
+        from its old path when a request names it, and refuses to load other weights under a
+        name it has seen. Versions restart at v1 after a user is forgotten, so `<scope>-v<N>`
+        alone would be given to other weights; with the digest a name means one set of weights,
+        and an old version cannot be served by mistake whatever the engine keeps."""
+        digest = hashlib.sha256()
+        folder = self.path(scope, version)
+        for item in sorted(folder.iterdir()):
+            if item.is_file() and item.name.startswith("adapter_"):  # weights and their config
+                digest.update(item.name.encode())
+                with item.open("rb") as handle:
+                    for block in iter(lambda: handle.read(1 << 20), b""):
+                        digest.update(block)
+        return f"{scope_dir_name(scope)}-v{version}-{digest.hexdigest()[:8]}"
+
     def manifest(self, scope: str, version: int) -> dict[str, Any]:
         return json.loads((self.path(scope, version) / "manifest.json").read_text())
 

@@ -302,7 +302,8 @@ class TurnService:
             )
         if tail:
             yield tail
-        self._commit(prep, done, response_ids, sampled_logprobs)
+        sampled_logprobs, masked = await self._unmasked(prep, response_ids, sampled_logprobs)
+        self._commit(prep, done, response_ids, sampled_logprobs, masked)
         await self.sessions.save()  # the turn, and the next state it confirmed, survive a crash now
         await self.limiter.spend(prep.key, done.prompt_tokens + done.completion_tokens)
         yield done
@@ -343,7 +344,27 @@ class TurnService:
             await events.aclose()
         raise AssertionError("the decode loop ended without a finished reply")
 
-    def _commit(self, prep: PreparedTurn, done: Finished, response_ids: list[int], logprobs: list[float]) -> None:
+    async def _unmasked(self, prep: PreparedTurn, response_ids: list[int], logprobs: list[float]) -> tuple[list[float], bool]:
+        """A constrained main turn's logprobs as the model gives them, without the grammar mask.
+
+        An engine that reports logprobs after the mask (SGLang: `masked_constrained_logprobs`)
+        gave a forced tool call's tokens logprobs near 0 where the model's own are -6 to -9; the
+        learner computes the model's own, so that ratio would train on the grammar. The reply is
+        scored again (one prefill of the reply, its prompt cached) before it is kept. Returns the
+        logprobs and whether they are still masked (scoring failed: the turn is never trained)."""
+        if (prep.sampling.json_schema is None or not self.engine.info.masked_constrained_logprobs
+                or not response_ids or prep.plan.turn_type != "main"):
+            return logprobs, False
+        try:
+            scored = await self.engine.score(prep.prompt.ids + response_ids, len(prep.prompt.ids),
+                                             adapter=prep.policy.adapter if prep.policy else None)
+        except EngineError as exc:
+            log.warning("reply %s: could not score its constrained tokens again (%s); it will not be trained", prep.id, exc)
+            return logprobs, True
+        return scored, False
+
+    def _commit(self, prep: PreparedTurn, done: Finished, response_ids: list[int], logprobs: list[float],
+                logprobs_masked: bool = False) -> None:
         """Record the request and, for a main turn, hand its tokens to the session."""
         plan, message, request = prep.plan, done.message(), prep.request
         assert prep.policy is not None, "committed before the engine admitted it"
@@ -393,6 +414,7 @@ class TurnService:
                 created_at=time.time(),
                 track="outcome" if request.hints.outcome_expected else "personal",
                 response_id=prep.id,
+                logprobs_masked=logprobs_masked,
             )
             turn = self.sessions.commit_main(plan, turn, message)
             record.update(

@@ -1,13 +1,20 @@
 """A stand-in SGLang server for contract tests, built from SGLang's documented shapes.
 
-It serves SGLang's native `/generate`, `/load_lora_adapter`, `/unload_lora_adapter` and
-`/health` with the request fields and response shapes the real server uses (io_struct.py's
+It serves SGLang's native `/generate`, `/load_lora_adapter`, `/unload_lora_adapter`, `/v1/models`
+and `/health` with the request fields and response shapes the real server uses (io_struct.py's
 GenerateReqInput / LoadLoRAAdapterReqInput; the tokenizer manager's output dicts:
 `output_ids`, `meta_info.output_token_logprobs` as [logprob, token_id, text] triples,
 cumulative streaming events or incremental ones, `finish_reason` {type: stop|length|abort},
 a null first entry in `input_token_logprobs`). The model behind it is the embedded engine on
 the tiny model, so what the client parses can be checked against a direct computation.
 `mode` injects failures: "500", "hang", "garbage", "drop" (close mid-stream), "abort".
+Adapters behave as SGLang 0.5.23's do (checked against the real server by
+tests/test_sglang_contract.py): a name, once loaded, is never forgotten — an unloaded adapter is
+loaded again from its path when a request names it, and loading that name again is refused as
+"already loaded" — and a request naming an adapter never loaded fails with "Got LoRA adapter that
+has never been loaded" (a streamed one after an HTTP 200). What it does not imitate: logprobs
+under a JSON-schema constraint (SGLang reports them after the grammar mask; the fake ignores
+`json_schema`).
 
 Logprobs as stock SGLang reports them: prompt-token logprobs (scoring) at temperature 1 whatever
 the request's temperature; sampled-token logprobs after temperature scaling, or at temperature
@@ -42,6 +49,7 @@ class FakeSGLang:
         self.requests: list[tuple[str, dict]] = []
         self.generate_peers: list[int] = []  # the client port of each /generate: one per connection
         self.done_delay_s = 0.0
+        self.ever_loaded: dict[str, str] = {}  # every adapter name loaded since the start, and its path
         self.engine: LocalEngine | None = None
         open_engine = engine_factory or (lambda: LocalEngine.open(model_dir, device="cpu"))
 
@@ -70,10 +78,20 @@ class FakeSGLang:
                 return StreamingResponse(iter(["data: {not json\n\n"]), media_type="text/event-stream")
             adapter = body.get("lora_path")
             if adapter is not None and adapter not in self.engine.adapters:
-                # SGLang's tokenizer manager raises this ValueError; its HTTP server answers 400
-                return JSONResponse({"error": {"message": (
-                    f"The following requested LoRA adapters are not loaded: {adapter}\n"
-                    f"Loaded adapters: {set(self.engine.adapters)}.")}}, 400)
+                if adapter in self.ever_loaded:
+                    # SGLang 0.5.23 never forgets a name: it loads an unloaded adapter again,
+                    # from the path it had, and answers
+                    await self.engine.load_adapter(adapter, self.ever_loaded[adapter])
+                else:
+                    # its tokenizer manager raises this ValueError: a 400, or on a stream an
+                    # HTTP 200 whose first event is the error
+                    error = {"message": f"Got LoRA adapter that has never been loaded: {adapter}\n"
+                                        f"All loaded adapters: dict_keys({sorted(self.ever_loaded)}).",
+                             "type": "invalid_request_error", "code": 400, "retryable": False}
+                    if body.get("stream"):
+                        events = iter([f"data: {json.dumps({'error': error})}\n\n", "data: [DONE]\n\n"])
+                        return StreamingResponse(events, media_type="text/event-stream")
+                    return JSONResponse({"error": {"message": error["message"]}}, 400)
             params = body.get("sampling_params", {})
             if params.get("max_new_tokens") == 0:
                 return await self._score(body, adapter, params)
@@ -98,11 +116,18 @@ class FakeSGLang:
         async def load(request: Request):
             body = await request.json()
             self.requests.append(("/load_lora_adapter", body))
+            name = body["lora_name"]
+            if name in self.ever_loaded:  # loaded or not now: SGLang 0.5.23 keeps the name for good
+                if name not in self.engine.adapters:
+                    await self.engine.load_adapter(name, self.ever_loaded[name])
+                return JSONResponse({"success": False, "error_message": f"Failed to load LoRA adapter {name} because it is "
+                                     "already loaded", "loaded_adapters": self._loaded()}, 400)
             try:
-                await self.engine.load_adapter(body["lora_name"], body["lora_path"])
+                await self.engine.load_adapter(name, body["lora_path"])
             except Exception as exc:  # noqa: BLE001
                 return JSONResponse({"success": False, "error_message": str(exc), "loaded_adapters": None}, 400)
-            return {"success": True, "error_message": "", "loaded_adapters": {n: "" for n in self.engine.adapters}}
+            self.ever_loaded[name] = body["lora_path"]
+            return {"success": True, "error_message": "", "loaded_adapters": self._loaded()}
 
         @app.post("/unload_lora_adapter")
         async def unload(request: Request):
@@ -112,7 +137,13 @@ class FakeSGLang:
                 await self.engine.unload_adapter(body["lora_name"])
             except Exception as exc:  # noqa: BLE001
                 return JSONResponse({"success": False, "error_message": str(exc), "loaded_adapters": None}, 400)
-            return {"success": True, "error_message": "", "loaded_adapters": {n: "" for n in self.engine.adapters}}
+            return {"success": True, "error_message": "", "loaded_adapters": self._loaded()}
+
+        @app.get("/v1/models")
+        async def models():
+            adapters = [{"id": n, "object": "model", "root": p, "parent": str(self.model_dir)} for n, p in self._loaded().items()]
+            return {"object": "list", "data": [{"id": str(self.model_dir), "object": "model", "root": str(self.model_dir),
+                                                "parent": None}, *adapters]}
 
         self.app = app
         self.port = port or free_port()
@@ -130,10 +161,18 @@ class FakeSGLang:
         """What a restarted SGLang looks like from outside: the same URL, no adapter loaded."""
 
         async def forget() -> None:
+            self.ever_loaded.clear()
             for name in list(self.engine.adapters):
                 await self.engine.unload_adapter(name)
 
         asyncio.run_coroutine_threadsafe(forget(), self.loop).result(30)
+
+    def loaded_adapters(self) -> dict[str, str]:
+        """name → path of what is loaded now (as tests/real_engines/sglang_server.RealSGLang)."""
+        return self._loaded()
+
+    def _loaded(self) -> dict[str, str]:
+        return {n: self.ever_loaded.get(n, "") for n in self.engine.adapters}
 
     async def _events(self, input_ids, sampling, adapter, rid):
         ids, logprobs, tops = [], [], []

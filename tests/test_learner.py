@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import time
 
 import httpx
@@ -220,7 +221,8 @@ def test_updates_publish_versions_that_serve(server_factory):
     assert steps[0]["version"] == 1 and steps[0]["published"] and "mismatch" in steps[0] and "clip_fraction" in steps[0]
     assert (server.settings.records_dir / "policy-v0001.jsonl").is_file()
     request = [r for r in server.records() if r["kind"] == "request"][-1]
-    assert request["policy_version"] == 1 and request["adapter"] == "shared-v1"
+    assert request["policy_version"] == 1 and request["adapter"] == server.app.state.services.policies.current("alice").adapter
+    assert re.fullmatch(r"shared-v1-[0-9a-f]{8}", request["adapter"]), "served under its version and its weights' digest"
 
 
 def test_no_request_fails_or_stalls_across_swaps(server_factory):
@@ -255,9 +257,9 @@ def test_no_request_fails_or_stalls_across_swaps(server_factory):
     assert set(versions) >= {0, 4} and max(versions) == 4
     assert len(results) >= 20
     assert max(latency for latency, _ in results) < 5, "no request stalled during a swap"
-    assert server.app.state.services.turns.engine.adapters == ["shared-v4"] or wait_for(
-        lambda: server.app.state.services.turns.engine.adapters == ["shared-v4"]
-    ) is None, "old versions are unloaded"
+    current = server.app.state.services.policies.current("alice").adapter
+    assert current.startswith("shared-v4-")
+    wait_for(lambda: server.app.state.services.turns.engine.adapters == [current])  # old versions are unloaded
 
 
 def test_a_reply_prepared_before_a_swap_is_served_by_the_version_that_replaced_it(server_factory):
@@ -278,10 +280,11 @@ def test_a_reply_prepared_before_a_swap_is_served_by_the_version_that_replaced_i
 
     async def swap_between_prepare_and_generate():
         prep = await turns.prepare(request, key)
-        assert prep.policy is None and policies.current("alice").adapter == "shared-v1", "settled only at admission"
+        v1 = policies.current("alice").adapter
+        assert prep.policy is None and v1.startswith("shared-v1-"), "settled only at admission"
         await turns.engine.load_adapter("shared-v2", str(server.settings.adapters_dir / "shared" / "v1"))
         policies.publish("shared", PolicyRef(version=2, adapter="shared-v2"))
-        await turns.engine.unload_adapter("shared-v1")
+        await turns.engine.unload_adapter(v1)
         done = await turns.complete(prep)
         return prep, done
 
@@ -323,7 +326,8 @@ def test_rollback_restores_an_earlier_version(server_factory):
     root = server.settings.adapters_dir / "shared"
     assert (root / "v3" / "adapter_model.safetensors").read_bytes() == (root / "v1" / "adapter_model.safetensors").read_bytes()
     listing = httpx.get(f"{server.base_url}/admin/adapters", headers={"Authorization": f"Bearer {admin}"}).json()
-    assert listing["data"] == [{"scope": "shared", "versions": [1, 2, 3], "serving": 3, "adapter": "shared-v3"}]
+    assert listing["data"] == [{"scope": "shared", "versions": [1, 2, 3], "serving": 3, "adapter": policies.current("alice").adapter}]
+    assert listing["data"][0]["adapter"].startswith("shared-v3-")
 
 
 def test_restart_resumes_without_losing_or_repeating_samples(server_factory, tmp_path):

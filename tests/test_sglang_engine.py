@@ -3,7 +3,8 @@
 What this proves: the client sends the fields SGLang expects, parses both streaming modes,
 aligns logprobs with sampled ids, scores with the right offset, manages adapters by name and
 turns every failure into a clean error — and nextstate recovers when SGLang comes back.
-What it cannot prove here: that a real SGLang matches these shapes (see the gpu-marked test).
+That a real SGLang matches these shapes is tests/test_sglang_contract.py's job (on the CPU, in
+CI through .ci/real-engines) and the gpu-marked test's (against a running GPU server).
 """
 
 from __future__ import annotations
@@ -123,9 +124,16 @@ async def test_adapters_by_name(client, direct, sglang, tiny_model_dir, tmp_path
     assert sglang.requests[-1][1]["lora_path"] == "user-v1"
     assert await client.score(PROMPT, 5, adapter="user-v1") == pytest.approx(await direct.score(PROMPT, 5, adapter="user-v1"), abs=1e-5)
     with pytest.raises(Exception, match="could not load"):
-        await client.load_adapter("user-v1", str(tmp_path / "a"))  # duplicate names are refused
+        await client.load_adapter("user-v1", str(tmp_path / "b"))  # a name never changes its weights
+    # a client that restarted while SGLang ran on finds its adapter there, under the same path
+    again = SGLangEngine(sglang.url, tiny_model_dir, timeout_s=2.0, retries=0)
+    await again.load_adapter("user-v1", str(tmp_path / "a"))
+    assert again.adapters == ["user-v1"]
+    await again.close()
     await client.unload_adapter("user-v1")
     assert client.adapters == [] and sglang.requests[-1] == ("/unload_lora_adapter", {"lora_name": "user-v1"})
+    with pytest.raises(UnknownAdapterError):  # unloaded names are never sent: SGLang would load them again
+        await collect(client, SamplingParams(max_new_tokens=2), adapter="user-v1")
 
 
 async def test_adapters_come_back_after_sglang_restarts(client, direct, sglang, tiny_model_dir, tmp_path):
@@ -256,7 +264,9 @@ def test_real_sglang_on_gpu():
         try:
             toks = [t async for t in engine.generate(PROMPT, SamplingParams(max_new_tokens=8, temperature=0.7, seed=1))]
             ids = PROMPT + [t.token_id for t in toks]
-            scored = await engine.score(ids, len(PROMPT), temperature=0.7)
+            # SGLang scores at temperature 1 only (the client refuses anything else); sampled
+            # logprobs are raw too (SGLANG_RETURN_ORIGINAL_LOGPROB=1), whatever the sampling temperature
+            scored = await engine.score(ids, len(PROMPT))
             assert scored == pytest.approx([t.logprob for t in toks], abs=0.05)
         finally:
             await engine.close()
@@ -276,17 +286,19 @@ def test_per_user_adapters_on_one_sglang_server(server_factory, sglang):
     )
     feed(server, served_samples(server, 4, user="alice"))
     wait_for(lambda: server.app.state.services.policies.current("alice").version == 1)
-    assert ("/load_lora_adapter", {"lora_name": "alice-v1", "lora_path": str(server.settings.adapters_dir / "alice" / "v1")}) in sglang.requests
+    name = server.app.state.services.policies.current("alice").adapter
+    assert name.startswith("alice-v1-")
+    assert ("/load_lora_adapter", {"lora_name": name, "lora_path": str(server.settings.adapters_dir / "alice" / "v1")}) in sglang.requests
     ask = dict(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=3)
     raw = server.client(server.key("alice")).chat.completions.with_raw_response.create(**ask)
-    assert raw.headers["x-policy-version"] == "1" and sglang.requests[-1][1]["lora_path"] == "alice-v1"
+    assert raw.headers["x-policy-version"] == "1" and sglang.requests[-1][1]["lora_path"] == name
     raw = server.client(server.key("bob")).chat.completions.with_raw_response.create(**ask)
     assert raw.headers["x-policy-version"] == "0" and sglang.requests[-1][1]["lora_path"] is None
     # SGLang restarts: alice's published version serves again without restarting nextstate
     sglang.restart()
     raw = server.client(server.key("alice")).chat.completions.with_raw_response.create(**ask)
     assert raw.status_code == 200 and raw.headers["x-policy-version"] == "1"
-    assert sglang.requests[-2] == ("/load_lora_adapter", {"lora_name": "alice-v1", "lora_path": str(server.settings.adapters_dir / "alice" / "v1")})
+    assert sglang.requests[-2] == ("/load_lora_adapter", {"lora_name": name, "lora_path": str(server.settings.adapters_dir / "alice" / "v1")})
 
 
 def test_a_reply_ending_on_its_stop_token_keeps_the_connection_to_sglang(server_factory, tiny_model_dir):
