@@ -24,6 +24,15 @@ deploy/). Shapes used, from SGLang's io_struct / tokenizer manager:
   `logprob_temperature` is 1 and the learner computes its own at 1 too. `check_logprobs` finds
   a server without the variable at start-up and refuses it, rather than mixing temperatures.
 
+* adapters (as SGLang 0.5.23 behaves, tests/test_sglang_contract.py): a name once loaded is never
+  forgotten — after `/unload_lora_adapter` a request naming it loads it again from its path, and
+  loading that name again is refused as "already loaded" — so nextstate never sends a name it
+  unloaded, and never gives a name to other weights (learner/versions.py: names carry a digest of
+  the weights). A request naming an adapter SGLang never had (it restarted) fails with "has never
+  been loaded", as a 400 or, streamed, as an error event after HTTP 200; the client loads it again.
+* under a JSON-schema constraint the sampled logprobs come back after the grammar mask,
+  renormalised (`EngineInfo.masked_constrained_logprobs`): the proxy scores such a reply again.
+
 Failures map to clean errors: unreachable → EngineUnavailable (503), too slow → EngineTimeout
 (504), 5xx or an unreadable answer → EngineBadGateway (502). Requests are retried (not after a
 timeout) only while that is safe: before any token reached the caller.
@@ -64,7 +73,7 @@ from nextstate.engine.sse import read_sse_data
 
 log = logging.getLogger(__name__)
 
-TARGET_SGLANG = "0.5.x (native /generate API with output_ids; checked against io_struct.py and the tokenizer manager's output processor)"
+TARGET_SGLANG = "0.5.23 (tested for real by .ci/real-engines); other 0.5.x releases share the native /generate API"
 
 
 def _model_info(model_dir: Path) -> tuple[int, int]:
@@ -403,6 +412,36 @@ class SGLangEngine:
         body = await self._post("/unload_lora_adapter", {"lora_name": name}, retry=False, ok_400=True)
         if not body.get("success", False):
             raise EngineError(f"SGLang could not unload adapter {name!r}: {body.get('error_message', body)}")
+
+    async def unload_leftovers(self, root: Path, keep: set[str]) -> list[str]:
+        """Unload what SGLang holds from under `root` (nextstate's adapters) that this engine did
+        not load: versions an earlier nextstate process loaded and did not get to unload (it
+        crashed, or SGLang outlived it). A long-running SGLang would otherwise keep one per
+        restart. Returns the names unloaded; a failure is logged, never raised."""
+        try:
+            async with self._http.session().get(f"{self.base_url}/v1/models") as response:
+                models = (await response.json()).get("data", []) if response.status == 200 else []
+        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
+            log.warning("could not list SGLang's adapters to unload leftovers: %s", exc)
+            return []
+        root = root.resolve()
+        gone = []
+        for model in models:
+            name, path = model.get("id"), model.get("root")
+            if not model.get("parent") or name in keep or name in self._adapters or not path:
+                continue
+            if not Path(path).resolve().is_relative_to(root):
+                continue  # someone else's adapter on a shared server
+            try:
+                body = await self._post("/unload_lora_adapter", {"lora_name": name}, retry=False, ok_400=True)
+            except EngineError as exc:
+                log.warning("could not unload leftover adapter %s: %s", name, exc)
+                continue
+            if body.get("success", False):
+                gone.append(name)
+        if gone:
+            log.info("unloaded %d adapter(s) an earlier nextstate left in SGLang: %s", len(gone), ", ".join(gone))
+        return gone
 
     # ---------------------------------------------------------------- plumbing
 

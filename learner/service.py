@@ -111,6 +111,10 @@ class Learner:
             self._step_index[scope] = self.versions.manifest(scope, version).get("step_index", 0)
             await self._serve(scope, version, path)
             log.info("learner resumed scope %s at version %d", scope, version)
+        # an engine that outlives nextstate (SGLang) may still hold versions it served before
+        leftovers = getattr(self.engine, "unload_leftovers", None)
+        if leftovers is not None:
+            await leftovers(self.versions.root, set(getattr(self.engine, "adapters", [])))
 
     # ---------------------------------------------------------------- the loop
 

@@ -157,11 +157,12 @@ def test_a_forced_tool_call_is_kept_with_the_models_own_logprobs(server_factory,
     if isinstance(sglang, FakeSGLang):
         pytest.skip("the fake does not constrain decoding (tests/fake_sglang.py says what it imitates)")
     server = server_factory(engine="sglang", sglang_url=sglang.url, judge_enabled=False, learn=False)
+    # a schema whose JSON is short whatever the (random) model prefers: one of two words
     tool = {"type": "function", "function": {"name": "lookup", "parameters": {
-        "type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}}}
+        "type": "object", "properties": {"n": {"enum": ["x", "y"]}}, "required": ["n"], "additionalProperties": False}}}
     reply = server.client(server.key("alice")).chat.completions.create(
         model="tiny", messages=[{"role": "user", "content": "look it up"}], tools=[tool], tool_choice="required",
-        max_tokens=40, temperature=1.0, seed=1)
+        max_tokens=200, temperature=1.0, seed=1)
     assert reply.choices[0].message.tool_calls, "a constrained reply is a tool call"
     turn = server.app.state.services.sessions.find_turn("alice", reply.id)
     model_own = server.call(direct.score(turn.prompt_ids + turn.response_ids, len(turn.prompt_ids)))
@@ -194,3 +195,27 @@ def test_twenty_versions_on_one_server_stay_bounded_and_serve_by_name(server_fac
             assert turn.response_logprobs == pytest.approx(own, abs=TOLERANCE)
     names = [r["adapter"] for r in server.records() if r["kind"] == "request" and r.get("adapter")]
     assert len(set(names)) == 20, "every version served under a name of its own"
+
+
+async def test_a_restarted_nextstate_unloads_the_versions_its_predecessor_left(client, sglang, adapters, tiny_model_dir, tmp_path):
+    """nextstate crashed (or was stopped) between publishing a version and unloading the one
+    before it: the next nextstate unloads such leftovers from under its adapters folder, and
+    nothing of anyone else's."""
+    import shutil
+
+    root = tmp_path / "adapters"
+    old, current, foreign = unique("old"), unique("current"), unique("foreign")
+    for name, source in ((old, "a"), (current, "b")):
+        shutil.copytree(adapters[source], root / name)
+        await client.load_adapter(name, str(root / name))
+    await client.load_adapter(foreign, str(adapters["a"]))  # not under this nextstate's folder
+    restarted = SGLangEngine(sglang.url, tiny_model_dir, timeout_s=60.0, retries=0)
+    try:
+        await restarted.load_adapter(current, str(root / current))
+        assert await restarted.unload_leftovers(root, set(restarted.adapters)) == [old]
+        loaded = sglang.loaded_adapters()
+        assert current in loaded and foreign in loaded and old not in loaded
+    finally:
+        await restarted.close()
+    for name in (current, foreign):
+        await client.unload_adapter(name)
