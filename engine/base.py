@@ -68,6 +68,11 @@ class SamplingParams:
     # learner sees); SGLang reports them after the mask (EngineInfo.masked_constrained_logprobs),
     # and the proxy scores such a reply again (proxy/turns.py).
     json_schema: str | None = None
+    # Prefix caching stays within one salt: a request reuses the cached keys and values of an
+    # earlier prompt only if both carry the same salt. The proxy salts every request with its
+    # user, so a cache hit (its `cached_tokens`, its first-token time) can never tell one user
+    # that another sent the same text. None is a partition of its own (the judge's calls).
+    cache_salt: str | None = None
 
     @property
     def logprob_temperature(self) -> float:

@@ -96,7 +96,7 @@ class ModelRunner:
             self.stats.prompt_tokens_computed += len(ids)
             if job.fed < prompt_len and kv_cache.reusable(job.cache):
                 # Progress is shared at once: a vote on the same prompt continues from here.
-                self.prefix.put(job.adapter, job.input_ids[: job.fed], kv_cache.tensors(job.cache))
+                self.prefix.put(job.adapter, job.sampling.cache_salt, job.input_ids[: job.fed], kv_cache.tensors(job.cache))
         if job.score_from is not None:
             return self._collect_scores(job, out.logits[0], first)
         if job.fed < prompt_len:
@@ -116,7 +116,7 @@ class ModelRunner:
         limit = len(job.input_ids) - 1 if job.score_from is None else job.score_from - 1
         if job.fed >= limit:
             return
-        hit = self.prefix.longest(job.adapter, job.input_ids, limit)
+        hit = self.prefix.longest(job.adapter, job.sampling.cache_salt, job.input_ids, limit)
         if hit is None or hit.length <= job.fed:
             return
         self.stats.prompt_tokens_reused += hit.length - job.fed
@@ -165,7 +165,7 @@ class ModelRunner:
             return
         n, ids = kv_cache.length(kv), job.input_ids + job.output_ids
         if n <= len(ids) and all(keys.shape[2] == values.shape[2] == n for keys, values in kv):
-            self.prefix.put(job.adapter, ids[:n], kv)
+            self.prefix.put(job.adapter, job.sampling.cache_salt, ids[:n], kv)
 
     def _sample(self, job: Job, logits: torch.Tensor) -> bool:
         allowed = job.constraint.apply(logits) if job.constraint is not None else None

@@ -5,7 +5,8 @@ An agent's next request is its last prompt, our reply and a few new messages: th
 tokens already computed once. Each entry is the cache of one token sequence under one adapter
 (LoRA changes the keys and values, so a cache never crosses adapters). A lookup returns the
 longest prefix any entry shares with the prompt; entries are kept within a byte budget, least
-recently used first out. The judge's votes on one turn share their prompt, and a prefilling
+recently used first out. Entries are partitioned by a salt as well (`SamplingParams.cache_salt`,
+one per user): a hit would tell a user that someone else sent the same text. The judge's votes on one turn share their prompt, and a prefilling
 job stores its progress after every chunk, so votes that prefill side by side take turns
 extending one cache instead of each computing it (see `ModelRunner._reuse_prefix`).
 
@@ -41,6 +42,7 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 @dataclass(eq=False)
 class Entry:
     adapter: str | None
+    salt: str | None
     ids: list[int]
     kv: KV
     nbytes: int
@@ -66,11 +68,12 @@ class PrefixCache:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def longest(self, adapter: str | None, ids: list[int], limit: int) -> Hit | None:
-        """The cached keys and values of the longest prefix of `ids` (at most `limit` tokens)."""
+    def longest(self, adapter: str | None, salt: str | None, ids: list[int], limit: int) -> Hit | None:
+        """The cached keys and values of the longest prefix of `ids` (at most `limit` tokens),
+        among the entries of this adapter and salt."""
         best, best_len = None, 0
         for entry in self._entries:
-            if entry.adapter != adapter:
+            if entry.adapter != adapter or entry.salt != salt:
                 continue
             n = min(common_prefix(entry.ids, ids), limit)
             if n > best_len:
@@ -80,7 +83,7 @@ class PrefixCache:
         best.used = time.monotonic()
         return Hit(best_len, kv_cache.tokens(best.kv, 0, best_len))
 
-    def put(self, adapter: str | None, ids: list[int], kv: KV) -> None:
+    def put(self, adapter: str | None, salt: str | None, ids: list[int], kv: KV) -> None:
         """Keep the cache of `ids` (kv covers exactly those tokens). An entry whose tokens are a
         prefix of `ids` is replaced; if an entry already covers `ids`, that one is kept."""
         if not ids or self.budget <= 0:
@@ -90,7 +93,7 @@ class PrefixCache:
             return
         keep = []
         for entry in self._entries:
-            if entry.adapter == adapter:
+            if entry.adapter == adapter and entry.salt == salt:
                 shared = common_prefix(entry.ids, ids)
                 if shared == len(ids):  # already covered, as long or longer
                     entry.used = time.monotonic()
@@ -98,7 +101,7 @@ class PrefixCache:
                 if shared == len(entry.ids):  # the new one extends it
                     continue
             keep.append(entry)
-        keep.append(Entry(adapter, list(ids), kv, size))
+        keep.append(Entry(adapter, salt, list(ids), kv, size))
         self._entries = keep
         self._evict()
 

@@ -195,6 +195,9 @@ class SGLangEngine:
         }
         if sampling.top_logprobs:
             payload["top_logprobs_num"] = sampling.top_logprobs
+        if sampling.cache_salt is not None:
+            # its radix cache matches prefixes only within one salt (io_struct's cache_salt)
+            payload["cache_salt"] = sampling.cache_salt
         return payload
 
     async def generate(

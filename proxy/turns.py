@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import logging
 import secrets
 import time
@@ -36,6 +37,11 @@ from nextstate.proxy.sessions import SessionStore, TurnPlan
 from nextstate.proxy.wire import TurnHints
 
 log = logging.getLogger(__name__)
+
+
+def cache_salt(user: str) -> str:
+    """The user's prefix-cache partition, named without their name (it reaches the engine)."""
+    return hashlib.sha256(b"nextstate-cache:" + user.encode()).hexdigest()[:24]
 
 _END = object()  # in a turn's token queue: the engine finished
 _QUIET = object()  # in a turn's token queue: `keepalive_s` passed without a token
@@ -125,7 +131,7 @@ class TurnService:
 
     async def prepare(self, request: TurnRequest, key: ApiKey) -> PreparedTurn:
         prompt = await self.render(request)
-        sampling = self._sampling(request, len(prompt.ids))
+        sampling = self._sampling(request, len(prompt.ids), key.user)
         quota = await self.limiter.admit(key, len(prompt.ids))
         hints = request.hints
         plan = self.sessions.resolve(
@@ -148,7 +154,7 @@ class TurnService:
             )
         return await asyncio.to_thread(self.renderer.render, request.messages, request.tools, request.tool_choice)
 
-    def _sampling(self, request: TurnRequest, prompt_len: int) -> SamplingParams:
+    def _sampling(self, request: TurnRequest, prompt_len: int, user: str) -> SamplingParams:
         limit = self.engine.info.max_context
         room = limit - prompt_len
         requested = request.max_tokens
@@ -168,6 +174,8 @@ class TurnService:
             stop_token_ids=self.renderer.stop_token_ids,
             top_logprobs=request.top_logprobs or 0,
             json_schema=forced_call_schema(request.tools or [], request.tool_choice) if request.forced_tool_call else None,
+            # one prefix-cache partition per user: a hit must not tell them what others sent
+            cache_salt=cache_salt(user),
         )
 
     # ------------------------------------------------------------------ generation

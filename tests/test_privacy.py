@@ -123,3 +123,19 @@ def test_an_unusable_data_dir_is_one_clear_sentence(tmp_path, tiny_model_dir):
     env = {**os.environ, "NEXTSTATE_DATA_DIR": str(blocker / "data"), "NEXTSTATE_MODEL": str(tiny_model_dir)}
     done = subprocess.run([sys.executable, "-m", "nextstate.cli", "serve"], env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode != 0 and "cannot be used" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_a_cached_prefix_never_tells_one_user_what_another_sent(server):
+    """An attacker who guesses another user's prompt must learn nothing from the prefix cache:
+    neither `cached_tokens` nor a faster first token. Alice's own next turn keeps its reuse."""
+    secret = "Alice's private notes: the merger closes on Friday, the code word is heron. " * 12
+    alice = server.client(server.key("alice"))
+    bob = server.client(server.key("bob"))
+    ask = dict(model="tiny", max_tokens=2, temperature=0)
+    alice.chat.completions.create(messages=[{"role": "user", "content": secret}], **ask)
+    guess = secret[:-40] + "x" * 40  # the same text with its end wrong, as a guesser would send
+    probe = bob.chat.completions.create(messages=[{"role": "user", "content": guess}], **ask)
+    assert probe.usage.prompt_tokens > 400
+    assert probe.usage.prompt_tokens_details.cached_tokens == 0
+    again = alice.chat.completions.create(messages=[{"role": "user", "content": guess}], **ask)
+    assert again.usage.prompt_tokens_details.cached_tokens > 300, "a user's own prefix is still reused"

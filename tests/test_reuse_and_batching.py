@@ -179,20 +179,24 @@ def test_prefix_cache_bookkeeping():
     assert common_prefix(list(range(300)), list(range(300))) == 300
     assert common_prefix(list(range(256)), list(range(300))) == 256
     cache = PrefixCache(budget_bytes=kv_cache.nbytes(kv(10)))
-    cache.put(None, [1, 2, 3], kv(3))
-    cache.put(None, [1, 2, 3, 4, 5], kv(5))  # extends the first: replaces it
+    cache.put(None, None, [1, 2, 3], kv(3))
+    cache.put(None, None, [1, 2, 3, 4, 5], kv(5))  # extends the first: replaces it
     assert len(cache) == 1
-    cache.put(None, [1, 2], kv(2))  # covered already
-    cache.put(None, [1, 2, 3, 4, 5], kv(5))  # the same tokens again: kept once
+    cache.put(None, None, [1, 2], kv(2))  # covered already
+    cache.put(None, None, [1, 2, 3, 4, 5], kv(5))  # the same tokens again: kept once
     assert len(cache) == 1
-    assert cache.longest("other", [1, 2, 3], 10) is None
-    hit = cache.longest(None, [1, 2, 3, 9], 10)
+    assert cache.longest("other", None, [1, 2, 3], 10) is None
+    hit = cache.longest(None, None, [1, 2, 3, 9], 10)
     assert hit.length == 3 and kv_cache.length(hit.kv) == 3
-    assert cache.longest(None, [1, 2, 3, 9], 2).length == 2
-    cache.put(None, [7, 8, 9, 10, 11, 12], kv(6))  # over budget: the least recently used goes
-    assert len(cache) == 1 and cache.longest(None, [1, 2], 5) is None
-    cache.put(None, list(range(50)), kv(50))  # larger than the whole budget: not kept
-    assert cache.longest(None, list(range(50)), 50) is None
+    assert cache.longest(None, None, [1, 2, 3, 9], 2).length == 2
+    cache.put(None, None, [7, 8, 9, 10, 11, 12], kv(6))  # over budget: the least recently used goes
+    assert len(cache) == 1 and cache.longest(None, None, [1, 2], 5) is None
+    cache.put(None, None, list(range(50)), kv(50))  # larger than the whole budget: not kept
+    assert cache.longest(None, None, list(range(50)), 50) is None
+    cache.put(None, "alice", [1, 2, 3, 4], kv(4))
+    assert cache.longest(None, "bob", [1, 2, 3, 4], 10) is None, "a salt never reuses another salt's prefix"
+    assert cache.longest(None, None, [1, 2, 3, 4], 10) is None
+    assert cache.longest(None, "alice", [1, 2, 3, 9], 10).length == 3
 
 
 @pytest.mark.parametrize("fail_on_call", [1, 3])  # in the prefill, in a batched step
@@ -216,5 +220,5 @@ async def test_a_step_that_fails_half_way_leaves_no_cache_behind(fast, plain, fa
             await run(fast, prompt, params)
     finally:
         last.forward = forward
-    assert fast.runner.prefix.longest(None, prompt, len(prompt)) is None
+    assert fast.runner.prefix.longest(None, None, prompt, len(prompt)) is None
     assert_same(await run(fast, prompt, params), await run(plain, prompt, params))

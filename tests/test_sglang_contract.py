@@ -219,3 +219,21 @@ async def test_a_restarted_nextstate_unloads_the_versions_its_predecessor_left(c
         await restarted.close()
     for name in (current, foreign):
         await client.unload_adapter(name)
+
+
+async def test_cached_prefixes_stay_within_their_salt(client, sglang):
+    """Each user's requests carry their own cache salt (proxy/turns.py): the server's prefix
+    cache then never reports — nor speeds up — one user's prompt for another."""
+    if isinstance(sglang, FakeSGLang):
+        pytest.skip("the fake has no prefix cache")
+    prompt = list(range(5, 300))
+    params = dict(max_new_tokens=1, temperature=0.0)
+
+    async def cached(salt: str) -> int:
+        tokens = await generate(client, SamplingParams(**params, cache_salt=salt), prompt=prompt)
+        return tokens[0].cached_prompt_tokens or 0
+
+    alice, bob = unique("alice"), unique("bob")
+    assert await cached(alice) == 0
+    assert await cached(bob) == 0, "another salt finds nothing"
+    assert await cached(alice) > 200, "the same salt finds its own prefix"
