@@ -17,7 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from nextstate.core.sqlite_store import add_missing_columns, open_sqlite
+from nextstate.core.sqlite_store import add_missing_columns, open_sqlite, scrub
 from nextstate.core.types import Sample, Transition, Turn
 
 _SCHEMA = """
@@ -390,6 +390,7 @@ class SampleStore:
             except BaseException:
                 self._conn.execute("ROLLBACK")
                 raise
+            scrub(self._conn)
         return count
 
     def expire(self, before: float) -> int:

@@ -13,13 +13,23 @@ from pathlib import Path
 
 
 def open_sqlite(path: Path, schema: str, *pragmas: str) -> sqlite3.Connection:
-    """A connection in WAL mode with `schema` applied; `pragmas` are extra `PRAGMA` settings."""
+    """A connection in WAL mode with `schema` applied; `pragmas` are extra `PRAGMA` settings.
+
+    `secure_delete`: a deleted row's bytes are overwritten, not left in a free page where a
+    copy of the file would still hold a forgotten user's text (see `scrub`)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     conn = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
-    for pragma in ("journal_mode=WAL", *pragmas):
+    for pragma in ("journal_mode=WAL", "secure_delete=ON", *pragmas):
         conn.execute(f"PRAGMA {pragma}")
     conn.executescript(schema)
     return conn
+
+
+def scrub(conn: sqlite3.Connection) -> None:
+    """After deleting a user's rows: copy the write-ahead log into the database and empty it.
+    Until then the log keeps the pages as they were before the delete — the user's text — for
+    as long as no checkpoint happens to run."""
+    conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
 
 
 def add_missing_columns(conn: sqlite3.Connection, table: str, columns: dict[str, str]) -> None:

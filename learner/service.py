@@ -99,6 +99,8 @@ class Learner:
 
     async def _resume(self) -> None:
         for scope in await asyncio.to_thread(self.versions.scopes):
+            if unfinished := await asyncio.to_thread(self.versions.remove_unfinished, scope):
+                log.warning("learner %s: removed %d version folder(s) a crash left half-written", scope, len(unfinished))
             if (adopted := await asyncio.to_thread(self.versions.adopt_latest, scope)) is not None:
                 log.warning("learner %s: version %d was published just before a stop; it serves now", scope, adopted)
             version = self.versions.current(scope)

@@ -68,6 +68,16 @@ class AdapterVersions:
             return versions[-1]
         return None
 
+    def remove_unfinished(self, scope: str) -> list[str]:
+        """Delete the temporary folders of versions whose writing a crash cut short (`.vN-…`:
+        never renamed into place, so never served or trained from). Called at start, before any
+        version is written. Returns the names removed."""
+        root = self.scope_root(scope)
+        gone = [p.name for p in root.glob(".v*-*") if p.is_dir()] if root.is_dir() else []
+        for name in gone:
+            shutil.rmtree(root / name, ignore_errors=True)
+        return gone
+
     def scopes(self) -> list[str]:
         """Scopes with a current version (their manifest names the scope exactly)."""
         out = []

@@ -9,10 +9,10 @@ the three APIs: a chat completion's `chatcmpl-…`, a Messages reply's `msg_…`
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from fastapi import APIRouter, Depends, Request
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from nextstate.proxy.app_state import services
 from nextstate.proxy.auth import authenticate
@@ -38,6 +38,14 @@ class FeedbackRequest(BaseModel):
         None, min_length=1, max_length=MAX_CORRECTION_CHARS,
         description="How the reply should have been, in words (becomes the hint the OPD teacher reads).",
     )
+
+    @field_validator("rating", mode="before")
+    @classmethod
+    def _an_integer(cls, value: Any) -> Any:
+        # a Literal matches by equality, and True == 1.0 == 1: a rating is the integer itself
+        if type(value) is not int:
+            raise ValueError("must be the integer 1 or -1")
+        return value
 
 
 class FeedbackResponse(BaseModel):

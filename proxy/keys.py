@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from nextstate.core.sqlite_store import add_missing_columns, open_sqlite
+from nextstate.core.sqlite_store import add_missing_columns, open_sqlite, scrub
 
 KEY_PREFIX = "ns-"
 
@@ -111,7 +111,9 @@ class KeyStore:
     def forget(self, user: str) -> int:
         """Delete every key of `user` (revoked ones too); returns how many."""
         with self._lock:
-            return self._conn.execute("DELETE FROM api_keys WHERE user = ?", (user,)).rowcount
+            count = self._conn.execute("DELETE FROM api_keys WHERE user = ?", (user,)).rowcount
+            scrub(self._conn)
+            return count
 
     def revoke(self, key_id: str) -> bool:
         with self._lock:

@@ -18,7 +18,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from nextstate.core.sqlite_store import open_sqlite
+from nextstate.core.sqlite_store import open_sqlite, scrub
 
 log = logging.getLogger(__name__)
 
@@ -97,6 +97,7 @@ class SessionDB:
                     )
                 elif op == "forget":
                     self._conn.execute("DELETE FROM sessions WHERE user = ?", (user,))
+                    scrub(self._conn)
                 else:
                     self._conn.execute("DELETE FROM sessions WHERE user = ? AND id = ?", (user, session_id))
             except sqlite3.Error:

@@ -62,6 +62,9 @@ def test_only_the_user_who_got_the_reply_may_rate_it(server_factory):
     assert rate(server, bob, reply.id).status_code == 404
     assert rate(server, alice, "chatcmpl-doesnotexist").status_code == 404
     assert rate(server, alice, reply.id, rating=2).status_code == 400
+    for loose in (True, 1.0, "1"):  # a rating is the integer itself, not whatever equals it
+        refused = rate(server, alice, reply.id, rating=loose)
+        assert refused.status_code == 400 and "rating" in refused.text, loose
     assert rate(server, alice, reply.id, correction="").status_code == 400
     assert rate(server, alice, "not-an-id").status_code == 400
     body = {"response_id": reply.id, "rating": 1}

@@ -339,9 +339,14 @@ def test_restart_resumes_without_losing_or_repeating_samples(server_factory, tmp
     feed(server, served_samples(server, 3, seed0=50))  # a partial batch when the process stops
     settings = server.settings
     server.stop()
+    # what kill -9 in the middle of writing v2 leaves: a temporary folder never renamed into place
+    unfinished = settings.adapters_dir / "shared" / ".v2-k1ll3d"
+    unfinished.mkdir()
+    (unfinished / "adapter_model.safetensors").write_bytes(b"half")
 
     restarted = start_server(settings)
     try:
+        assert not unfinished.exists(), "a half-written version is removed at start"
         assert restarted.app.state.services.policies.current("alice").version == 1, "serving resumes at the latest version"
         assert len(restarted.app.state.services.samples.samples("ready")) == 3
         feed(restarted, served_samples(restarted, 1, seed0=90))

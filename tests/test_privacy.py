@@ -59,6 +59,10 @@ def test_a_user_can_be_forgotten_while_the_server_runs(server_factory):
     assert not (server.settings.adapters_dir / "alice").exists()
     assert server.app.state.services.policies.current("alice").version == 0
     assert "swordfish" not in "".join(p.read_text() for p in server.settings.records_dir.glob("*.jsonl"))
+    # nor anywhere else on disk: not in a SQLite file's free pages, not in its write-ahead log
+    files = [p for p in server.settings.data_dir.rglob("*") if p.is_file()]
+    assert any(p.name.endswith("-wal") for p in files)
+    assert [p.name for p in files if b"swordfish" in p.read_bytes() or b"pin is 4711" in p.read_bytes()] == []
     assert httpx.post(f"{server.base_url}/chat/completions", json={"model": "tiny", "messages": HELLO},
                       headers={"Authorization": f"Bearer {alice}"}).status_code == 401
     chat(server, bob)  # everyone else goes on

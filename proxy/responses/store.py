@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from nextstate.core.sqlite_store import open_sqlite
+from nextstate.core.sqlite_store import open_sqlite, scrub
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS responses (
@@ -49,7 +49,9 @@ class ResponseStore:
 
     def forget(self, user: str) -> int:
         with self._lock:
-            return self._conn.execute("DELETE FROM responses WHERE user = ?", (user,)).rowcount
+            count = self._conn.execute("DELETE FROM responses WHERE user = ?", (user,)).rowcount
+            scrub(self._conn)
+            return count
 
     def expire(self, cutoff: float) -> int:
         with self._lock:
