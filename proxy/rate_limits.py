@@ -37,8 +37,10 @@ class RateLimiter:
     def __init__(self) -> None:
         self._limiter = MovingWindowRateLimiter(MemoryStorage())
 
-    async def admit(self, key: ApiKey, prompt_tokens: int) -> Quota:
-        """Count one request; refuse it (429) if the key is over either limit."""
+    async def admit(self, key: ApiKey, prompt_tokens: int, reply_tokens: int = 0) -> Quota:
+        """Count one request; refuse it (429) if the key is over either limit. Its tokens are
+        its prompt and the most its reply may take (`reply_tokens`, its max_tokens): a request
+        larger than the key's whole per-minute budget is refused outright, not served once."""
         headers: dict[str, str] = {}
         if key.rpm:
             item = RateLimitItemPerMinute(key.rpm)
@@ -48,8 +50,15 @@ class RateLimiter:
                 raise self._refusal(key, "requests", key.rpm, headers)
         if key.tpm:
             item = RateLimitItemPerMinute(key.tpm)
-            allowed = await self._limiter.test(item, "tokens", key.id, cost=max(1, min(prompt_tokens, key.tpm)))
+            requested = max(1, prompt_tokens + reply_tokens)
             headers.update(await self._headers(item, key.id, "tokens"))
+            if requested > key.tpm:
+                raise ApiError(
+                    429, f"Request too large for key {key.id}: {prompt_tokens} prompt tokens and up to {reply_tokens} "
+                    f"in the reply ({requested}) exceed its limit of {key.tpm} tokens per minute. Send less, or a "
+                    "smaller max_tokens.", type="tokens", code="rate_limit_exceeded", headers=headers,
+                )
+            allowed = await self._limiter.test(item, "tokens", key.id, cost=requested)
             if not allowed:
                 raise self._refusal(key, "tokens", key.tpm, headers)
         return Quota(headers)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import hashlib
 import logging
 import secrets
@@ -132,7 +133,11 @@ class TurnService:
     async def prepare(self, request: TurnRequest, key: ApiKey) -> PreparedTurn:
         prompt = await self.render(request)
         sampling = self._sampling(request, len(prompt.ids), key.user)
-        quota = await self.limiter.admit(key, len(prompt.ids))
+        if key.tpm and request.max_tokens is None:
+            # no max_tokens asked: the reply may take what the key's per-minute budget leaves
+            room = max(1, min(sampling.max_new_tokens, key.tpm - len(prompt.ids)))
+            sampling = dataclasses.replace(sampling, max_new_tokens=room)
+        quota = await self.limiter.admit(key, len(prompt.ids), sampling.max_new_tokens)
         hints = request.hints
         plan = self.sessions.resolve(
             key.user, request.messages, session_id=hints.session_id, turn_type=hints.turn_type, done=hints.done

@@ -111,3 +111,16 @@ def test_per_key_request_and_token_limits(scripted):
     assert spent.status_code == 200 and spent.headers["x-ratelimit-limit-tokens"] == str(usage["total_tokens"] + usage["prompt_tokens"] - 1)
     over = raw_post(server, body, frugal)
     assert over.status_code == 429 and over.json()["error"]["type"] == "tokens"
+    # a single request larger than the whole budget is never served, not even once
+    store = KeyStore(server.settings.keys_db)
+    try:
+        _, tiny_budget = store.create("frank", tpm=usage["prompt_tokens"] + 2)
+    finally:
+        store.close()
+    huge = {"model": "tiny", "messages": [{"role": "user", "content": "word " * 2000}], "max_tokens": 5}
+    refused = raw_post(server, huge, tiny_budget)
+    assert refused.status_code == 429 and "Request too large" in refused.json()["error"]["message"]
+    too_long_a_reply = raw_post(server, {**body, "max_tokens": 50}, tiny_budget)
+    assert too_long_a_reply.status_code == 429, "prompt + max_tokens are counted before the request runs"
+    open_ended = raw_post(server, {"model": "tiny", "messages": HELLO}, tiny_budget)
+    assert open_ended.status_code == 200 and open_ended.json()["usage"]["total_tokens"] <= usage["prompt_tokens"] + 2
