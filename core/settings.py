@@ -18,7 +18,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, Field, field_validator
+from pydantic import BaseModel, Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 _ENV = SettingsConfigDict(env_prefix="NEXTSTATE_", extra="ignore")
@@ -105,7 +105,9 @@ class ServerSettings(BaseSettings):
     session_settle_s: float = Field(
         60.0, ge=0, description="A session quiet this long has its provisional next state judged; 0 = never early."
     )
-    max_sessions: int = Field(10000, ge=1, description="Open sessions kept; the least recent closes.")
+    max_sessions: int = Field(
+        10000, ge=1, description="Open sessions kept; past it the user with the most loses their least recent."
+    )
     max_sessions_per_user: int = Field(
         100, ge=1, description="Open sessions kept per user; that user's least recent closes first."
     )
@@ -126,6 +128,19 @@ class ServerSettings(BaseSettings):
     @classmethod
     def _expand(cls, value: Path) -> Path:
         return value.expanduser()
+
+    @model_validator(mode="after")
+    def _session_caps_agree(self) -> ServerSettings:
+        """A per-user cap above the global one would let one user's sessions fill the server:
+        refused when both were set so, lowered to the global cap when only that was set."""
+        if self.max_sessions_per_user > self.max_sessions:
+            if "max_sessions_per_user" in self.model_fields_set:
+                raise ValueError(
+                    f"NEXTSTATE_MAX_SESSIONS_PER_USER ({self.max_sessions_per_user}) exceeds NEXTSTATE_MAX_SESSIONS "
+                    f"({self.max_sessions}): one user could hold every session; lower it or raise NEXTSTATE_MAX_SESSIONS"
+                )
+            self.max_sessions_per_user = self.max_sessions
+        return self
 
 
 class EngineSettings(BaseSettings):

@@ -486,7 +486,10 @@ class SessionStore:
         while len(own) > self.max_per_user:  # a user's many sessions push out their own, not others'
             self.close(next(iter(own.values())))
         while len(self._sessions) > self.max_sessions:
-            self.close(next(iter(self._sessions.values())))
+            # the user holding the most sessions gives up their least recent: one user opening
+            # many never closes another's conversation while they hold more than that one does
+            heaviest = max(self._per_user.values(), key=len)
+            self.close(next(iter(heaviest.values())))
 
     def _touch(self, s: Session) -> None:
         s.last_active = self._clock()

@@ -86,6 +86,27 @@ def test_one_users_sessions_never_push_out_anothers():
     assert not [t for t in h.emitted if t.turn.user == "alice"], "alice's pending turn is still pending"
 
 
+def test_the_global_session_cap_takes_from_the_user_holding_the_most():
+    """The attack: a global cap below the per-user one (50 and 100). Bob opens 60 sessions;
+    Alice's one open conversation must survive it."""
+    h = Harness(max_sessions=50, max_per_user=100)
+    h.turn("alice", [user("my conversation")], "reply")
+    for i in range(60):
+        h.turn("bob", [user(f"spam {i}")], "ok")
+    assert len(h.store._per_user["alice"]) == 1 and len(h.store._sessions) == 50
+    assert not [t for t in h.emitted if t.turn.user == "alice"], "alice's pending turn is still pending"
+
+
+def test_session_caps_that_contradict_each_other_are_refused_at_start(tmp_path):
+    from pydantic import ValidationError
+
+    from nextstate.core.settings import ServerSettings
+
+    with pytest.raises(ValidationError, match="NEXTSTATE_MAX_SESSIONS_PER_USER"):
+        ServerSettings(max_sessions=50, max_sessions_per_user=100)
+    assert ServerSettings(max_sessions=50).max_sessions_per_user == 50, "only the global cap set: the per-user one follows"
+
+
 def test_per_key_request_and_token_limits(scripted):
     server, engine = scripted
     from nextstate.proxy.keys import KeyStore
