@@ -65,6 +65,9 @@ class ServerSettings(BaseSettings):
             in front before binding beyond it: deploy/README.md).
         metrics_public, docs: /metrics needs an admin key and the API docs are off, unless
             asked for: both tell a stranger more than they should.
+        behind_tls: the deployment's TLS proxy terminates HTTPS, so the requests nextstate sees
+            are plain HTTP; set it (deploy/ does) and the dashboard's session cookie is sent over
+            HTTPS only.
         records_retention_days: how long conversations are kept (records, samples, the judge's
             inbox); 0 keeps everything. `nextstate forget --user NAME` deletes one user's data.
         data_dir: keys, samples, records, adapters and the converted default model.
@@ -91,6 +94,9 @@ class ServerSettings(BaseSettings):
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     metrics_public: bool = Field(False, description="Serve /metrics without a key (default: an admin key is needed).")
     docs: bool = Field(False, description="Serve the interactive API docs (/docs, /redoc, /openapi.json).")
+    behind_tls: bool = Field(
+        False, description="Clients reach the server through a TLS proxy: the dashboard's cookie is marked Secure."
+    )
     records_retention_days: float = Field(
         0, ge=0, description="Records, judged samples and done transitions older than this are deleted; 0 keeps them."
     )

@@ -2,9 +2,10 @@
 
 Server-rendered HTML with plain SVG charts: no build step, no script, nothing fetched from
 elsewhere. A browser cannot send a bearer key on its own, so the page takes the admin key once
-through a small form and keeps it in an HttpOnly, SameSite=Strict cookie scoped to
-`/dashboard`; a request with `Authorization: Bearer` works too. `/v1/admin/progress` serves
-the same figures as JSON.
+through a small form and keeps a session token for it (never the key: nextstate/
+dashboard_sessions.py) in an HttpOnly, SameSite=Strict cookie scoped to `/dashboard`, Secure
+behind TLS; a request with `Authorization: Bearer` works too. No other site may frame the page
+(clickjacking). `/v1/admin/progress` serves the same figures as JSON.
 """
 
 from __future__ import annotations
@@ -36,34 +37,49 @@ async def progress(request: Request, _: ApiKey = Depends(authenticate_admin)) ->
     return await asyncio.to_thread(live_report, app_services(request))
 
 
+# Every dashboard answer: never framed by another site, never cached.
+PAGE_HEADERS = {"Content-Security-Policy": "frame-ancestors 'none'", "X-Frame-Options": "DENY",
+                "Cache-Control": "no-store"}
+
+
 async def _admin_from_browser(request: Request) -> ApiKey | None:
-    secret = bearer_secret(request) or request.cookies.get(COOKIE, "")
-    if not secret:
-        return None
     store: KeyStore = app_services(request).keys
-    key = await asyncio.to_thread(store.verify, secret)
+    if secret := bearer_secret(request):
+        key = await asyncio.to_thread(store.verify, secret)
+    elif key_id := app_services(request).dashboard_sessions.key_id(request.cookies.get(COOKIE, "")):
+        key = await asyncio.to_thread(store.get, key_id)  # revoked or forgotten: the session ends
+    else:
+        return None
     return key if key is not None and key.admin else None
+
+
+def _page(body: str, status: int = 200) -> HTMLResponse:
+    return HTMLResponse(body, status_code=status, headers=PAGE_HEADERS)
 
 
 @router.get("/dashboard", response_class=HTMLResponse, include_in_schema=False)
 async def dashboard(request: Request) -> Response:
     if await _admin_from_browser(request) is None:
-        return HTMLResponse(_login_page(bool(request.cookies.get(COOKIE))), status_code=401)
+        ended = "Your session has ended: sign in again." if request.cookies.get(COOKIE) else ""
+        return _page(_login_page(ended), 401)
     report = await asyncio.to_thread(live_report, app_services(request))
-    return HTMLResponse(render_page(report), headers={"Cache-Control": "no-store"})
+    return _page(render_page(report))
 
 
 @router.post("/dashboard/login", include_in_schema=False)
 async def login(request: Request) -> Response:
+    services = app_services(request)
+    if not services.dashboard_sessions.may_try(request.client.host if request.client else "?"):
+        return _page(_login_page("Too many attempts: wait a minute."), 429)
     # a one-field form, parsed here rather than through python-multipart for one field
     key = parse_qs((await request.body()).decode("utf-8", "replace")).get("key", [""])[0]
-    store: KeyStore = app_services(request).keys
-    found = await asyncio.to_thread(store.verify, key.strip()) if key.strip() else None
+    found = await asyncio.to_thread(services.keys.verify, key.strip()) if key.strip() else None
     if found is None or not found.admin:
-        return HTMLResponse(_login_page(True), status_code=401)
-    response = RedirectResponse("/dashboard", status_code=303)
-    response.set_cookie(COOKIE, key.strip(), httponly=True, samesite="strict", path="/dashboard",
-                        secure=request.url.scheme == "https", max_age=7 * 24 * 3600)
+        return _page(_login_page("That is not an admin key."), 401)
+    response = RedirectResponse("/dashboard", status_code=303, headers=PAGE_HEADERS)
+    secure = services.settings.server.behind_tls or request.url.scheme == "https"
+    response.set_cookie(COOKIE, services.dashboard_sessions.open(found.id), httponly=True, samesite="strict",
+                        path="/dashboard", secure=secure, max_age=int(services.dashboard_sessions.lifetime_s))
     return response
 
 
@@ -243,10 +259,10 @@ def render_page(report: dict[str, Any]) -> str:
             f'<div class="grid">{"".join(cards)}</div><div class="grid">{"".join(charts)}</div></body></html>')
 
 
-def _login_page(failed: bool) -> str:
-    note = '<p class="bad">That is not an admin key.</p>' if failed else ""
+def _login_page(note: str = "") -> str:
+    note = f'<p class="bad">{_e(note)}</p>' if note else ""
     return (f'<!doctype html><html><head><meta charset="utf-8"><title>nextstate: sign in</title><style>{_STYLE}</style>'
             f'</head><body><h1>nextstate dashboard</h1><p class="muted">An admin key (nextstate keys create --admin) '
-            f'opens it; it is kept in a cookie for this page only.</p>{note}<form method="post" action="/dashboard/login">'
+            f'opens it for a few hours; the key itself is not kept.</p>{note}<form method="post" action="/dashboard/login">'
             f'<input type="password" name="key" placeholder="ns-..." size="40" autofocus> <button type="submit">Open</button>'
             f'</form></body></html>')

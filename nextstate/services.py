@@ -7,10 +7,11 @@ see the concrete classes here.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from fastapi import Request
 
+from nextstate.dashboard_sessions import DashboardSessions
 from nextstate.engine.base import Engine
 from nextstate.judge.feedback import ExplicitFeedback
 from nextstate.judge.inbox import JudgeInbox
@@ -30,6 +31,7 @@ class Services(ProxyServices):
     inbox: JudgeInbox
     session_db: SessionDB
     stored_responses: ResponseStore
+    dashboard_sessions: DashboardSessions = field(default_factory=DashboardSessions)
 
 
 def app_services(request: Request) -> Services:

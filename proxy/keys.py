@@ -101,6 +101,16 @@ class KeyStore:
             return None
         return ApiKey(row[0], row[1], row[2], bool(row[3]), row[4], row[5], row[6], row[7])
 
+    def get(self, key_id: str) -> ApiKey | None:
+        """The active key with this id, or None (revoked, forgotten, never made)."""
+        with self._lock:
+            row = self._conn.execute(
+                "SELECT id, user, hint, admin, created_at, revoked_at, rpm, tpm FROM api_keys WHERE id = ?", (key_id,)
+            ).fetchone()
+        if row is None or row[5] is not None:
+            return None
+        return ApiKey(row[0], row[1], row[2], bool(row[3]), row[4], row[5], row[6], row[7])
+
     def list(self) -> list[ApiKey]:
         with self._lock:
             rows = self._conn.execute(

@@ -58,6 +58,7 @@ def test_the_dashboard_needs_an_admin_key_and_draws_its_charts(learned):
     assert login.status_code == 303
     cookie = login.headers["set-cookie"]
     assert "HttpOnly" in cookie and "SameSite=strict" in cookie.replace("Strict", "strict") and "Path=/dashboard" in cookie
+    assert admin not in cookie, "the cookie holds a session token, never the key"
     page = httpx.get(f"{root}/dashboard", cookies=login.cookies)
     assert page.status_code == 200 and page.headers["cache-control"] == "no-store"
     points = dict(re.findall(r'data-chart="(\w+)" data-points="(\d+)"', page.text))
@@ -155,3 +156,41 @@ def test_a_scope_that_does_not_train_says_why_everywhere(server_factory):
     login = httpx.post(f"{server.root}/dashboard/login", data={"key": admin})
     page = httpx.get(f"{server.root}/dashboard", cookies=login.cookies)
     assert "Training waits for" in page.text and "2 sample(s) ready" in page.text
+
+
+def _token(login: httpx.Response) -> str:
+    return re.search(r"nextstate_admin=([^;]+)", login.headers["set-cookie"]).group(1)
+
+
+def test_the_dashboard_cannot_be_framed_guessed_at_or_kept_open_with_a_stolen_cookie(server_factory):
+    """The attacks: a copied cookie that was the admin key for 7 days, a page any site could
+    frame, a cookie sent over plain HTTP behind the TLS proxy, unlimited sign-in guesses."""
+    server = server_factory(behind_tls=True)
+    root, admin = server.root, server.key("root", admin=True)
+    sessions = server.app.state.services.dashboard_sessions
+    login = httpx.post(f"{root}/dashboard/login", data={"key": admin})
+    cookie = login.headers["set-cookie"]
+    assert login.status_code == 303 and "Secure" in cookie, "behind TLS, the cookie never travels in clear"
+    assert int(re.search(r"Max-Age=(\d+)", cookie).group(1)) <= 8 * 3600
+    session = {"nextstate_admin": _token(login)}  # as the TLS proxy would pass it on
+    page = httpx.get(f"{root}/dashboard", cookies=session)
+    assert page.status_code == 200
+    for answer in (page, httpx.get(f"{root}/dashboard")):
+        assert answer.headers["content-security-policy"] == "frame-ancestors 'none'"
+        assert answer.headers["x-frame-options"] == "DENY"
+    # the raw key in the cookie (what the page stored before) opens nothing
+    assert httpx.get(f"{root}/dashboard", cookies={"nextstate_admin": admin}).status_code == 401
+    # a session ends with its lifetime...
+    sessions.lifetime_s = 0.0
+    short = httpx.post(f"{root}/dashboard/login", data={"key": admin})
+    assert httpx.get(f"{root}/dashboard", cookies={"nextstate_admin": _token(short)}).status_code == 401
+    # ...and the moment its key is revoked
+    key_id = server.app.state.services.keys.verify(admin).id
+    server.app.state.services.keys.revoke(key_id)
+    ended = httpx.get(f"{root}/dashboard", cookies=session)
+    assert ended.status_code == 401 and "session has ended" in ended.text
+    # guesses: ten a minute from one address, then 429 even for the right key
+    other = server.key("root2", admin=True)
+    codes = [httpx.post(f"{root}/dashboard/login", data={"key": f"ns-guess-{i}"}).status_code for i in range(8)]
+    assert codes == [401] * 8, codes  # two sign-ins were made above
+    assert httpx.post(f"{root}/dashboard/login", data={"key": other}).status_code == 429
