@@ -314,7 +314,9 @@ class LearnerSettings(BaseSettings):
             agent samples do not run out of memory together. It changes speed and memory,
             not the update. 8192: on SmolLM2 on two CPU cores, an update of two 8k-token
             samples added 1.78 GiB resident one per pass and 2.41 GiB two per pass, in the
-            same time (bench.learner_memory); on a GPU an 8k-token pass keeps it busy.
+            same time (bench.learner_memory, before the LM head's chunks were sized by bytes:
+            16 such samples now add 1.07 GiB); on a GPU an 8k-token pass keeps it busy. The
+            memory plan may lower it for a step (learner_memory_mb).
         learner_memory_mb: the most a training pass may add to memory; 0 = what the machine
             has free (80% of MemAvailable or the container's room on the CPU, of the device's
             free memory on a GPU). Every pass is measured, micro-batches shrink to what fits,
