@@ -29,7 +29,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any
 
 log = logging.getLogger(__name__)
 
@@ -75,7 +75,9 @@ class RecordWriter:
         self._enqueued = 0
         self._handled = 0  # advanced by the writer thread only
         self.written = 0
-        self._files: dict[int, TextIO] = {}  # open append handles, one per policy version
+        self._files: dict[int, int] = {}  # open append descriptors, one per policy version
+        self.lost = 0  # records a full (or failing) disk did not take, since the start
+        self._outage: tuple[float, int] | None = None  # since when, and how many lost since
         self._writing = threading.Lock()  # held while a batch is appended, or the files rewritten
 
     def path_for(self, version: int) -> Path:
@@ -119,9 +121,9 @@ class RecordWriter:
 
     def _close_files(self) -> None:
         files, self._files = self._files, {}
-        for handle in files.values():
-            with contextlib.suppress(OSError, ValueError):
-                handle.close()
+        for fd in files.values():
+            with contextlib.suppress(OSError):
+                os.close(fd)
 
     def _run(self) -> None:
         """Append batches of lines; a batch that cannot be written is logged and skipped, and
@@ -150,18 +152,48 @@ class RecordWriter:
                 self._close_files()
 
     def _append(self, version: int, lines: list[str]) -> None:
+        """Append whole lines or none: a write the disk cut short is cut back to where it
+        began, so no reader ever meets a torn line. Records lost to a full disk are counted,
+        logged when the outage starts and ends, and recorded (`records_lost`) once it ends."""
+        if self._outage is not None and self._write_lines(version, [record_line(self._lost_record()) or ""]):
+            since, count = self._outage
+            log.warning("records are written again; %d record(s) were lost to the disk for %.0f s", count, time.time() - since)
+            self._outage = None
+        if self._write_lines(version, lines):
+            self.written += len(lines)
+            return
+        self.lost += len(lines)
+        if self._outage is None:
+            log.error("could not write records (disk full?): they are dropped, and counted, until it takes them again")
+            self._outage = (time.time(), 0)
+        self._outage = (self._outage[0], self._outage[1] + len(lines))
+
+    def _lost_record(self) -> dict[str, Any]:
+        since, count = self._outage or (time.time(), 0)
+        return {"ts": time.time(), "kind": "records_lost", "count": count, "since": since,
+                "reason": "the disk refused them (full or failing)"}
+
+    def _write_lines(self, version: int, lines: list[str]) -> bool:
+        data = "".join(line + "\n" for line in lines).encode("utf-8")
         try:
             if version not in self._files:
-                self._files[version] = open(self.path_for(version), "a", encoding="utf-8")  # noqa: SIM115 - kept open
-            self._files[version].write("".join(line + "\n" for line in lines))
-            self._files[version].flush()
-            self.written += len(lines)
-        except (OSError, ValueError):
-            log.exception("could not write %d records", len(lines))
-            broken = self._files.pop(version, None)  # reopened for the next batch
-            if broken is not None:
-                with contextlib.suppress(OSError, ValueError):
-                    broken.close()
+                self._files[version] = os.open(self.path_for(version), os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+            fd = self._files[version]
+        except OSError:
+            return False
+        start = os.lseek(fd, 0, os.SEEK_END)
+        view = memoryview(data)
+        try:
+            while view:
+                view = view[_write(fd, view):]
+            return True
+        except OSError:
+            with contextlib.suppress(OSError):
+                os.ftruncate(fd, start)  # the part that did get written goes: whole lines or none
+            return False
+
+
+_write = os.write  # one name for the writes, so a test can make the disk full
 
 
 def purge_records(directory: Path, keep: Callable[[dict[str, Any]], bool]) -> int:

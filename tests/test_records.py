@@ -64,3 +64,35 @@ async def test_writer_appends_and_never_truncates(tmp_path):
     v0 = [json.loads(line) for line in (tmp_path / "policy-v0000.jsonl").read_text().splitlines()]
     assert [r["kind"] for r in v0] == ["a", "bad", "c"]
     assert [json.loads(line)["n"] for line in (tmp_path / "policy-v0003.jsonl").read_text().splitlines()] == [2]
+
+
+async def test_a_full_disk_never_leaves_a_torn_line_and_counts_what_it_lost(tmp_path, monkeypatch):
+    """The disk fills in the middle of a batch: it took half the bytes, then refused. Readers
+    must meet only whole records, and what was lost is counted and recorded once it is over."""
+    import errno
+
+    import nextstate.core.records as records_module
+
+    writer = RecordWriter(tmp_path)
+    await writer.start()
+    writer.write("before", {"n": 0})
+    await writer.flush()
+    full = True
+    real = records_module._write
+
+    def cramped(fd, data):
+        if full:
+            real(fd, bytes(data[: len(data) // 2]))  # the disk takes half a batch, then is full
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(fd, data)
+
+    monkeypatch.setattr(records_module, "_write", cramped)
+    for i in range(3):
+        writer.write("during", {"n": i, "text": "x" * 1000})
+        await writer.flush()
+    full = False
+    writer.write("after", {"n": 9})
+    await writer.aclose()
+    written = [json.loads(line) for line in (tmp_path / "policy-v0000.jsonl").read_text().splitlines()]
+    assert [r["kind"] for r in written] == ["before", "records_lost", "after"], "every line whole, nothing torn"
+    assert written[1]["count"] == 3 and writer.lost == 3 and writer.written == 2
