@@ -65,6 +65,10 @@ class ServerSettings(BaseSettings):
             in front before binding beyond it: deploy/README.md).
         metrics_public, docs: /metrics needs an admin key and the API docs are off, unless
             asked for: both tell a stranger more than they should.
+        max_memory_mb: while the server's resident memory is above this, new requests are
+            refused with a 503 and Retry-After (what runs finishes): flooding it with work ends
+            in refusals, not in the kernel killing it with every user's replies in flight. 0 =
+            90% of the machine's memory, or of its container's limit.
         behind_tls: the deployment's TLS proxy terminates HTTPS, so the requests nextstate sees
             are plain HTTP; set it (deploy/ does) and the dashboard's session cookie is sent over
             HTTPS only.
@@ -94,6 +98,9 @@ class ServerSettings(BaseSettings):
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     metrics_public: bool = Field(False, description="Serve /metrics without a key (default: an admin key is needed).")
     docs: bool = Field(False, description="Serve the interactive API docs (/docs, /redoc, /openapi.json).")
+    max_memory_mb: int = Field(
+        0, ge=0, description="New requests get a 503 while the server holds more than this; 0 = 90% of the machine's."
+    )
     behind_tls: bool = Field(
         False, description="Clients reach the server through a TLS proxy: the dashboard's cookie is marked Secure."
     )

@@ -23,9 +23,11 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
+
+from nextstate.core.memory import free_bytes as host_free_bytes
+from nextstate.core.memory import resident_bytes
 
 # What a measured pass may have missed (the CPU's peak is sampled, other threads allocate too).
 SAFETY = 1.2
@@ -125,14 +127,14 @@ class PeakMeter:
             torch.cuda.reset_peak_memory_stats(self.device)
             self._start = torch.cuda.memory_allocated(self.device)
         else:
-            self._start = self._peak = _resident_bytes()
+            self._start = self._peak = resident_bytes()
             self._thread = threading.Thread(target=self._sample, name="learner-memory", daemon=True)
             self._thread.start()
         return self
 
     def _sample(self) -> None:
         while not self._stop.wait(SAMPLE_S):
-            self._peak = max(self._peak, _resident_bytes())
+            self._peak = max(self._peak, resident_bytes())
 
     def __exit__(self, *exc) -> None:
         if self.cuda:
@@ -141,56 +143,13 @@ class PeakMeter:
         else:
             self._stop.set()
             self._thread.join()
-            self.added = max(0, max(self._peak, _resident_bytes()) - self._start)
-
-
-_PAGE = 4096
-
-
-def _resident_bytes() -> int:
-    try:
-        return int(Path("/proc/self/statm").read_text().split()[1]) * _PAGE
-    except (OSError, IndexError, ValueError):
-        return 0
+            self.added = max(0, max(self._peak, resident_bytes()) - self._start)
 
 
 def _free_bytes(device: str) -> int:
     """Memory free for the learner now. GPU: the device's free memory plus what torch's caching
-    allocator holds unused. CPU: MemAvailable, or the cgroup's room when a container limit is
-    lower (inside a container /proc/meminfo shows the host's)."""
+    allocator holds unused. CPU: what the machine (or its container) has available."""
     if str(device).startswith("cuda"):
         free, _ = torch.cuda.mem_get_info(device)
         return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
-    available = _meminfo_available()
-    room = _cgroup_room()
-    return min(available, room) if room is not None else available
-
-
-def _meminfo_available() -> int:
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    try:  # not Linux: physical memory, as far as the C library tells
-        import os
-
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError, AttributeError):
-        return 1 << 62  # unknown: only the cap (NEXTSTATE_LEARNER_MEMORY_MB) bounds a pass
-
-
-def _cgroup_room() -> int | None:
-    """limit − usage of the container's cgroup (v2), or None without a limit. The page cache it
-    counts as used (inactive files) is given back under pressure, so it counts as room."""
-    base = Path("/sys/fs/cgroup")
-    try:
-        limit = (base / "memory.max").read_text().strip()
-        if limit == "max":
-            return None
-        used = int((base / "memory.current").read_text())
-        stat = dict(line.split() for line in (base / "memory.stat").read_text().splitlines())
-        return max(0, int(limit) - used + int(stat.get("inactive_file", 0)))
-    except (OSError, ValueError):
-        return None
+    return host_free_bytes()

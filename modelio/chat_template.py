@@ -68,6 +68,21 @@ def _inline_tools(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | 
     return out
 
 
+def _text_bytes(value: Any) -> int:
+    """UTF-8 bytes of every string value in a JSON-like value, without recursion (keys are not
+    counted: a template may not write them, and a lower bound must not count what it may not)."""
+    total, stack = 0, [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            total += len(item.encode("utf-8", "surrogatepass"))
+        elif isinstance(item, dict):
+            stack.extend(item.values())
+        elif isinstance(item, (list, tuple)):
+            stack.extend(item)
+    return total
+
+
 @dataclass(frozen=True)
 class RenderedPrompt:
     ids: list[int]
@@ -87,6 +102,16 @@ class ChatRenderer:
         vocab = tokenizer.get_vocab()
         stops.update(vocab[t] for t in _END_OF_TURN_TOKENS if t in vocab)
         self.stop_token_ids = tuple(sorted(stops))
+        # The most UTF-8 bytes of text one token can stand for. Measured on the vocabulary's
+        # own spelling, which for byte-level BPE writes a byte as one character of up to two
+        # bytes: an over-estimate, so `fewest_tokens` never over-counts.
+        self.max_token_bytes = max(1, max((len(token.encode("utf-8")) for token in vocab), default=1))
+
+    def fewest_tokens(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> int:
+        """A lower bound on the prompt's length in tokens, from the bytes of its text alone, in
+        one pass over the request and no tokenization: a 15 MB prompt took 21 s and +2.5 GiB to
+        tokenize before it was found too long for the model."""
+        return _text_bytes([messages, tools or []]) // self.max_token_bytes
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> ChatRenderer:

@@ -24,6 +24,7 @@ from nextstate.learner.service import Learner
 from nextstate.core.sample_store import SampleStore
 from nextstate import __version__
 from nextstate.core.activity import Activity
+from nextstate.core.memory import total_bytes
 from nextstate.core.policy import PolicyDirectory
 from nextstate.core.private import DataDirUnusable, prepare_data_dir
 from nextstate.core.settings import Settings
@@ -197,6 +198,7 @@ def create_app(settings: Settings | None = None, *, engine_factory: EngineFactor
             activity=activity,
             keepalive_s=settings.server.stream_keepalive_s,
             max_parallel_per_user=settings.server.max_parallel_per_user,
+            max_memory_bytes=settings.server.max_memory_mb << 20 or int(total_bytes() * 0.9),
         )
         stored_responses = ResponseStore(settings.responses_db)
         services = Services(

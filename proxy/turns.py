@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from nextstate.core.activity import Activity
+from nextstate.core.memory import resident_bytes
 from nextstate.core.metrics import Metrics
 from nextstate.core.policy import PolicyDirectory, PolicyRef
 from nextstate.core.records import RecordWriter
@@ -38,6 +39,12 @@ from nextstate.proxy.sessions import SessionStore, TurnPlan
 from nextstate.proxy.wire import TurnHints
 
 log = logging.getLogger(__name__)
+
+
+# Prompts tokenized at once: each holds its text, the template's rendering and the ids in memory
+# (a prompt at the byte bound of `ChatRenderer.fewest_tokens` costs tens of MB), and two keep
+# two cores busy.
+RENDER_CONCURRENCY = 2
 
 
 def cache_salt(user: str) -> str:
@@ -113,6 +120,7 @@ class TurnService:
         keepalive_s: float = 5.0,
         limiter: RateLimiter | None = None,
         max_parallel_per_user: int = 4,
+        max_memory_bytes: int | None = None,
     ) -> None:
         self.engine = engine
         self.renderer = renderer
@@ -122,6 +130,8 @@ class TurnService:
         self.metrics = metrics
         self.model_name = model_name
         self.default_max_tokens = default_max_tokens
+        self._rendering = asyncio.Semaphore(RENDER_CONCURRENCY)
+        self.max_memory_bytes = max_memory_bytes
         self.activity = activity or Activity()
         self.keepalive_s = keepalive_s
         self.limiter = limiter or RateLimiter()
@@ -149,7 +159,16 @@ class TurnService:
         return prep
 
     async def render(self, request: TurnRequest) -> RenderedPrompt:
-        """The prompt the model would read for `request` (nothing else happens)."""
+        """The prompt the model would read for `request` (nothing else happens). The first step
+        of every request that reaches the model or its tokenizer: where new work is refused
+        while the server is short of memory, and prompts too long to fit are found untokenized."""
+        if self.max_memory_bytes and resident_bytes() > self.max_memory_bytes:
+            # new work waits; what runs finishes (killed by the kernel, everyone's replies would go)
+            raise ApiError(
+                503, f"The server is short of memory ({resident_bytes() / 2**30:.1f} GiB in use, "
+                f"NEXTSTATE_MAX_MEMORY_MB {self.max_memory_bytes // 2**20}); try again shortly.",
+                type="server_error", code="server_overloaded", headers={"retry-after": "5"},
+            )
         if request.model != self.model_name:
             raise ApiError(
                 404,
@@ -157,7 +176,16 @@ class TurnService:
                 param="model",
                 code="model_not_found",
             )
-        return await asyncio.to_thread(self.renderer.render, request.messages, request.tools, request.tool_choice)
+        limit = self.engine.info.max_context
+        fewest = self.renderer.fewest_tokens(request.messages, request.tools)
+        if fewest > limit:  # known without tokenizing: a token spells at most max_token_bytes
+            raise invalid_request(
+                f"This model's maximum context length is {limit} tokens. However, your messages are at least "
+                f"{fewest} tokens long ({self.renderer.max_token_bytes} bytes a token at most). Please reduce the "
+                "length of the messages.", param="messages", code="context_length_exceeded",
+            )
+        async with self._rendering:
+            return await asyncio.to_thread(self.renderer.render, request.messages, request.tools, request.tool_choice)
 
     def _sampling(self, request: TurnRequest, prompt_len: int, user: str) -> SamplingParams:
         limit = self.engine.info.max_context

@@ -145,3 +145,73 @@ def test_per_key_request_and_token_limits(scripted):
     assert too_long_a_reply.status_code == 429, "prompt + max_tokens are counted before the request runs"
     open_ended = raw_post(server, {"model": "tiny", "messages": HELLO}, tiny_budget)
     assert open_ended.status_code == 200 and open_ended.json()["usage"]["total_tokens"] <= usage["prompt_tokens"] + 2
+
+
+def test_a_flood_of_huge_prompts_on_every_route_leaves_the_server_up_and_others_served(server):
+    """The attack: one key sends 15 MB prompts (under the 16 MB body limit) to every route at
+    once. Each was tokenized in full before its length was checked (+1.3 to 2.5 GiB each), and
+    six in parallel got the server killed by the kernel. Now they are refused from their byte
+    count alone, the server's memory stays bounded, and another user is served meanwhile."""
+    import threading
+
+    from nextstate.core.memory import resident_bytes
+
+    mallory, alice = server.key("mallory"), server.key("alice")
+    huge = "word " * 3_000_000  # 15 MB of text
+    routes = {
+        "/chat/completions": {"model": "tiny", "messages": [{"role": "user", "content": huge}], "max_tokens": 1},
+        "/messages": {"model": "tiny", "max_tokens": 1, "messages": [{"role": "user", "content": huge}]},
+        "/messages/count_tokens": {"model": "tiny", "messages": [{"role": "user", "content": huge}]},
+        "/responses": {"model": "tiny", "input": huge, "max_output_tokens": 16},
+    }
+    peak, before, done = [0], resident_bytes(), threading.Event()
+
+    def watch() -> None:
+        while not done.wait(0.02):
+            peak[0] = max(peak[0], resident_bytes())
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    try:
+        with concurrent.futures.ThreadPoolExecutor(len(routes)) as pool:
+            flood = [pool.submit(httpx.post, f"{server.base_url}{path}", json=body, timeout=120,
+                                 headers={"Authorization": f"Bearer {mallory}"}) for path, body in routes.items()]
+            started = time.monotonic()
+            served = server.client(alice).chat.completions.create(
+                model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+            assert served.choices and time.monotonic() - started < 30, "another user is served during the flood"
+            answers = [f.result() for f in flood]
+    finally:
+        done.set()
+        watcher.join()
+    for path, answer in zip(routes, answers):
+        assert answer.status_code == 400, (path, answer.status_code, answer.text[:200])
+        assert "maximum context length" in answer.text, path
+    # the test process holds the server and the four 15 MB requests being sent
+    assert peak[0] - before < 1.5 * 2**30, f"+{(peak[0] - before) / 2**30:.2f} GiB during the flood"
+
+
+def test_count_tokens_counts_against_the_keys_request_limit(server):
+    from nextstate.proxy.keys import KeyStore
+
+    store = KeyStore(server.settings.keys_db)
+    try:
+        _, limited = store.create("carol", rpm=3)
+    finally:
+        store.close()
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "hello"}]}
+    codes = [httpx.post(f"{server.base_url}/messages/count_tokens", json=body,
+                        headers={"Authorization": f"Bearer {limited}"}).status_code for _ in range(5)]
+    assert codes == [200, 200, 200, 429, 429]
+
+
+def test_new_work_is_refused_while_the_server_is_short_of_memory(server):
+    turns = server.app.state.services.turns
+    turns.max_memory_bytes = 1  # any process holds more than one byte
+    try:
+        refused = httpx.post(f"{server.base_url}/chat/completions", headers={"Authorization": f"Bearer {server.key('alice')}"},
+                             json={"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+        assert refused.status_code == 503 and refused.headers["retry-after"]
+        assert refused.json()["error"]["code"] == "server_overloaded"
+    finally:
+        turns.max_memory_bytes = None

@@ -28,4 +28,6 @@ async def messages(request: Request, key: ApiKey = Depends(authenticate)) -> Res
 @router.post("/v1/messages/count_tokens", openapi_extra=request_body_schema(CountTokensRequest))
 async def count_tokens(request: Request, key: ApiKey = Depends(authenticate)) -> dict[str, int]:
     body = await read_model(request, CountTokensRequest)
+    # a request like any other against the key's limit: it tokenizes the whole prompt
+    await services(request).turns.limiter.admit(key, 0)
     return await services(request).messages.count_tokens(body, request.headers)
