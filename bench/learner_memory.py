@@ -34,6 +34,7 @@ import torch
 
 from bench.models import bench_model
 from bench.report import pyplot, save
+from nextstate.core.memory import process_status_bytes
 from nextstate.core.settings import LearnerSettings
 from nextstate.core.types import Sample
 from nextstate.learner.trainer import LoraTrainer
@@ -105,13 +106,8 @@ def reset_peak(device: str) -> None:
 
 
 def _status_bytes(field: str) -> int:
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    found = process_status_bytes(field)
+    return found if found is not None else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def measure(shape: str, lengths: list[int], batch: int, device: str, micro_batch_tokens: int,

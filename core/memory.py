@@ -36,13 +36,24 @@ def total_bytes() -> int:
     return min(total, limit) if limit is not None else total
 
 
-def _meminfo(field: str) -> int:
+def process_status_bytes(field: str) -> int | None:
+    """A "Field: N kB" figure of /proc/self/status (VmRSS, VmHWM: the peak resident set), or None."""
+    return _kib_field(Path("/proc/self/status"), field)
+
+
+def _kib_field(path: Path, field: str) -> int | None:
     try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
+        for line in path.read_text().splitlines():
             if line.startswith(field + ":"):
                 return int(line.split()[1]) * 1024
-    except OSError:
+    except (OSError, IndexError, ValueError):
         pass
+    return None
+
+
+def _meminfo(field: str) -> int:
+    if (found := _kib_field(Path("/proc/meminfo"), field)) is not None:
+        return found
     try:  # not Linux: physical memory, as far as the C library tells
         pages = os.sysconf("SC_AVPHYS_PAGES" if field == "MemAvailable" else "SC_PHYS_PAGES")
         return pages * os.sysconf("SC_PAGE_SIZE")

@@ -6,9 +6,10 @@ tokens already computed once. Each entry is the cache of one token sequence unde
 (LoRA changes the keys and values, so a cache never crosses adapters). A lookup returns the
 longest prefix any entry shares with the prompt; entries are kept within a byte budget, least
 recently used first out. Entries are partitioned by a salt as well (`SamplingParams.cache_salt`,
-one per user): a hit would tell a user that someone else sent the same text. The judge's votes on one turn share their prompt, and a prefilling
-job stores its progress after every chunk, so votes that prefill side by side take turns
-extending one cache instead of each computing it (see `ModelRunner._reuse_prefix`).
+one per user): a hit would tell a user that someone else sent the same text. The judge's votes
+on one turn share their prompt, and a prefilling job stores its progress after every chunk, so
+votes that prefill side by side take turns extending one cache instead of each computing it
+(see `ModelRunner._reuse_prefix`).
 
 Pure bookkeeping on the engine's worker thread: no locks.
 """

@@ -34,6 +34,17 @@ def tiny_model_dir(tmp_path_factory) -> Path:
     return build_tiny_model(tmp_path_factory.mktemp("models") / "tiny")
 
 
+@pytest.fixture
+async def direct(tiny_model_dir):
+    """The embedded engine on the tiny model, called directly: what an engine behind HTTP
+    (SGLang, its fake) is checked against."""
+    from nextstate.engine.local import LocalEngine
+
+    engine = await LocalEngine.open(tiny_model_dir, device="cpu")
+    yield engine
+    await engine.close()
+
+
 def make_settings(tmp_path: Path, model_dir: Path, **overrides) -> Settings:
     # No judge calibration and no publish gate here: tests of other things script their judge and
     # expect their updates to serve; tests/test_calibration.py and tests/test_gate.py check those.

@@ -18,7 +18,6 @@ import httpx
 import pytest
 
 from nextstate.engine.base import EngineError, SamplingParams, UnknownAdapterError
-from nextstate.engine.local import LocalEngine
 from nextstate.engine.sglang import SGLangEngine
 from tests.fake_sglang import FakeSGLang
 from tests.real_engines.sglang_server import RealSGLang
@@ -42,13 +41,6 @@ def sglang(request, tiny_model_dir, tmp_path_factory):
 @pytest.fixture
 async def client(sglang, tiny_model_dir):
     engine = SGLangEngine(sglang.url, tiny_model_dir, timeout_s=120.0, retries=1, backoff_s=0.2)
-    yield engine
-    await engine.close()
-
-
-@pytest.fixture
-async def direct(tiny_model_dir):
-    engine = await LocalEngine.open(tiny_model_dir, device="cpu")
     yield engine
     await engine.close()
 

@@ -18,7 +18,6 @@ import pytest
 from nextstate.engine.base import (
     EngineBadGateway, EngineError, EngineTimeout, EngineUnavailable, SamplingParams, UnknownAdapterError,
 )
-from nextstate.engine.local import LocalEngine
 from nextstate.engine.sglang import SGLangEngine
 from tests.fake_sglang import FakeSGLang
 
@@ -35,13 +34,6 @@ def sglang(request, tiny_model_dir):
 @pytest.fixture
 async def client(sglang, tiny_model_dir):
     engine = SGLangEngine(sglang.url, tiny_model_dir, timeout_s=2.0, retries=2, backoff_s=0.01)
-    yield engine
-    await engine.close()
-
-
-@pytest.fixture
-async def direct(tiny_model_dir):
-    engine = await LocalEngine.open(tiny_model_dir, device="cpu")
     yield engine
     await engine.close()
 
