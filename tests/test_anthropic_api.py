@@ -51,6 +51,11 @@ def test_a_streamed_reply_gives_the_same_text_as_the_record(server):
     assert text == final.content[0].text == record["response"]["content"]
     assert final.usage.output_tokens == record["usage"]["completion_tokens"]
     assert final.stop_reason in ("end_turn", "max_tokens")
+    # the same prompt again: its prefix comes from the cache, and a streamed reply says so
+    with claude(server).messages.stream(model="tiny", max_tokens=4, messages=HELLO) as stream:
+        again = stream.get_final_message()
+    assert again.usage.input_tokens == final.usage.input_tokens
+    assert again.usage.cache_read_input_tokens == last_request(server)["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
 
 
 def test_stop_sequences_are_reported_as_anthropic_does(scripted):

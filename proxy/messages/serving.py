@@ -110,8 +110,11 @@ class MessageBuilder:
     def finish(self, done: Finished) -> list[str]:
         return [
             *self._close(),
+            # usage on message_delta is cumulative (Anthropic's SDK overwrites its snapshot with
+            # it): the cached prompt tokens, unknown when message_start went out at admission,
+            # reach streamed clients here
             event("message_delta", {"delta": {"stop_reason": stop_reason(done), "stop_sequence": done.stop_sequence},
-                                    "usage": {"output_tokens": done.completion_tokens}}),
+                                    "usage": usage(done)}),
             event("message_stop", {}),
         ]
 
