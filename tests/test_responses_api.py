@@ -156,3 +156,29 @@ def test_a_conversation_that_switches_api_keeps_its_session(server):
     assert len({r["session_id"] for r in requests}) == 1
     assert [r["turn_index"] for r in requests] == [requests[0]["turn_index"] + i for i in range(3)]
     assert {r["turn_type"] for r in requests} == {"main"}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_stored_response_can_be_retrieved_listed_and_deleted_by_its_user_only(server, stream):
+    """The SDK's responses.retrieve / input_items.list / delete, as OpenAI documents them; another
+    user's id is a 404 like one that never existed."""
+    alice, bob = server.client(server.key("alice")), server.client(server.key("bob"))
+    if stream:
+        events = alice.responses.create(model="tiny", input="Name a colour.", max_output_tokens=6, stream=True)
+        (created,) = [e.response for e in events if e.type in ("response.completed", "response.incomplete")]
+    else:
+        created = alice.responses.create(model="tiny", input="Name a colour.", max_output_tokens=6)
+    fetched = alice.responses.retrieve(created.id)
+    assert fetched.id == created.id and fetched.output_text == created.output_text
+    assert fetched.usage.output_tokens == created.usage.output_tokens and fetched.status == created.status
+    items = alice.responses.input_items.list(created.id)
+    assert [(i.type, i.role, i.content[0].text) for i in items.data] == [("message", "user", "Name a colour.")]
+    for other in (lambda: bob.responses.retrieve(created.id), lambda: bob.responses.delete(created.id),
+                  lambda: bob.responses.input_items.list(created.id)):
+        with pytest.raises(openai.NotFoundError):
+            other()
+    alice.responses.delete(created.id)
+    with pytest.raises(openai.NotFoundError):
+        alice.responses.retrieve(created.id)
+    with pytest.raises(openai.NotFoundError):
+        alice.responses.create(model="tiny", input="and another?", previous_response_id=created.id, max_output_tokens=4)

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
 
@@ -26,3 +28,18 @@ async def responses(request: Request, key: ApiKey = Depends(authenticate)) -> Re
         request, prep, bool(body.stream),
         lambda: serving.stream(prep, body, conversation), lambda: serving.complete(prep, body, conversation),
     )
+
+
+@router.get("/v1/responses/{response_id}")
+async def retrieve_response(response_id: str, request: Request, key: ApiKey = Depends(authenticate)) -> dict[str, Any]:
+    return await services(request).responses.retrieve(key.user, response_id)
+
+
+@router.get("/v1/responses/{response_id}/input_items")
+async def response_input_items(response_id: str, request: Request, key: ApiKey = Depends(authenticate)) -> dict[str, Any]:
+    return await services(request).responses.input_items(key.user, response_id)
+
+
+@router.delete("/v1/responses/{response_id}")
+async def delete_response(response_id: str, request: Request, key: ApiKey = Depends(authenticate)) -> dict[str, Any]:
+    return await services(request).responses.delete(key.user, response_id)

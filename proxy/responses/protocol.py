@@ -142,6 +142,13 @@ class ResponsesRequest(SessionFields):
 
     # ------------------------------------------------------------------ the turn's shapes
 
+    def input_items(self) -> list[dict[str, Any]]:
+        """This request's input as Responses items (what `…/input_items` lists): a string input
+        is one user message."""
+        if isinstance(self.input, str):
+            return [{"type": "message", "role": "user", "content": [{"type": "input_text", "text": self.input}]}]
+        return [item.model_dump(exclude_none=True) | {"type": item.kind} for item in self.input]
+
     def new_messages(self) -> list[dict[str, Any]]:
         """This request's input in chat shape (without instructions and earlier responses)."""
         items = [Item(role="user", content=self.input)] if isinstance(self.input, str) else self.input

@@ -159,6 +159,10 @@ class ResponseBuilder:
         ]
 
 
+def _not_found(response_id: str, param: str | None = None) -> ApiError:
+    return ApiError(404, f"Response with id '{response_id}' not found.", param=param, code="response_not_found")
+
+
 class ResponsesServing:
     def __init__(self, turns: TurnService, store: ResponseStore) -> None:
         self.turns = turns
@@ -174,8 +178,7 @@ class ResponsesServing:
         if body.previous_response_id:
             found = await asyncio.to_thread(self.store.conversation, key.user, body.previous_response_id)
             if found is None:  # another user's id is as unknown as one that never existed
-                raise ApiError(404, f"Response with id '{body.previous_response_id}' not found.",
-                                  param="previous_response_id", code="response_not_found")
+                raise _not_found(body.previous_response_id, param="previous_response_id")
             history = found
         conversation = history + body.new_messages()
         system = [{"role": "system", "content": body.instructions}] if body.instructions else []
@@ -189,7 +192,31 @@ class ResponsesServing:
 
     async def _keep(self, prep: PreparedTurn, body: ResponsesRequest, conversation: list, done: Finished, build: ResponseBuilder) -> None:
         if body.store is not False:
-            await asyncio.to_thread(self.store.save, prep.key.user, build.id, [*conversation, stored_reply(done)])
+            await asyncio.to_thread(self.store.save, prep.key.user, build.id, [*conversation, stored_reply(done)],
+                                    build.final(done),
+                                    [{"id": f"item_{build.key}_{i}", **item} for i, item in enumerate(body.input_items())])
+
+    async def retrieve(self, user: str, response_id: str) -> dict[str, Any]:
+        """`GET /v1/responses/{id}`: the Response as it was returned; 404 for an id that is not
+        this user's (another user's is as unknown as one that never existed)."""
+        return (await self._stored(user, response_id))[0]
+
+    async def input_items(self, user: str, response_id: str) -> dict[str, Any]:
+        """`GET /v1/responses/{id}/input_items`: the items this request sent, as OpenAI lists them."""
+        _, items = await self._stored(user, response_id)
+        return {"object": "list", "data": items, "first_id": items[0].get("id") if items else None,
+                "last_id": items[-1].get("id") if items else None, "has_more": False}
+
+    async def delete(self, user: str, response_id: str) -> dict[str, Any]:
+        if not await asyncio.to_thread(self.store.delete, user, response_id):
+            raise _not_found(response_id)
+        return {"id": response_id, "object": "response", "deleted": True}
+
+    async def _stored(self, user: str, response_id: str) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+        found = await asyncio.to_thread(self.store.response, user, response_id)
+        if found is None:
+            raise _not_found(response_id)
+        return found
 
     async def complete(self, prep: PreparedTurn, body: ResponsesRequest, conversation: list) -> dict[str, Any]:
         build = ResponseBuilder(prep, self.model_name, body)

@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from nextstate.core.sqlite_store import open_sqlite, scrub
+from nextstate.core.sqlite_store import add_missing_columns, open_sqlite, scrub
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS responses (
@@ -31,14 +31,37 @@ CREATE TABLE IF NOT EXISTS responses (
 class ResponseStore:
     def __init__(self, path: Path) -> None:
         self._conn = open_sqlite(path, _SCHEMA, "synchronous=NORMAL")
+        # the Response object as it was returned (GET /v1/responses/{id}) and this request's own
+        # input items (…/input_items); rows stored before these columns existed have neither
+        add_missing_columns(self._conn, "responses", {"response": "TEXT", "input_items": "TEXT"})
         self._lock = threading.Lock()
 
-    def save(self, user: str, response_id: str, messages: list[dict[str, Any]]) -> None:
+    def save(self, user: str, response_id: str, messages: list[dict[str, Any]],
+             response: dict[str, Any] | None = None, input_items: list[dict[str, Any]] | None = None) -> None:
         with self._lock:
             self._conn.execute(
-                "INSERT OR REPLACE INTO responses (user, id, created_at, messages) VALUES (?, ?, ?, ?)",
-                (user, response_id, time.time(), json.dumps(messages, ensure_ascii=False)),
+                "INSERT OR REPLACE INTO responses (user, id, created_at, messages, response, input_items) "
+                "VALUES (?, ?, ?, ?, ?, ?)",
+                (user, response_id, time.time(), json.dumps(messages, ensure_ascii=False),
+                 None if response is None else json.dumps(response, ensure_ascii=False),
+                 None if input_items is None else json.dumps(input_items, ensure_ascii=False)),
             )
+
+    def response(self, user: str, response_id: str) -> tuple[dict[str, Any], list[dict[str, Any]]] | None:
+        """The stored Response object and its input items, or None (unknown, or another user's)."""
+        with self._lock:
+            row = self._conn.execute(
+                "SELECT response, input_items FROM responses WHERE user = ? AND id = ?", (user, response_id)
+            ).fetchone()
+        if row is None or row[0] is None:
+            return None
+        return json.loads(row[0]), json.loads(row[1] or "[]")
+
+    def delete(self, user: str, response_id: str) -> bool:
+        with self._lock:
+            gone = self._conn.execute("DELETE FROM responses WHERE user = ? AND id = ?", (user, response_id)).rowcount
+            scrub(self._conn)
+            return gone > 0
 
     def conversation(self, user: str, response_id: str) -> list[dict[str, Any]] | None:
         with self._lock:
