@@ -75,6 +75,10 @@ class TurnRequest:
     stop: list[str] = field(default_factory=list)
     top_logprobs: int | None = None  # None: no logprobs; 0: the sampled token's only
     parallel_tool_calls: bool = True
+    # Structured output: the JSON schema (as JSON text) the reply is decoded under
+    # (modelio/structured_output.py); only when no tool may be called, since a reply held to
+    # the schema from its first token could never be a tool call.
+    reply_schema: str | None = None
     # The reply's id is the one its API gives (`chatcmpl-…`, Messages' `msg_…`, Responses'
     # `resp_…`): the turn keeps the id its client got, so `POST /v1/feedback` can name it.
     id_prefix: str = "chatcmpl-"
@@ -206,7 +210,8 @@ class TurnService:
             seed=request.seed,
             stop_token_ids=self.renderer.stop_token_ids,
             top_logprobs=request.top_logprobs or 0,
-            json_schema=forced_call_schema(request.tools or [], request.tool_choice) if request.forced_tool_call else None,
+            json_schema=(forced_call_schema(request.tools or [], request.tool_choice) if request.forced_tool_call
+                         else None if request.parse_tools else request.reply_schema),
             # one prefix-cache partition per user: a hit must not tell them what others sent
             cache_salt=cache_salt(user),
         )

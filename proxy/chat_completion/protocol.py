@@ -14,6 +14,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, Field, field_validator, model_serializer, model_validator
 
 from nextstate.modelio.chat_template import parse_arguments
+from nextstate.modelio.structured_output import reply_schema
 from nextstate.proxy.wire import ExtraAllowedModel, SessionFields
 
 
@@ -110,15 +111,27 @@ class StreamOptions(ExtraAllowedModel):
     include_usage: bool = False
 
 
-class ResponseFormat(ExtraAllowedModel):
-    type: str
+class JsonSchemaFormat(ExtraAllowedModel):
+    name: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
 
-    @field_validator("type")
-    @classmethod
-    def _text_only(cls, value: str) -> str:
-        if value != "text":
-            raise ValueError(f"response_format type '{value}' is not supported; only 'text' is")
-        return value
+
+class ResponseFormat(ExtraAllowedModel):
+    """`text`, `json_object` or `json_schema` (what the SDK's `parse(response_format=Model)` sends)."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _has_schema(self) -> ResponseFormat:
+        if self.type == "json_schema" and (self.json_schema is None or self.json_schema.schema_ is None):
+            raise ValueError("response_format json_schema needs json_schema.schema")
+        return self
+
+    def schema_text(self) -> str | None:
+        """The JSON schema the reply is decoded under (as JSON text), or None for plain text."""
+        return reply_schema(self.type, self.json_schema.schema_ if self.json_schema else None)
 
 
 class ChatCompletionRequest(SessionFields):

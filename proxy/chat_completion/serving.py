@@ -54,6 +54,7 @@ def turn_request(body: ChatCompletionRequest, headers: Mapping[str, str]) -> Tur
         stop=body.stop_strings,
         top_logprobs=(body.top_logprobs or 0) if body.logprobs else None,
         parallel_tool_calls=body.parallel_tool_calls is not False,
+        reply_schema=body.response_format.schema_text() if body.response_format else None,
     )
 
 

@@ -20,6 +20,7 @@ from typing import Any, Literal
 from pydantic import Field, model_validator
 
 from nextstate.modelio.chat_template import parse_arguments
+from nextstate.modelio.structured_output import reply_schema
 from nextstate.proxy.wire import ExtraAllowedModel, SessionFields, function_tool
 
 
@@ -96,12 +97,17 @@ class NamedFunction(ExtraAllowedModel):
 
 
 class TextFormat(ExtraAllowedModel):
-    type: str
+    """`text`, `json_object`, or `json_schema` with its `schema` (what `responses.parse` sends)."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    name: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
 
     @model_validator(mode="after")
-    def _text(self) -> TextFormat:
-        if self.type != "text":
-            raise ValueError(f"text.format '{self.type}' is not supported; only 'text' is")
+    def _has_schema(self) -> TextFormat:
+        if self.type == "json_schema" and self.schema_ is None:
+            raise ValueError("text.format json_schema needs a schema")
         return self
 
 
@@ -141,6 +147,15 @@ class ResponsesRequest(SessionFields):
         return self
 
     # ------------------------------------------------------------------ the turn's shapes
+
+    def text_format(self) -> dict[str, Any]:
+        """The `text.format` the Response object echoes."""
+        fmt = self.text.format if self.text and self.text.format else None
+        return fmt.model_dump(by_alias=True, exclude_none=True) if fmt else {"type": "text"}
+
+    def reply_schema(self) -> str | None:
+        fmt = self.text.format if self.text and self.text.format else None
+        return reply_schema(fmt.type, fmt.schema_) if fmt else None
 
     def input_items(self) -> list[dict[str, Any]]:
         """This request's input as Responses items (what `…/input_items` lists): a string input

@@ -75,7 +75,7 @@ class ResponseBuilder:
             "model": self.model, "output": output, "parallel_tool_calls": body.parallel_tool_calls is not False,
             "previous_response_id": body.previous_response_id, "temperature": body.temperature, "top_p": body.top_p,
             "tool_choice": body.tool_choice.model_dump() if hasattr(body.tool_choice, "model_dump") else body.tool_choice or "auto",
-            "tools": [t.model_dump(exclude_none=True) for t in body.tools or []], "text": {"format": {"type": "text"}},
+            "tools": [t.model_dump(exclude_none=True) for t in body.tools or []], "text": {"format": body.text_format()},
             "truncation": "disabled", "store": body.store is not False, "metadata": body.metadata or {},
             "usage": usage(done) if done is not None else None,
         }
@@ -186,7 +186,7 @@ class ResponsesServing:
             model=body.model, messages=system + conversation, hints=TurnHints.from_request(headers, body),
             tools=body.tool_dicts(), tool_choice=body.tool_choice_plain(), max_tokens=body.max_output_tokens,
             temperature=body.temperature, top_p=body.top_p, parallel_tool_calls=body.parallel_tool_calls is not False,
-            id_prefix="resp_",
+            id_prefix="resp_", reply_schema=body.reply_schema(),
         )
         return await self.turns.prepare(request, key), conversation
 
