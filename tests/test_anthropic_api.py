@@ -38,7 +38,7 @@ def test_a_reply_has_anthropic_shape_and_is_recorded_as_a_turn(server):
     assert message.stop_reason in ("end_turn", "max_tokens")
     record = last_request(server)
     assert message.content[0].text == record["response"]["content"]
-    assert message.usage.input_tokens == record["usage"]["prompt_tokens"]
+    assert message.usage.input_tokens + (message.usage.cache_read_input_tokens or 0) == record["usage"]["prompt_tokens"]
     assert message.usage.output_tokens == record["usage"]["completion_tokens"]
     assert record["messages"][0] == {"role": "system", "content": "Be brief."}
 
@@ -54,8 +54,10 @@ def test_a_streamed_reply_gives_the_same_text_as_the_record(server):
     # the same prompt again: its prefix comes from the cache, and a streamed reply says so
     with claude(server).messages.stream(model="tiny", max_tokens=4, messages=HELLO) as stream:
         again = stream.get_final_message()
-    assert again.usage.input_tokens == final.usage.input_tokens
-    assert again.usage.cache_read_input_tokens == last_request(server)["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+    cached = last_request(server)["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert again.usage.cache_read_input_tokens == cached > 0
+    # as Anthropic counts: input_tokens are the prompt tokens not read from the cache
+    assert again.usage.input_tokens + cached == final.usage.input_tokens + (final.usage.cache_read_input_tokens or 0)
 
 
 def test_stop_sequences_are_reported_as_anthropic_does(scripted):
@@ -167,6 +169,7 @@ def test_count_tokens_gives_the_prompt_length_a_reply_reports(server):
     request = {"model": "tiny", "system": "Be brief.", "messages": HELLO, "tools": [
         {"name": WEATHER["name"], "description": WEATHER["description"], "input_schema": WEATHER["parameters"]}]}
     counted = client.messages.count_tokens(**request)
-    assert counted.input_tokens == client.messages.create(max_tokens=2, **request).usage.input_tokens
+    used = client.messages.create(max_tokens=2, **request).usage
+    assert counted.input_tokens == used.input_tokens + (used.cache_read_input_tokens or 0)
     with pytest.raises(anthropic.NotFoundError):
         client.messages.count_tokens(model="claude-opus", messages=HELLO)

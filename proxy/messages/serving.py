@@ -49,9 +49,12 @@ def stop_reason(done: Finished) -> str:
 
 
 def usage(done: Finished) -> dict[str, Any]:
-    out: dict[str, Any] = {"input_tokens": done.prompt_tokens, "output_tokens": done.completion_tokens}
+    """Anthropic's usage: `input_tokens` are the prompt tokens *not* read from the cache (its
+    clients, OpenClaw's among them, add `cache_read_input_tokens` to them for the prompt's size)."""
+    cached = done.cached_tokens or 0
+    out: dict[str, Any] = {"input_tokens": done.prompt_tokens - cached, "output_tokens": done.completion_tokens}
     if done.cached_tokens is not None:
-        out["cache_read_input_tokens"] = done.cached_tokens
+        out["cache_read_input_tokens"] = cached
     return out
 
 
