@@ -79,8 +79,6 @@ def _llguidance(tok):
 
 
 def _outlines_core(tok):
-    import re
-
     from outlines_core import Guide, Index, Vocabulary
     from outlines_core.json_schema import build_regex_from_schema
 

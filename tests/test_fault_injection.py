@@ -18,7 +18,6 @@ import sys
 import time
 from pathlib import Path
 
-import httpx
 import pytest
 from openai import OpenAI
 

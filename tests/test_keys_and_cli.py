@@ -6,9 +6,7 @@ import os
 import re
 import subprocess
 import sys
-import time
 
-import httpx
 import openai
 import pytest
 from openai import OpenAI
