@@ -384,7 +384,8 @@ class SGLangEngine:
         name is never given to other weights (learner/versions.py), and SGLang never forgets a
         name (an unloaded adapter is loaded again from its path when a request names it)."""
         body = await self._post("/load_lora_adapter", {"lora_name": name, "lora_path": str(path)}, retry=False, ok_400=True)
-        held = (body.get("loaded_adapters") or {}).get(name) if isinstance(body.get("loaded_adapters"), dict) else None
+        loaded = body.get("loaded_adapters")
+        held = loaded.get(name) if isinstance(loaded, dict) else None  # the path SGLang has under this name
         if not body.get("success", False) and not ("already loaded" in str(body.get("error_message", "")) and held == str(path)):
             raise EngineError(f"SGLang could not load adapter {name!r}: {body.get('error_message', body)}")
         self._adapters.add(name)

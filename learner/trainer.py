@@ -222,8 +222,13 @@ class LoraTrainer:
         room = max(1, self.settings.max_train_tokens - len(sample.response_ids))
         return sample.prompt_ids[-room:] + sample.response_ids
 
+    def _row_length(self, sample: Sample) -> int:
+        """Tokens a sample takes in a forward pass: its training ids but the last (nothing is
+        predicted after it)."""
+        return len(self._train_ids(sample)) - 1
+
     def _micro_batches(self, samples: list[Sample]) -> list[list[int]]:
-        return micro_batches([len(self._train_ids(s)) - 1 for s in samples], self._pass_tokens)
+        return micro_batches([self._row_length(s) for s in samples], self._pass_tokens)
 
     def _logprobs_each(self, samples: list[Sample]) -> list[torch.Tensor]:
         """`_logprobs_many` over all `samples`, a micro-batch at a time, in their order (no grad)."""
@@ -360,7 +365,7 @@ class LoraTrainer:
     def memory_plan(self, samples: list[Sample]) -> int | Refusal:
         """The padded tokens a forward pass of a step on `samples` may hold, or why the step
         would not fit in memory now (learner/memory_budget.py)."""
-        return self.memory.plan([len(self._train_ids(s)) - 1 for s in samples], self.settings.micro_batch_tokens)
+        return self.memory.plan([self._row_length(s) for s in samples], self.settings.micro_batch_tokens)
 
     def step(self, scope: str, samples: list[Sample]) -> StepResult:
         """One PPO update on `samples`. A sample whose loss is not finite is left out (its id in
@@ -420,7 +425,7 @@ class LoraTrainer:
                                 totals["clipped"] += float((clipped * mask).sum())
                             if losses:
                                 torch.stack(losses).sum().backward()
-                        padded = len(members) * max(len(self._train_ids(samples[i])) - 1 for i in members)
+                        padded = len(members) * max(self._row_length(samples[i]) for i in members)
                         self.memory.record(padded, meter.added)
                         peak_added = max(peak_added, meter.added)
                     if len(dropped) == len(samples) or not math.isfinite(totals["loss"]) or any(

@@ -51,6 +51,14 @@ class ApiKey:
         return self.revoked_at is None
 
 
+# The columns an ApiKey is read from, in its fields' order (`_key`).
+_KEY_COLUMNS = "id, user, hint, admin, created_at, revoked_at, rpm, tpm"
+
+
+def _key(row: tuple) -> ApiKey:
+    return ApiKey(row[0], row[1], row[2], bool(row[3]), row[4], row[5], row[6], row[7])
+
+
 def _hash(secret: str) -> str:
     return hashlib.sha256(secret.encode()).hexdigest()
 
@@ -93,30 +101,23 @@ class KeyStore:
         """The active key matching `secret`, or None. Compared in constant time."""
         digest = _hash(secret)
         with self._lock:
-            row = self._conn.execute(
-                "SELECT id, user, hint, admin, created_at, revoked_at, rpm, tpm, key_hash FROM api_keys WHERE key_hash = ?",
-                (digest,),
-            ).fetchone()
-        if row is None or not hmac.compare_digest(row[8], digest) or row[5] is not None:
+            row = self._conn.execute(f"SELECT {_KEY_COLUMNS}, key_hash FROM api_keys WHERE key_hash = ?", (digest,)).fetchone()
+        if row is None or not hmac.compare_digest(row[8], digest):
             return None
-        return ApiKey(row[0], row[1], row[2], bool(row[3]), row[4], row[5], row[6], row[7])
+        key = _key(row)
+        return key if key.active else None
 
     def get(self, key_id: str) -> ApiKey | None:
         """The active key with this id, or None (revoked, forgotten, never made)."""
         with self._lock:
-            row = self._conn.execute(
-                "SELECT id, user, hint, admin, created_at, revoked_at, rpm, tpm FROM api_keys WHERE id = ?", (key_id,)
-            ).fetchone()
-        if row is None or row[5] is not None:
-            return None
-        return ApiKey(row[0], row[1], row[2], bool(row[3]), row[4], row[5], row[6], row[7])
+            row = self._conn.execute(f"SELECT {_KEY_COLUMNS} FROM api_keys WHERE id = ?", (key_id,)).fetchone()
+        key = _key(row) if row is not None else None
+        return key if key is not None and key.active else None
 
     def list(self) -> list[ApiKey]:
         with self._lock:
-            rows = self._conn.execute(
-                "SELECT id, user, hint, admin, created_at, revoked_at, rpm, tpm FROM api_keys ORDER BY created_at"
-            ).fetchall()
-        return [ApiKey(r[0], r[1], r[2], bool(r[3]), r[4], r[5], r[6], r[7]) for r in rows]
+            rows = self._conn.execute(f"SELECT {_KEY_COLUMNS} FROM api_keys ORDER BY created_at").fetchall()
+        return [_key(r) for r in rows]
 
     def forget(self, user: str) -> int:
         """Delete every key of `user` (revoked ones too); returns how many."""

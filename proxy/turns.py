@@ -166,10 +166,10 @@ class TurnService:
         """The prompt the model would read for `request` (nothing else happens). The first step
         of every request that reaches the model or its tokenizer: where new work is refused
         while the server is short of memory, and prompts too long to fit are found untokenized."""
-        if self.max_memory_bytes and resident_bytes() > self.max_memory_bytes:
+        if self.max_memory_bytes and (held := resident_bytes()) > self.max_memory_bytes:
             # new work waits; what runs finishes (killed by the kernel, everyone's replies would go)
             raise ApiError(
-                503, f"The server is short of memory ({resident_bytes() / 2**30:.1f} GiB in use, "
+                503, f"The server is short of memory ({held / 2**30:.1f} GiB in use, "
                 f"NEXTSTATE_MAX_MEMORY_MB {self.max_memory_bytes // 2**20}); try again shortly.",
                 type="server_error", code="server_overloaded", headers={"retry-after": "5"},
             )

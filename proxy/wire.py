@@ -23,6 +23,15 @@ class ExtraAllowedModel(BaseModel):
     model_config = ConfigDict(extra="allow", strict=True)
 
 
+class JsonSchemaSpec(ExtraAllowedModel):
+    """A structured reply's schema as both OpenAI APIs name it: chat's
+    `response_format.json_schema`, Responses' `text.format` (modelio/structured_output.py)."""
+
+    name: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
 class SessionFields(ExtraAllowedModel):
     """nextstate's extensions of a request body, also accepted as the X-Session-Id,
     X-Turn-Type, X-Session-Done and X-Outcome-Expected headers (which win)."""

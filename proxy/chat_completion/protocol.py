@@ -15,7 +15,7 @@ from pydantic import BaseModel, Field, field_validator, model_serializer, model_
 
 from nextstate.modelio.chat_template import parse_arguments
 from nextstate.modelio.structured_output import reply_schema
-from nextstate.proxy.wire import ExtraAllowedModel, SessionFields
+from nextstate.proxy.wire import ExtraAllowedModel, JsonSchemaSpec, SessionFields
 
 
 class ContentPart(ExtraAllowedModel):
@@ -111,17 +111,11 @@ class StreamOptions(ExtraAllowedModel):
     include_usage: bool = False
 
 
-class JsonSchemaFormat(ExtraAllowedModel):
-    name: str | None = None
-    schema_: dict[str, Any] | None = Field(None, alias="schema")
-    strict: bool | None = None
-
-
 class ResponseFormat(ExtraAllowedModel):
     """`text`, `json_object` or `json_schema` (what the SDK's `parse(response_format=Model)` sends)."""
 
     type: Literal["text", "json_object", "json_schema"]
-    json_schema: JsonSchemaFormat | None = None
+    json_schema: JsonSchemaSpec | None = None
 
     @model_validator(mode="after")
     def _has_schema(self) -> ResponseFormat:

@@ -21,7 +21,7 @@ from pydantic import Field, model_validator
 
 from nextstate.modelio.chat_template import parse_arguments
 from nextstate.modelio.structured_output import reply_schema
-from nextstate.proxy.wire import ExtraAllowedModel, SessionFields, function_tool
+from nextstate.proxy.wire import ExtraAllowedModel, JsonSchemaSpec, SessionFields, function_tool
 
 
 class Part(ExtraAllowedModel):
@@ -96,13 +96,10 @@ class NamedFunction(ExtraAllowedModel):
     name: str
 
 
-class TextFormat(ExtraAllowedModel):
+class TextFormat(JsonSchemaSpec):
     """`text`, `json_object`, or `json_schema` with its `schema` (what `responses.parse` sends)."""
 
     type: Literal["text", "json_object", "json_schema"]
-    name: str | None = None
-    schema_: dict[str, Any] | None = Field(None, alias="schema")
-    strict: bool | None = None
 
     @model_validator(mode="after")
     def _has_schema(self) -> TextFormat:
@@ -148,14 +145,16 @@ class ResponsesRequest(SessionFields):
 
     # ------------------------------------------------------------------ the turn's shapes
 
+    @property
+    def _format(self) -> TextFormat | None:
+        return self.text.format if self.text else None
+
     def text_format(self) -> dict[str, Any]:
         """The `text.format` the Response object echoes."""
-        fmt = self.text.format if self.text and self.text.format else None
-        return fmt.model_dump(by_alias=True, exclude_none=True) if fmt else {"type": "text"}
+        return self._format.model_dump(by_alias=True, exclude_none=True) if self._format else {"type": "text"}
 
     def reply_schema(self) -> str | None:
-        fmt = self.text.format if self.text and self.text.format else None
-        return reply_schema(fmt.type, fmt.schema_) if fmt else None
+        return reply_schema(self._format.type, self._format.schema_) if self._format else None
 
     def input_items(self) -> list[dict[str, Any]]:
         """This request's input as Responses items (what `…/input_items` lists): a string input
