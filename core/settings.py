@@ -177,10 +177,18 @@ class EngineSettings(BaseSettings):
     served_model_name: str | None = Field(
         None, description="Model id shown by /v1/models; defaults to the model directory's name."
     )
-    engine: Literal["local", "sglang"] = Field("local", description="local = in-process; sglang = an SGLang server.")
+    engine: Literal["local", "sglang", "vllm"] = Field(
+        "local", description="local = in-process; sglang = an SGLang server; vllm = a vLLM server."
+    )
     sglang_url: str = Field("http://127.0.0.1:30000", description="SGLang's native API (keep it on loopback).")
-    sglang_timeout_s: float = Field(300.0, gt=0, description="Longest wait for an SGLang answer.")
-    sglang_retries: int = Field(2, ge=0, description="Retries of SGLang calls while safe (before any token).")
+    vllm_url: str = Field(
+        "http://127.0.0.1:8001",
+        description="vLLM's OpenAI-compatible API (keep it on loopback; not vLLM's default port 8000, nextstate's own).",
+    )
+    sglang_timeout_s: float = Field(300.0, gt=0, description="Longest wait for an answer of the SGLang or vLLM server.")
+    sglang_retries: int = Field(
+        2, ge=0, description="Retries of calls to the SGLang or vLLM server while safe (before any token)."
+    )
     device: Literal["auto", "cpu", "cuda"] = "auto"
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     max_concurrent_generations: int = Field(

@@ -1,8 +1,10 @@
 """Model execution behind one interface (`Engine`), whatever runs the model.
 
 `local` runs a transformers + peft model in-process; it is the embedded default and what the
-tests use. `sglang` drives an SGLang server over its native HTTP API, for GPUs. The proxy only ever talks to the `Engine` protocol, with token ids in and token ids
-out, so the tokens it records for training are exactly the tokens that were sampled.
+tests use. `sglang` drives an SGLang server over its native HTTP API and `vllm` a vLLM server
+over its OpenAI-compatible one, for GPUs (engine/remote.py has what the two share). The proxy
+only ever talks to the `Engine` protocol, with token ids in and token ids out, so the tokens it
+records for training are exactly the tokens that were sampled.
 """
 
 from nextstate.engine.base import (

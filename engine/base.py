@@ -91,8 +91,9 @@ class GeneratedToken:
     logprob: float
     top_logprobs: tuple[tuple[int, float], ...] = ()
     finish_reason: Literal["stop", "length"] | None = None
-    # On a generation's first token: how many prompt tokens were not computed again because
-    # the engine had their keys and values cached (OpenAI's usage.prompt_tokens_details).
+    # On a generation's first token (vLLM: its last, where it tells it): how many prompt tokens
+    # were not computed again because the engine had their keys and values cached (OpenAI's
+    # usage.prompt_tokens_details).
     cached_prompt_tokens: int | None = None
 
 

@@ -93,23 +93,26 @@ def resolve_model_dir(settings: Settings) -> Path:
     return ensure_default_model(settings.models_dir)
 
 
-# A short prompt of ordinary token ids for the SGLang logprob check (any ids of any vocabulary).
+# A short prompt of ordinary token ids for a server's logprob check (any ids of any vocabulary).
 LOGPROB_PROBE = list(range(10, 42))
 
 
 async def open_engine(model_dir: Path, settings: Settings) -> Engine:
-    """The engine NEXTSTATE_ENGINE names: in-process, or a client of an SGLang server."""
+    """The engine NEXTSTATE_ENGINE names: in-process, or a client of an SGLang or vLLM server."""
     es = settings.engine
-    if es.engine == "sglang":
-        from nextstate.engine.sglang import SGLangEngine
-
-        engine = SGLangEngine(es.sglang_url, model_dir, timeout_s=es.sglang_timeout_s, retries=es.sglang_retries)
+    if es.engine in ("sglang", "vllm"):
+        if es.engine == "sglang":
+            from nextstate.engine.sglang import SGLangEngine as Client
+        else:
+            from nextstate.engine.vllm import VLLMEngine as Client
+        url = es.sglang_url if es.engine == "sglang" else es.vllm_url
+        engine = Client(url, model_dir, timeout_s=es.sglang_timeout_s, retries=es.sglang_retries)
         if not await engine.healthy():
-            log.warning("SGLang at %s is not answering yet; requests get 503 until it does (its logprob "
-                        "convention is not checked: start it with SGLANG_RETURN_ORIGINAL_LOGPROB=1)", es.sglang_url)
+            log.warning("%s at %s is not answering yet; requests get 503 until it does (its logprob convention "
+                        "is not checked: see deploy/README.md for how to start it)", engine.server, url)
             return engine
         try:
-            await engine.check_logprobs(LOGPROB_PROBE)
+            await engine.check_server(LOGPROB_PROBE)
         except Exception:
             await engine.close()
             raise

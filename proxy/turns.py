@@ -313,11 +313,12 @@ class TurnService:
                     continue
                 if not response_ids:
                     self.metrics.ttft.observe(time.monotonic() - prep.started)
-                    cached = item.cached_prompt_tokens
                 delta = Delta()
                 # Tokens that are already waiting go out together, as one chunk: when the
                 # engine outpaces the client, one write per token is what costs most.
                 while True:
+                    if item.cached_prompt_tokens is not None:  # on the first token, or (vLLM) the last
+                        cached = item.cached_prompt_tokens
                     response_ids.append(item.token_id)
                     sampled_logprobs.append(item.logprob)
                     delta.extend(decoder.push(item))

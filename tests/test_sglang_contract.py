@@ -11,7 +11,6 @@ again), and the lifecycle of many versions on one long-running server.
 
 from __future__ import annotations
 
-import uuid
 from pathlib import Path
 
 import httpx
@@ -20,11 +19,8 @@ import pytest
 from nextstate.engine.base import EngineError, SamplingParams, UnknownAdapterError
 from nextstate.engine.sglang import SGLangEngine
 from tests.fake_sglang import FakeSGLang
+from tests.real_engines.contract import ENUM_TOOL, PROMPT, TOLERANCE, generate, unique, write_adapters
 from tests.real_engines.sglang_server import RealSGLang
-
-PROMPT = list(range(5, 40))
-# fp32 on both sides; SGLang's torch-native attention and the embedded engine differ by rounding
-TOLERANCE = 2e-3
 
 
 @pytest.fixture(scope="module", params=["fake", pytest.param("real", marks=pytest.mark.real_engine)])
@@ -47,29 +43,7 @@ async def client(sglang, tiny_model_dir):
 
 @pytest.fixture(scope="module")
 def adapters(tiny_model_dir, tmp_path_factory) -> dict[str, Path]:
-    """Two peft adapters with non-zero weights, as the learner writes them."""
-    import torch
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
-
-    root = tmp_path_factory.mktemp("adapters")
-    out = {}
-    for seed, name in enumerate("ab"):
-        torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
-        get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
-                       ).save_pretrained(root / name)
-        out[name] = root / name
-    return out
-
-
-def unique(name: str) -> str:
-    """A name this server has never seen (SGLang never forgets one; the fixture is per module)."""
-    return f"{name}-{uuid.uuid4().hex[:8]}"
-
-
-async def generate(engine, params, adapter=None, prompt=PROMPT):
-    return [t async for t in engine.generate(prompt, params, adapter)]
+    return write_adapters(tiny_model_dir, tmp_path_factory.mktemp("adapters"))
 
 
 async def test_sampled_logprobs_are_the_models_own_at_temperature_one(client, direct):
@@ -149,11 +123,8 @@ def test_a_forced_tool_call_is_kept_with_the_models_own_logprobs(server_factory,
     if isinstance(sglang, FakeSGLang):
         pytest.skip("the fake does not constrain decoding (tests/fake_sglang.py says what it imitates)")
     server = server_factory(engine="sglang", sglang_url=sglang.url, judge_enabled=False, learn=False)
-    # a schema whose JSON is short whatever the (random) model prefers: one of two words
-    tool = {"type": "function", "function": {"name": "lookup", "parameters": {
-        "type": "object", "properties": {"n": {"enum": ["x", "y"]}}, "required": ["n"], "additionalProperties": False}}}
     reply = server.client(server.key("alice")).chat.completions.create(
-        model="tiny", messages=[{"role": "user", "content": "look it up"}], tools=[tool], tool_choice="required",
+        model="tiny", messages=[{"role": "user", "content": "look it up"}], tools=[ENUM_TOOL], tool_choice="required",
         max_tokens=200, temperature=1.0, seed=1)
     assert reply.choices[0].message.tool_calls, "a constrained reply is a tool call"
     turn = server.app.state.services.sessions.find_turn("alice", reply.id)
