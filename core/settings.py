@@ -181,6 +181,11 @@ class EngineSettings(BaseSettings):
         "local", description="local = in-process; sglang = an SGLang server; vllm = a vLLM server."
     )
     sglang_url: str = Field("http://127.0.0.1:30000", description="SGLang's native API (keep it on loopback).")
+    sglang_router: bool = Field(
+        False,
+        description="NEXTSTATE_SGLANG_URL is SGLang's router (sglang-router) in front of several workers: adapters "
+        "are loaded on every worker it lists, and requests carry their user's routing key.",
+    )
     vllm_url: str = Field(
         "http://127.0.0.1:8001",
         description="vLLM's OpenAI-compatible API (keep it on loopback; not vLLM's default port 8000, nextstate's own).",

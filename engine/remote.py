@@ -220,7 +220,7 @@ class RemoteEngine:
         held: GeneratedToken | None = None  # the last token, while events after it may add to it
         try:
             async with self._http.session().post(f"{self.base_url}{self.generate_path}", data=json_body(payload),
-                                                 headers=JSON_HEADERS) as response:
+                                                 headers=self._headers(payload)) as response:
                 if response.status != 200:
                     error = self._http_error(response.status, await response.read())
                     raise Retryable(error) if isinstance(error, EngineBadGateway) else error
@@ -396,11 +396,12 @@ class RemoteEngine:
         log.warning("%s had lost adapter %s (restarted?); loaded it again from %s", self.server, adapter, self._paths[adapter])
         return True
 
-    async def served_adapters(self) -> dict[str, str] | None:
-        """name → path of the adapters the server holds (its OpenAI-style /v1/models, where an
-        adapter is a model with a parent and its path is the root); None if it cannot say."""
+    async def served_adapters(self, base_url: str | None = None) -> dict[str, str] | None:
+        """name → path of the adapters the server (or `base_url`, one of its workers) holds: its
+        OpenAI-style /v1/models, where an adapter is a model with a parent and its path is the
+        root; None if it cannot say."""
         try:
-            async with self._http.session().get(f"{self.base_url}/v1/models") as response:
+            async with self._http.session().get(f"{base_url or self.base_url}/v1/models") as response:
                 models = (await response.json()).get("data", []) if response.status == 200 else None
         except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, AttributeError) as exc:
             log.warning("could not list %s's adapters: %s", self.server, exc)
@@ -438,13 +439,18 @@ class RemoteEngine:
 
     # ---------------------------------------------------------------- plumbing
 
-    async def _request(self, path: str, payload: dict[str, Any], retry: bool) -> tuple[int, bytes]:
-        """POST `payload`; the status and body of any answer below 500. Unreachable and 5xx are
-        retried when `retry`, then raised."""
+    def _headers(self, payload: dict[str, Any]) -> dict[str, str]:
+        """The headers of a request carrying `payload` (a router in front reads some)."""
+        return JSON_HEADERS
+
+    async def _request(self, path: str, payload: dict[str, Any], retry: bool, base_url: str | None = None) -> tuple[int, bytes]:
+        """POST `payload` to the server (or to `base_url`, one of its workers); the status and
+        body of any answer below 500. Unreachable and 5xx are retried when `retry`, then raised."""
         attempt = 0
         while True:
             try:
-                async with self._http.session().post(f"{self.base_url}{path}", data=json_body(payload), headers=JSON_HEADERS) as response:
+                async with self._http.session().post(f"{base_url or self.base_url}{path}", data=json_body(payload),
+                                                     headers=self._headers(payload)) as response:
                     status, content = response.status, await response.read()
                 if status < 500:
                     return status, content
@@ -458,10 +464,11 @@ class RemoteEngine:
             attempt += 1
             await asyncio.sleep(self.backoff_s * attempt)
 
-    async def _post(self, path: str, payload: dict[str, Any], retry: bool, ok_400: bool = False) -> dict[str, Any]:
+    async def _post(self, path: str, payload: dict[str, Any], retry: bool, ok_400: bool = False,
+                    base_url: str | None = None) -> dict[str, Any]:
         """POST `payload` and read the JSON object answered with 200 (or 400, when `ok_400`: a
         refusal whose body says why)."""
-        status, content = await self._request(path, payload, retry)
+        status, content = await self._request(path, payload, retry, base_url)
         if status != 200 and not (ok_400 and status == 400):
             raise self._http_error(status, content)
         try:

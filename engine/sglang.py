@@ -131,10 +131,17 @@ class SGLangEngine(RemoteEngine):
         return [float(e[0]) for e in entries]
 
     async def _server_load(self, name: str, path: str, retry: bool) -> str | None:
+        return await self._load_on(self.base_url, name, path, retry)
+
+    async def _server_unload(self, name: str) -> str | None:
+        return await self._unload_on(self.base_url, name)
+
+    async def _load_on(self, base_url: str, name: str, path: str, retry: bool) -> str | None:
         """SGLang never forgets a name (an unloaded adapter is loaded again from its path when a
         request names it) and refuses to load a name it holds as "already loaded": that is
         success when it holds the name for this very path."""
-        body = await self._post("/load_lora_adapter", {"lora_name": name, "lora_path": path}, retry=retry, ok_400=True)
+        body = await self._post("/load_lora_adapter", {"lora_name": name, "lora_path": path}, retry=retry, ok_400=True,
+                                base_url=base_url)
         if body.get("success", False):
             return None
         loaded = body.get("loaded_adapters")
@@ -142,6 +149,6 @@ class SGLangEngine(RemoteEngine):
         message = str(body.get("error_message", body))
         return None if "already loaded" in message and held == path else message
 
-    async def _server_unload(self, name: str) -> str | None:
-        body = await self._post("/unload_lora_adapter", {"lora_name": name}, retry=False, ok_400=True)
+    async def _unload_on(self, base_url: str, name: str) -> str | None:
+        body = await self._post("/unload_lora_adapter", {"lora_name": name}, retry=False, ok_400=True, base_url=base_url)
         return None if body.get("success", False) else str(body.get("error_message", body))

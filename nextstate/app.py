@@ -101,7 +101,9 @@ async def open_engine(model_dir: Path, settings: Settings) -> Engine:
     """The engine NEXTSTATE_ENGINE names: in-process, or a client of an SGLang or vLLM server."""
     es = settings.engine
     if es.engine in ("sglang", "vllm"):
-        if es.engine == "sglang":
+        if es.engine == "sglang" and es.sglang_router:
+            from nextstate.engine.sglang_router import SGLangRouterEngine as Client
+        elif es.engine == "sglang":
             from nextstate.engine.sglang import SGLangEngine as Client
         else:
             from nextstate.engine.vllm import VLLMEngine as Client

@@ -1,0 +1,36 @@
+"""SGLang's router (the `sglang-router` package, in the dev extras) as a process of its own."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from tests.real_engines.server_process import ServerProcess
+
+
+class SGLangRouter(ServerProcess):
+    """The router in front of `workers`, with the `manual` policy: a request's routing key
+    (header x-smg-routing-key) pins it to one worker; new keys go to the worker with the fewest."""
+
+    name = "router"
+    distribution = "sglang-router"
+    start_timeout_s = 60.0
+
+    def __init__(self, workers: list[str], log_dir: Path) -> None:
+        self.workers = workers
+        super().__init__(Path("."), log_dir, python=sys.executable)
+
+    def command(self) -> list[str]:
+        return [self.python, "-m", "sglang_router.launch_router", "--host", "127.0.0.1", "--port", str(self.port),
+                "--worker-urls", *self.workers, "--policy", "manual", "--assignment-mode", "min_group",
+                "--health-check-interval-secs", "1", "--log-level", "warn"]
+
+    def listed(self) -> list[str]:
+        import httpx
+
+        return sorted(w["url"] for w in httpx.get(f"{self.url}/workers", timeout=10).json()["workers"])
+
+    def add_worker(self, url: str) -> None:
+        import httpx
+
+        httpx.post(f"{self.url}/workers", json={"url": url}, timeout=10).raise_for_status()

@@ -1,0 +1,114 @@
+"""Engine replicas behind SGLang's router: nextstate → the real router (sglang-router) → two workers.
+
+The workers are SGLang stand-ins (tests/fake_sglang.py: real HTTP, SGLang's shapes and adapter
+behaviour, the embedded engine inside) so that the test is fast; the router is the real one.
+What is pinned: a published version is loaded on every worker before it serves (the router does
+not pass adapter loads on), each user's requests stay on one worker while users spread over
+both, every request is served by the version it names whichever worker takes it, a worker that
+restarts empty or joins later gets the current version, and old versions leave every worker.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from nextstate.engine.sglang_router import ROUTING_KEY_HEADER
+from tests.fake_sglang import FakeSGLang
+from tests.real_engines.router_process import SGLangRouter
+from tests.test_learner import feed, served_samples, wait_for
+
+pytestmark = pytest.mark.distributed
+
+
+@pytest.fixture
+def workers(tiny_model_dir):
+    started = [FakeSGLang(tiny_model_dir), FakeSGLang(tiny_model_dir)]
+    yield started
+    for worker in started:
+        worker.stop()
+
+
+@pytest.fixture
+def router(workers, tmp_path):
+    process = SGLangRouter([w.url for w in workers], tmp_path)
+    wait_for(lambda: len(process.listed()) == 2, timeout=30)
+    yield process
+    process.stop()
+
+
+def generations(worker: FakeSGLang) -> list[dict]:
+    return [body for path, body in worker.requests if path == "/generate" and body["sampling_params"].get("max_new_tokens")]
+
+
+def ask(server, user: str, seed: int = 0):
+    client = server.client(server.key(user))
+    return client.chat.completions.with_raw_response.create(
+        model="tiny", messages=[{"role": "user", "content": f"hello from {user}"}], max_tokens=3, temperature=1.0, seed=seed)
+
+
+def test_versions_reach_every_worker_and_each_user_stays_on_one(server_factory, router, workers, tiny_model_dir):
+    server = server_factory(engine="sglang", sglang_url=router.url, sglang_router=True, judge_enabled=False,
+                            batch_size=2, min_batch_size=2, lr=5e-3, lora_r=4, lora_alpha=8, max_staleness=0)
+    services = server.app.state.services
+    users = [f"user{i}" for i in range(4)]
+
+    def publish(version: int) -> str:
+        feed(server, served_samples(server, 2, seed0=10 * version))
+        wait_for(lambda: services.policies.current("alice").version == version, timeout=120)
+        return services.policies.current("alice").adapter
+
+    v1 = publish(1)
+    for worker in workers:  # loaded everywhere before it served anyone
+        assert v1 in worker.loaded_adapters()
+        worker.requests.clear()  # what they served before v1 (base-model requests)
+    for round_ in range(2):
+        for user in users:
+            assert ask(server, user, seed=round_).headers["x-policy-version"] == "1"
+    # each user's requests went to one worker, and the users spread over both
+    homes = {}
+    for index, worker in enumerate(workers):
+        for body in generations(worker):
+            assert body.get("lora_path") == v1, "every request served by the version it names"
+            homes.setdefault(tuple(body["input_ids"]), set()).add(index)  # one prompt per user
+    assert len(homes) == len(users) and all(len(h) == 1 for h in homes.values()), homes
+    assert {i for h in homes.values() for i in h} == {0, 1}, "users spread over both workers"
+
+    # a worker restarts empty: the next request that reaches it is still served by v1
+    workers[0].restart()
+    assert v1 not in workers[0].loaded_adapters()
+    for user in users:
+        assert ask(server, user, seed=7).headers["x-policy-version"] == "1"
+    assert v1 in workers[0].loaded_adapters()
+    assert all(b.get("lora_path") == v1 for w in workers for b in generations(w))
+
+    # the next version replaces it on every worker
+    v2 = publish(2)
+    wait_for(lambda: all(set(w.loaded_adapters()) == {v2} for w in workers), timeout=30)
+
+    # a worker that joins later gets the current version before it is asked for it
+    joined = FakeSGLang(tiny_model_dir)
+    try:
+        router.add_worker(joined.url)
+        wait_for(lambda: joined.url in router.listed(), timeout=30)
+        engine = services.engine
+        assert server.call(engine.sync_workers()) == 1
+        assert set(joined.loaded_adapters()) == {v2}
+    finally:
+        joined.stop()
+
+
+def test_requests_carry_their_users_routing_key(server_factory, router, workers):
+    """The header the router pins on is the user's opaque cache salt, the same on every request
+    of that user and different between users; the judge's own calls carry none. The router
+    (0.3.2) re-encodes requests by its own schema and drops the body's `cache_salt`: pinned here,
+    so that a router that passes it on is noticed (deploy/README.md says what it costs)."""
+    server = server_factory(engine="sglang", sglang_url=router.url, sglang_router=True, judge_enabled=False, learn=False)
+    engine = server.app.state.services.engine
+    assert engine._headers({"cache_salt": "abc"})[ROUTING_KEY_HEADER] == "abc"
+    assert ROUTING_KEY_HEADER not in engine._headers({"cache_salt": None})
+    for worker in workers:
+        worker.requests.clear()
+    for user in ("alice", "bob", "alice"):
+        ask(server, user)
+    bodies = [b for w in workers for b in generations(w)]
+    assert len(bodies) == 3 and all("cache_salt" not in b for b in bodies)
