@@ -112,3 +112,43 @@ def test_requests_carry_their_users_routing_key(server_factory, router, workers)
         ask(server, user)
     bodies = [b for w in workers for b in generations(w)]
     assert len(bodies) == 3 and all("cache_salt" not in b for b in bodies)
+
+
+@pytest.mark.real_engine
+def test_real_sglang_workers_behind_the_router_serve_every_version(server_factory, tiny_model_dir, tmp_path):
+    """The same with two real SGLang workers (.ci/real-engines): each version reaches both before
+    it serves, and a worker restarted empty gets the version again: every request is served by
+    the version it names (which worker took which user is the stand-in test's to show)."""
+    from tests.real_engines.sglang_server import RealSGLang
+
+    real: list[RealSGLang] = []
+    process = None
+    try:
+        for i in range(2):
+            (tmp_path / f"w{i}").mkdir()
+            real.append(RealSGLang(tiny_model_dir, tmp_path / f"w{i}"))
+        process = SGLangRouter([w.url for w in real], tmp_path)
+        wait_for(lambda: len(process.listed()) == 2, timeout=60)
+        server = server_factory(engine="sglang", sglang_url=process.url, sglang_router=True, judge_enabled=False,
+                                batch_size=2, min_batch_size=2, lr=5e-3, lora_r=4, lora_alpha=8, max_staleness=0)
+        services = server.app.state.services
+        users = [f"user{i}" for i in range(4)]
+        for version in (1, 2):
+            feed(server, served_samples(server, 2, seed0=10 * version))
+            wait_for(lambda: services.policies.current("alice").version == version, timeout=180)
+            name = services.policies.current("alice").adapter
+            wait_for(lambda: all(set(w.loaded_adapters()) == {name} for w in real), timeout=60)
+            for user in users:
+                assert ask(server, user, seed=version).headers["x-policy-version"] == str(version)
+        real[0].restart()
+        assert real[0].loaded_adapters() == {}
+        for user in users:
+            assert ask(server, user, seed=9).headers["x-policy-version"] == "2"
+        wait_for(lambda: name in real[0].loaded_adapters(), timeout=30)
+        served = [r for r in server.records() if r["kind"] == "request" and r.get("adapter") == name]
+        assert len(served) >= 2 * len(users)
+    finally:
+        if process is not None:
+            process.stop()
+        for worker in real:
+            worker.stop()
