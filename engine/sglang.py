@@ -24,7 +24,7 @@ deploy/). Shapes used, from SGLang's io_struct / tokenizer manager:
   `logprob_temperature` is 1 and the learner computes its own at 1 too. `check_logprobs` finds
   a server without the variable at start-up and refuses it, rather than mixing temperatures.
 
-* adapters (as SGLang 0.5.23 behaves, tests/test_sglang_contract.py): a name once loaded is never
+* adapters (as SGLang 0.5.23 behaves, tests/test_engine_contract.py): a name once loaded is never
   forgotten — after `/unload_lora_adapter` a request naming it loads it again from its path, and
   loading that name again is refused as "already loaded" — so nextstate never sends a name it
   unloaded, and never gives a name to other weights (learner/versions.py: names carry a digest of

@@ -4,7 +4,7 @@ Targets `/v1/completions` with token ids in and out, and runtime LoRA loading
 (`/v1/load_lora_adapter`, `/v1/unload_lora_adapter`; the server runs with `--enable-lora` and
 `VLLM_ALLOW_RUNTIME_LORA_UPDATING=True`, see deploy/). Shapes used, as vLLM 0.32 serves them
 (its entrypoints/openai/completion/protocol.py; checked against the real server by
-tests/test_vllm_contract.py):
+tests/test_engine_contract.py):
 
 * request: `prompt` as a list of token ids (no template, no special tokens added), `model` only
   to name an adapter (left out, it is the base model whatever the server calls it),

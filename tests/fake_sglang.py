@@ -9,7 +9,7 @@ a null first entry in `input_token_logprobs`). The model behind it is the embedd
 the tiny model, so what the client parses can be checked against a direct computation.
 `mode` injects failures: "500", "hang", "garbage", "drop" (close mid-stream), "abort".
 Adapters behave as SGLang 0.5.23's do (checked against the real server by
-tests/test_sglang_contract.py): a name, once loaded, is never forgotten — an unloaded adapter is
+tests/test_engine_contract.py): a name, once loaded, is never forgotten — an unloaded adapter is
 loaded again from its path when a request names it, and loading that name again is refused as
 "already loaded" — and a request naming an adapter never loaded fails with "Got LoRA adapter that
 has never been loaded" (a streamed one after an HTTP 200). What it does not imitate: logprobs

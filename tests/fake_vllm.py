@@ -4,7 +4,7 @@ It serves `/v1/completions` (token-id prompts; streamed one event per token with
 `continuous_usage_stats`, then a usage-only event and `[DONE]`; `prompt_logprobs` for scoring),
 `/v1/load_lora_adapter` (200 and plain text; 400 "has already been loaded"),
 `/v1/unload_lora_adapter`, `/v1/models` and `/health`, with the fields and answers the real
-server gives (checked against it by tests/test_vllm_contract.py). The model behind it is the
+server gives (checked against it by tests/test_engine_contract.py). The model behind it is the
 embedded engine, so what the client parses can be checked against a direct computation.
 
 Like vLLM's default `--logprobs-mode raw_logprobs`, logprobs are at temperature 1, sampled and

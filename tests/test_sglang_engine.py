@@ -3,7 +3,7 @@
 What this proves: the client sends the fields SGLang expects, parses both streaming modes,
 aligns logprobs with sampled ids, scores with the right offset, manages adapters by name and
 turns every failure into a clean error — and nextstate recovers when SGLang comes back.
-That a real SGLang matches these shapes is tests/test_sglang_contract.py's job (on the CPU, in
+That a real SGLang matches these shapes is tests/test_engine_contract.py's job (on the CPU, in
 CI through .ci/real-engines) and the gpu-marked test's (against a running GPU server).
 """
 
