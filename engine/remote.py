@@ -112,6 +112,9 @@ class RemoteEngine:
     lost_adapter_texts: ClassVar[tuple[str, ...]]
     # How to start the server so that it reports sampled logprobs at temperature 1.
     raw_logprob_remedy: ClassVar[str]
+    # True: events after the finishing one add to the last token (`_after_finish`), which is
+    # held back until they have come.
+    reports_after_finish: ClassVar[bool] = False
 
     def __init__(
         self,
@@ -208,8 +211,6 @@ class RemoteEngine:
         """The last token, with what an event after the finishing one adds to it (a server whose
         `reports_after_finish` says so: vLLM's cached-prompt count comes in a usage-only event)."""
         return last
-
-    reports_after_finish: ClassVar[bool] = False
 
     async def _stream(self, payload: dict[str, Any], admit: Callable[[], None]) -> AsyncIterator[GeneratedToken]:
         """The server's stream as tokens. After the finishing event (or `[DONE]`) the body is

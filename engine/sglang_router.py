@@ -60,10 +60,14 @@ class SGLangRouterEngine(SGLangEngine):
             return []
         return sorted(w["url"] for w in body.get("workers", []) if isinstance(w, dict) and w.get("url") and w.get("is_healthy", True))
 
-    async def check_server(self, probe_ids: list[int]) -> None:
-        await super().check_server(probe_ids)
+    def _keep_in_sync(self) -> None:
+        """Start the periodic sync, once, in the running loop (the engine is built before it)."""
         if self._sync_task is None:
             self._sync_task = asyncio.create_task(self._keep_workers_in_sync(), name="sglang-worker-sync")
+
+    async def check_server(self, probe_ids: list[int]) -> None:
+        await super().check_server(probe_ids)
+        self._keep_in_sync()
 
     async def close(self) -> None:
         if self._sync_task is not None:
@@ -74,6 +78,7 @@ class SGLangRouterEngine(SGLangEngine):
         await super().close()
 
     async def _server_load(self, name: str, path: str, retry: bool) -> str | None:
+        self._keep_in_sync()  # also when the router was not up for the start-up check
         urls = await self.workers()
         if not urls:
             return f"the router at {self.base_url} lists no healthy worker"

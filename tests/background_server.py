@@ -131,6 +131,28 @@ def serve_in_thread(app, port: int, name: str = "nextstate-server") -> tuple[uvi
     return server, thread, holder["loop"]
 
 
+class AppInThread:
+    """A stand-in server (tests/fake_sglang.py, tests/fake_vllm.py): an ASGI app served by
+    uvicorn in a thread of the test process, on a loopback port, with its own event loop."""
+
+    def serve(self, app, port: int, name: str) -> None:
+        self.app = app
+        self.port = port or free_port()
+        self.server, self.thread, self.loop = serve_in_thread(app, self.port, name=name)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(15)
+
+    def run(self, coro, timeout: float = 30):
+        """Run `coro` in the server's loop (where its engine lives) and wait for its result."""
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+
 def start_server(settings: Settings, engine_factory: EngineFactory = open_engine) -> RunningServer:
     app = create_app(settings, engine_factory=engine_factory)
     server, thread, loop = serve_in_thread(app, settings.server.port)

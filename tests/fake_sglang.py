@@ -33,10 +33,10 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from nextstate.engine.base import SamplingParams
 from nextstate.engine.local import LocalEngine
-from tests.background_server import free_port, serve_in_thread
+from tests.background_server import AppInThread
 
 
-class FakeSGLang:
+class FakeSGLang(AppInThread):
     """`engine_factory` swaps the model for another engine (bench/proxy_overhead uses a
     scripted one, so that only HTTP and the proxy cost time); `port` 0 picks a free one."""
 
@@ -145,17 +145,7 @@ class FakeSGLang:
             return {"object": "list", "data": [{"id": str(self.model_dir), "object": "model", "root": str(self.model_dir),
                                                 "parent": None}, *adapters]}
 
-        self.app = app
-        self.port = port or free_port()
-        self.server, self.thread, self.loop = serve_in_thread(app, self.port, name="fake-sglang")
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(15)
+        self.serve(app, port, name="fake-sglang")
 
     def restart(self) -> None:
         """What a restarted SGLang looks like from outside: the same URL, no adapter loaded."""
@@ -165,7 +155,7 @@ class FakeSGLang:
             for name in list(self.engine.adapters):
                 await self.engine.unload_adapter(name)
 
-        asyncio.run_coroutine_threadsafe(forget(), self.loop).result(30)
+        self.run(forget())
 
     def loaded_adapters(self) -> dict[str, str]:
         """name → path of what is loaded now (as tests/real_engines/sglang_server.RealSGLang)."""

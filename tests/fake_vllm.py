@@ -14,7 +14,6 @@ logprobs; the fake ignores `structured_outputs`), the prefix cache, `top_k` and 
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
 import uuid
@@ -24,14 +23,14 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
 from nextstate.engine.base import SamplingParams
 from nextstate.engine.local import LocalEngine
-from tests.background_server import free_port, serve_in_thread
+from tests.background_server import AppInThread
 
 
 def _error(message: str, kind: str, code: int) -> JSONResponse:
     return JSONResponse({"error": {"message": message, "type": kind, "param": None, "code": code}}, code)
 
 
-class FakeVLLM:
+class FakeVLLM(AppInThread):
     def __init__(self, model_dir) -> None:
         self.model_dir = model_dir
         self.requests: list[tuple[str, dict]] = []
@@ -110,17 +109,7 @@ class FakeVLLM:
             )
             return StreamingResponse(self._events(ids, sampling, adapter), media_type="text/event-stream")
 
-        self.app = app
-        self.port = free_port()
-        self.server, self.thread, self.loop = serve_in_thread(app, self.port, name="fake-vllm")
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(15)
+        self.serve(app, 0, name="fake-vllm")
 
     def restart(self) -> None:
         """What a restarted vLLM looks like from outside: the same URL, no adapter loaded."""
@@ -130,7 +119,7 @@ class FakeVLLM:
                 del self.paths[name]
                 await self.engine.unload_adapter(name)
 
-        asyncio.run_coroutine_threadsafe(forget(), self.loop).result(30)
+        self.run(forget())
 
     def loaded_adapters(self) -> dict[str, str]:
         return dict(self.paths)
