@@ -5,6 +5,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+from tests.background_server import free_port
 from tests.real_engines.server_process import ServerProcess
 
 
@@ -23,7 +24,11 @@ class SGLangRouter(ServerProcess):
     def command(self) -> list[str]:
         return [self.python, "-m", "sglang_router.launch_router", "--host", "127.0.0.1", "--port", str(self.port),
                 "--worker-urls", *self.workers, "--policy", "manual", "--assignment-mode", "min_group",
-                "--health-check-interval-secs", "1", "--log-level", "warn"]
+                # its metrics listener has a fixed default port (29000): two routers would collide
+                "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()),
+                # the stand-in workers share the test process, whose training holds the GIL for
+                # seconds: a health check would then take a worker out and skew the routing
+                "--disable-health-check", "--log-level", "warn"]
 
     def listed(self) -> list[str]:
         import httpx
