@@ -9,6 +9,9 @@ proxy serves it. A version that one worker failed to load is not published.
   the router's routing key (`x-smg-routing-key`), so with the router's `manual` policy (or its
   sticky sessions) a user's requests stay on one worker, whose prefix cache holds their
   conversation. The judge's requests carry none and go where the router's policy sends them.
+* Privacy: the router drops the body's `cache_salt`, so the salt is also sent as `extra_key`,
+  which it passes on and SGLang's radix cache is scoped by: users sharing a worker still never
+  share cached prefixes (checked with a real SGLang worker behind the real router).
 * A worker that joins, or restarts and comes back empty: every `WORKER_SYNC_S` seconds the
   engine lists the workers and loads on each the versions it lacks. A request that reaches such
   a worker first fails with SGLang's unknown-adapter error; the client then loads the version on
@@ -27,6 +30,7 @@ from typing import Any
 
 import aiohttp
 
+from nextstate.engine.base import SamplingParams
 from nextstate.engine.remote import JSON_HEADERS
 from nextstate.engine.sglang import SGLangEngine
 
@@ -45,6 +49,15 @@ class SGLangRouterEngine(SGLangEngine):
         super().__init__(*args, **kwargs)
         self.info.device = "sglang-router"
         self._sync_task: asyncio.Task | None = None
+
+    def _generate_payload(self, input_ids: list[int], sampling: SamplingParams, adapter: str | None) -> dict[str, Any]:
+        """The router (0.3.2) re-encodes requests by its own schema and drops `cache_salt`; it
+        passes `extra_key`, which SGLang's radix cache scopes its prefixes by as it does the
+        salt, so the user's salt travels as that too."""
+        payload = super()._generate_payload(input_ids, sampling, adapter)
+        if sampling.cache_salt is not None:
+            payload["extra_key"] = sampling.cache_salt
+        return payload
 
     def _headers(self, payload: dict[str, Any]) -> dict[str, str]:
         key = payload.get("cache_salt")

@@ -97,11 +97,12 @@ def test_versions_reach_every_worker_and_each_user_stays_on_one(server_factory, 
         joined.stop()
 
 
-def test_requests_carry_their_users_routing_key(server_factory, router, workers):
+def test_requests_carry_their_users_routing_key_and_cache_scope(server_factory, router, workers):
     """The header the router pins on is the user's opaque cache salt, the same on every request
     of that user and different between users; the judge's own calls carry none. The router
-    (0.3.2) re-encodes requests by its own schema and drops the body's `cache_salt`: pinned here,
-    so that a router that passes it on is noticed (deploy/README.md says what it costs)."""
+    (0.3.2) re-encodes requests by its own schema and drops the body's `cache_salt` (pinned here,
+    so that a router that passes it on is noticed), but passes `extra_key`, which carries the
+    salt to the worker's prefix cache."""
     server = server_factory(engine="sglang", sglang_url=router.url, sglang_router=True, judge_enabled=False, learn=False)
     engine = server.app.state.services.engine
     assert engine._headers({"cache_salt": "abc"})[ROUTING_KEY_HEADER] == "abc"
@@ -112,6 +113,8 @@ def test_requests_carry_their_users_routing_key(server_factory, router, workers)
         ask(server, user)
     bodies = [b for w in workers for b in generations(w)]
     assert len(bodies) == 3 and all("cache_salt" not in b for b in bodies)
+    scopes = [b.get("extra_key") for b in bodies]
+    assert None not in scopes and len(set(scopes)) == 2
 
 
 @pytest.mark.real_engine
@@ -152,3 +155,37 @@ def test_real_sglang_workers_behind_the_router_serve_every_version(server_factor
             process.stop()
         for worker in real:
             worker.stop()
+
+
+@pytest.mark.real_engine
+async def test_users_on_one_real_worker_behind_the_router_never_share_cached_prefixes(tiny_model_dir, tmp_path):
+    """Through the router, which drops `cache_salt`, the salt still scopes the worker's prefix
+    cache (as `extra_key`): two users on the same worker, the same long prompt — only the user
+    who sent it before finds it cached."""
+    from nextstate.engine.base import SamplingParams
+    from nextstate.engine.sglang_router import SGLangRouterEngine
+    from tests.real_engines.sglang_server import RealSGLang
+
+    worker = RealSGLang(tiny_model_dir, tmp_path)
+    process = None
+    try:
+        process = SGLangRouter([worker.url], tmp_path)
+        wait_for(lambda: len(process.listed()) == 1, timeout=60)
+        client = SGLangRouterEngine(process.url, tiny_model_dir, timeout_s=120.0, retries=0)
+        prompt = list(range(5, 300))
+
+        async def cached(salt: str) -> int:
+            params = SamplingParams(max_new_tokens=1, temperature=0.0, cache_salt=salt)
+            tokens = [t async for t in client.generate(prompt, params)]
+            return tokens[0].cached_prompt_tokens or 0
+
+        try:
+            assert await cached("alice-salt") == 0
+            assert await cached("bob-salt") == 0, "another user on the same worker finds nothing"
+            assert await cached("alice-salt") > 200, "the same user finds their own prefix"
+        finally:
+            await client.close()
+    finally:
+        if process is not None:
+            process.stop()
+        worker.stop()
