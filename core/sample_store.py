@@ -10,28 +10,30 @@ the admin stats summarise. Calls are blocking; async callers use `asyncio.to_thr
 from __future__ import annotations
 
 import json
-import sqlite3
 import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from nextstate.core.sqlite_store import add_missing_columns, open_sqlite, scrub
+from nextstate.core.database import Database
 from nextstate.core.types import Sample, Transition, Turn
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS transitions (
-    id INTEGER PRIMARY KEY AUTOINCREMENT,
-    created_at REAL NOT NULL,
+    id {id},
+    created_at {float} NOT NULL,
     status TEXT NOT NULL,
-    data TEXT NOT NULL
+    data TEXT NOT NULL,
+    turn_key TEXT,
+    response_id TEXT,
+    "user" TEXT
 );
 CREATE INDEX IF NOT EXISTS transitions_status ON transitions (status, id);
 CREATE TABLE IF NOT EXISTS samples (
-    id INTEGER PRIMARY KEY AUTOINCREMENT,
-    created_at REAL NOT NULL,
-    user TEXT NOT NULL,
+    id {id},
+    created_at {float} NOT NULL,
+    "user" TEXT NOT NULL,
     session_id TEXT NOT NULL,
     turn_index INTEGER NOT NULL,
     policy_version INTEGER NOT NULL,
@@ -39,28 +41,29 @@ CREATE TABLE IF NOT EXISTS samples (
     track TEXT NOT NULL,
     status TEXT NOT NULL,
     reason TEXT NOT NULL,
-    reward REAL NOT NULL,
-    data TEXT NOT NULL
+    reward {float} NOT NULL,
+    data TEXT NOT NULL,
+    response_id TEXT
 );
 CREATE INDEX IF NOT EXISTS samples_status ON samples (status, id);
-CREATE INDEX IF NOT EXISTS samples_session ON samples (user, session_id);
+CREATE INDEX IF NOT EXISTS samples_session ON samples ("user", session_id);
 CREATE TABLE IF NOT EXISTS feedback (
     response_id TEXT PRIMARY KEY,
-    user TEXT NOT NULL,
+    "user" TEXT NOT NULL,
     rating INTEGER NOT NULL,
     correction TEXT,
-    created_at REAL NOT NULL
+    created_at {float} NOT NULL
 );
 CREATE TABLE IF NOT EXISTS meta (
     key TEXT PRIMARY KEY,
     value TEXT NOT NULL
 );
 CREATE TABLE IF NOT EXISTS outcomes (
-    user TEXT NOT NULL,
+    "user" TEXT NOT NULL,
     session_id TEXT NOT NULL,
-    reward REAL NOT NULL,
-    created_at REAL NOT NULL,
-    PRIMARY KEY (user, session_id)
+    reward {float} NOT NULL,
+    created_at {float} NOT NULL,
+    PRIMARY KEY ("user", session_id)
 );
 """
 
@@ -71,6 +74,7 @@ def _turn_key(turn: Turn) -> str:
 
 _COLUMNS = ("id", "created_at", "user", "session_id", "turn_index", "policy_version", "mode", "track", "status", "reason",
             "reward", "response_id")
+_SELECTED = ", ".join(f'"{c}"' for c in _COLUMNS)  # "user" is a reserved word in PostgreSQL
 _DATA_FIELDS = ("adapter", "prompt_ids", "response_ids", "old_logprobs", "logprob_temperature", "advantages",
                 "loss_mask", "votes", "hint", "teacher_logprobs", "outcome", "feedback")
 
@@ -89,17 +93,19 @@ def _sample_from_row(row: tuple) -> Sample:
 
 
 class SampleStore:
-    def __init__(self, path: Path) -> None:
-        self._conn = open_sqlite(path, _SCHEMA, "synchronous=NORMAL")
+    def __init__(self, path: Path, database_url: str | None = None) -> None:
+        """The SQLite file at `path`, or the PostgreSQL database at `database_url` if given."""
+        self._conn = Database.open(path, _SCHEMA, "synchronous=NORMAL", url=database_url)
         # Since 0.1: one transition per turn. A turn handed over again (a crash after the judge
         # took it, before its session was saved) is recognised and not judged twice.
-        add_missing_columns(self._conn, "transitions", {"turn_key": "TEXT"})
-        self._conn.execute("CREATE UNIQUE INDEX IF NOT EXISTS transitions_turn ON transitions (turn_key)")
         # Since 0.2: feedback names a turn by the response id its client got.
-        add_missing_columns(self._conn, "transitions", {"response_id": "TEXT"})
-        add_missing_columns(self._conn, "samples", {"response_id": "TEXT"})
+        # Since 0.3: a transition's user is a column (it was read out of its JSON).
+        self._conn.add_missing_columns("transitions", {"turn_key": "TEXT", "response_id": "TEXT", '"user"': "TEXT"})
+        self._conn.add_missing_columns("samples", {"response_id": "TEXT"})
+        self._conn.execute("CREATE UNIQUE INDEX IF NOT EXISTS transitions_turn ON transitions (turn_key)")
         self._conn.execute("CREATE INDEX IF NOT EXISTS transitions_response ON transitions (response_id)")
         self._conn.execute("CREATE INDEX IF NOT EXISTS samples_response ON samples (response_id)")
+        self._conn.execute(f'UPDATE transitions SET "user" = {self._conn.json_text("data", "turn", "user")} WHERE "user" IS NULL')
         self._lock = threading.Lock()
 
     def close(self) -> None:
@@ -114,14 +120,14 @@ class SampleStore:
         `status` "unjudged" keeps a turn no judge will look at (no next state, or implicit
         judging off), so that explicit feedback can still find it by its response id."""
         with self._lock:
-            cur = self._insert_transition(transition, status, "OR IGNORE")
-        return int(cur.lastrowid) if cur.rowcount else None
+            return self._insert_transition(transition, status, " ON CONFLICT (turn_key) DO NOTHING")
 
-    def _insert_transition(self, transition: Transition, status: str, conflict: str = "") -> sqlite3.Cursor:
+    def _insert_transition(self, transition: Transition, status: str, conflict: str = "") -> int | None:
         turn = transition.turn
-        return self._conn.execute(
-            f"INSERT {conflict} INTO transitions (created_at, status, data, turn_key, response_id) VALUES (?, ?, ?, ?, ?)",
-            (time.time(), status, transition.model_dump_json(), _turn_key(turn), turn.response_id),
+        return self._conn.insert(
+            'INSERT INTO transitions (created_at, status, data, turn_key, response_id, "user") VALUES (?, ?, ?, ?, ?, ?)'
+            + conflict,
+            (time.time(), status, transition.model_dump_json(), _turn_key(turn), turn.response_id, turn.user),
         )
 
     def revise_transition(self, transition: Transition, status: str = "pending") -> int | None:
@@ -130,43 +136,34 @@ class SampleStore:
         entry, or None when it stands as it is: trained already, or rated by its user. A turn
         not in the inbox yet is simply added."""
         turn = transition.turn
-        with self._lock:
-            self._conn.execute("BEGIN IMMEDIATE")
-            try:
-                row = self._conn.execute("SELECT id FROM transitions WHERE turn_key = ?", (_turn_key(turn),)).fetchone()
-                if row is None:
-                    cur = self._insert_transition(transition, status)
-                    self._conn.execute("COMMIT")
-                    return int(cur.lastrowid)
-                rated = turn.response_id is not None and self._conn.execute(
-                    "SELECT 1 FROM feedback WHERE response_id = ? AND user = ?", (turn.response_id, turn.user)
-                ).fetchone() is not None
-                trained = self._conn.execute(
-                    "SELECT 1 FROM samples WHERE user = ? AND session_id = ? AND turn_index = ? AND status = 'consumed'",
-                    (turn.user, turn.session_id, turn.turn_index),
-                ).fetchone() is not None
-                if rated or trained:
-                    self._conn.execute("COMMIT")
-                    return None
-                self._conn.execute(
-                    "DELETE FROM samples WHERE user = ? AND session_id = ? AND turn_index = ?",
-                    (turn.user, turn.session_id, turn.turn_index),
-                )
-                self._conn.execute(
-                    "UPDATE transitions SET data = ?, status = ?, created_at = ? WHERE id = ?",
-                    (transition.model_dump_json(), status, time.time(), row[0]),
-                )
-                self._conn.execute("COMMIT")
-                return int(row[0])
-            except BaseException:
-                self._conn.execute("ROLLBACK")
-                raise
+        with self._lock, self._conn.transaction():
+            row = self._conn.execute("SELECT id FROM transitions WHERE turn_key = ?", (_turn_key(turn),)).fetchone()
+            if row is None:
+                return self._insert_transition(transition, status)
+            rated = turn.response_id is not None and self._conn.execute(
+                "SELECT 1 FROM feedback WHERE response_id = ? AND \"user\" = ?", (turn.response_id, turn.user)
+            ).fetchone() is not None
+            trained = self._conn.execute(
+                "SELECT 1 FROM samples WHERE \"user\" = ? AND session_id = ? AND turn_index = ? AND status = 'consumed'",
+                (turn.user, turn.session_id, turn.turn_index),
+            ).fetchone() is not None
+            if rated or trained:
+                return None
+            self._conn.execute(
+                "DELETE FROM samples WHERE \"user\" = ? AND session_id = ? AND turn_index = ?",
+                (turn.user, turn.session_id, turn.turn_index),
+            )
+            self._conn.execute(
+                "UPDATE transitions SET data = ?, status = ?, created_at = ? WHERE id = ?",
+                (transition.model_dump_json(), status, time.time(), row[0]),
+            )
+            return int(row[0])
 
     def find_turn(self, user: str, response_id: str) -> tuple[int, Transition] | None:
         """The stored transition of `user`'s turn that answered with `response_id`."""
         with self._lock:
             row = self._conn.execute(
-                "SELECT id, data FROM transitions WHERE response_id = ? AND json_extract(data, '$.turn.user') = ?",
+                "SELECT id, data FROM transitions WHERE response_id = ? AND \"user\" = ?",
                 (response_id, user),
             ).fetchone()
         return None if row is None else (row[0], Transition.model_validate_json(row[1]))
@@ -191,32 +188,25 @@ class SampleStore:
         outcome was posted while it was being judged, so it cannot wait forever for an outcome
         that came.
         """
-        with self._lock:
-            self._conn.execute("BEGIN IMMEDIATE")
-            try:
-                if sample.status == "awaiting_outcome" and rescore is not None:
-                    row = self._conn.execute(
-                        "SELECT reward FROM outcomes WHERE user = ? AND session_id = ?", (sample.user, sample.session_id)
-                    ).fetchone()
-                    if row is not None:
-                        sample = rescore(sample, float(row[0])) or sample
-                data = _data(sample)
-                cur = self._conn.execute(
-                    "INSERT INTO samples (created_at, user, session_id, turn_index, policy_version, mode, track, "
-                    "status, reason, reward, response_id, data) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                    (sample.created_at, sample.user, sample.session_id, sample.turn_index, sample.policy_version,
-                     sample.mode, sample.track, sample.status, sample.reason, sample.reward, sample.response_id, data),
-                )
-                if transition_id is not None:
-                    self._conn.execute("UPDATE transitions SET status = 'done' WHERE id = ?", (transition_id,))
-                self._conn.execute("COMMIT")
-            except BaseException:
-                self._conn.execute("ROLLBACK")
-                raise
-        return sample.model_copy(update={"id": int(cur.lastrowid)})
+        with self._lock, self._conn.transaction():
+            if sample.status == "awaiting_outcome" and rescore is not None:
+                row = self._conn.execute(
+                    "SELECT reward FROM outcomes WHERE \"user\" = ? AND session_id = ?", (sample.user, sample.session_id)
+                ).fetchone()
+                if row is not None:
+                    sample = rescore(sample, float(row[0])) or sample
+            sample_id = self._conn.insert(
+                "INSERT INTO samples (created_at, \"user\", session_id, turn_index, policy_version, mode, track, "
+                "status, reason, reward, response_id, data) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                (sample.created_at, sample.user, sample.session_id, sample.turn_index, sample.policy_version,
+                 sample.mode, sample.track, sample.status, sample.reason, sample.reward, sample.response_id, _data(sample)),
+            )
+            if transition_id is not None:
+                self._conn.execute("UPDATE transitions SET status = 'done' WHERE id = ?", (transition_id,))
+        return sample.model_copy(update={"id": sample_id})
 
     def _rows(self, where: str, params: tuple = (), limit: int | None = None) -> list[Sample]:
-        sql = f"SELECT {', '.join(_COLUMNS)}, data FROM samples WHERE {where} ORDER BY id"
+        sql = f"SELECT {_SELECTED}, data FROM samples WHERE {where} ORDER BY id"
         if limit is not None:
             sql += f" LIMIT {int(limit)}"
         with self._lock:
@@ -224,7 +214,7 @@ class SampleStore:
         return [_sample_from_row(row) for row in rows]
 
     def sample_for_response(self, user: str, response_id: str) -> Sample | None:
-        found = self._rows("user = ? AND response_id = ?", (user, response_id), 1)
+        found = self._rows('"user" = ? AND response_id = ?', (user, response_id), 1)
         return found[0] if found else None
 
     def judging_state(self, user: str, response_id: str | None, session_id: str) -> tuple[bool, float | None]:
@@ -232,7 +222,7 @@ class SampleStore:
         the reply has a sample already (its user rated it), and its session's outcome."""
         with self._lock:
             rated = bool(response_id) and self._conn.execute(
-                "SELECT 1 FROM samples WHERE user = ? AND response_id = ? LIMIT 1", (user, response_id)
+                "SELECT 1 FROM samples WHERE \"user\" = ? AND response_id = ? LIMIT 1", (user, response_id)
             ).fetchone() is not None
         return rated, self.get_outcome(user, session_id)
 
@@ -253,7 +243,7 @@ class SampleStore:
         """Keep a rating (a second one replaces the first) before it is applied."""
         with self._lock:
             self._conn.execute(
-                "INSERT INTO feedback (response_id, user, rating, correction, created_at) VALUES (?, ?, ?, ?, ?) "
+                "INSERT INTO feedback (response_id, \"user\", rating, correction, created_at) VALUES (?, ?, ?, ?, ?) "
                 "ON CONFLICT (response_id) DO UPDATE SET rating = excluded.rating, correction = excluded.correction, "
                 "created_at = excluded.created_at",
                 (response_id, user, rating, correction, time.time()),
@@ -262,7 +252,7 @@ class SampleStore:
     def get_feedback(self, user: str, response_id: str) -> dict[str, Any] | None:
         with self._lock:
             row = self._conn.execute(
-                "SELECT rating, correction FROM feedback WHERE response_id = ? AND user = ?", (response_id, user)
+                "SELECT rating, correction FROM feedback WHERE response_id = ? AND \"user\" = ?", (response_id, user)
             ).fetchone()
         return None if row is None else {"rating": int(row[0]), "correction": row[1]}
 
@@ -272,21 +262,21 @@ class SampleStore:
         return self._rows("status = ?", (status,), limit)
 
     def session_samples(self, user: str, session_id: str) -> list[Sample]:
-        return self._rows("user = ? AND session_id = ?", (user, session_id))
+        return self._rows('"user" = ? AND session_id = ?', (user, session_id))
 
     def ready_samples(self, limit: int, user: str | None = None) -> list[Sample]:
         """The oldest samples ready to train, of one user or of everyone."""
         if user is None:
             return self._rows("status = 'ready'", (), limit)
-        return self._rows("status = 'ready' AND user = ?", (user,), limit)
+        return self._rows("status = 'ready' AND \"user\" = ?", (user,), limit)
 
     def recent_samples(self, limit: int, user: str | None = None, exclude: set[int] | frozenset = frozenset()) -> list[Sample]:
         """The newest accepted samples (ready or trained), of one user or of everyone, newest
         first: what the publish gate holds out."""
         where, params = "status IN ('ready', 'consumed')", ()
         if user is not None:
-            where, params = where + " AND user = ?", (user,)
-        sql = f"SELECT {', '.join(_COLUMNS)}, data FROM samples WHERE {where} ORDER BY id DESC LIMIT {int(limit + len(exclude))}"
+            where, params = where + " AND \"user\" = ?", (user,)
+        sql = f"SELECT {_SELECTED}, data FROM samples WHERE {where} ORDER BY id DESC LIMIT {int(limit + len(exclude))}"
         with self._lock:
             rows = self._conn.execute(sql, params).fetchall()
         return [s for s in map(_sample_from_row, rows) if s.id not in exclude][:limit]
@@ -295,14 +285,14 @@ class SampleStore:
         """Users with samples ready to train, or with samples trained that were made since `since`."""
         with self._lock:
             rows = self._conn.execute(
-                "SELECT DISTINCT user FROM samples WHERE status = 'ready' OR (status = 'consumed' AND created_at >= ?)",
+                "SELECT DISTINCT \"user\" FROM samples WHERE status = 'ready' OR (status = 'consumed' AND created_at >= ?)",
                 (since,),
             ).fetchall()
         return {user for (user,) in rows}
 
     def ready_counts_by_user(self) -> dict[str, int]:
         with self._lock:
-            rows = self._conn.execute("SELECT user, COUNT(*) FROM samples WHERE status = 'ready' GROUP BY user ORDER BY MIN(id)").fetchall()
+            rows = self._conn.execute("SELECT \"user\", COUNT(*) FROM samples WHERE status = 'ready' GROUP BY \"user\" ORDER BY MIN(id)").fetchall()
         return {user: count for user, count in rows}
 
     def mark_consumed(self, ids: list[int]) -> None:
@@ -321,40 +311,34 @@ class SampleStore:
     def get_outcome(self, user: str, session_id: str) -> float | None:
         with self._lock:
             row = self._conn.execute(
-                "SELECT reward FROM outcomes WHERE user = ? AND session_id = ?", (user, session_id)
+                "SELECT reward FROM outcomes WHERE \"user\" = ? AND session_id = ?", (user, session_id)
             ).fetchone()
         return None if row is None else float(row[0])
 
     def set_outcome(self, user: str, session_id: str, outcome: float, rescore: Rescore) -> int:
         """Record a session's outcome and pass its not-yet-trained samples through `rescore`,
         atomically. Returns how many samples changed."""
-        with self._lock:
-            self._conn.execute("BEGIN IMMEDIATE")
-            try:
+        with self._lock, self._conn.transaction():
+            self._conn.execute(
+                "INSERT INTO outcomes (\"user\", session_id, reward, created_at) VALUES (?, ?, ?, ?) "
+                "ON CONFLICT (\"user\", session_id) DO UPDATE SET reward = excluded.reward, created_at = excluded.created_at",
+                (user, session_id, outcome, time.time()),
+            )
+            rows = self._conn.execute(
+                f"SELECT {_SELECTED}, data FROM samples WHERE \"user\" = ? AND session_id = ? "
+                "AND status IN ('ready', 'awaiting_outcome') ORDER BY id",
+                (user, session_id),
+            ).fetchall()
+            updated = 0
+            for sample in map(_sample_from_row, rows):
+                changed = rescore(sample, outcome)
+                if changed is None:
+                    continue
+                updated += 1
                 self._conn.execute(
-                    "INSERT INTO outcomes (user, session_id, reward, created_at) VALUES (?, ?, ?, ?) "
-                    "ON CONFLICT (user, session_id) DO UPDATE SET reward = excluded.reward, created_at = excluded.created_at",
-                    (user, session_id, outcome, time.time()),
+                    "UPDATE samples SET status = ?, track = ?, reason = ?, reward = ?, data = ? WHERE id = ?",
+                    (changed.status, changed.track, changed.reason, changed.reward, _data(changed), sample.id),
                 )
-                rows = self._conn.execute(
-                    f"SELECT {', '.join(_COLUMNS)}, data FROM samples WHERE user = ? AND session_id = ? "
-                    "AND status IN ('ready', 'awaiting_outcome') ORDER BY id",
-                    (user, session_id),
-                ).fetchall()
-                updated = 0
-                for sample in map(_sample_from_row, rows):
-                    changed = rescore(sample, outcome)
-                    if changed is None:
-                        continue
-                    updated += 1
-                    self._conn.execute(
-                        "UPDATE samples SET status = ?, track = ?, reason = ?, reward = ?, data = ? WHERE id = ?",
-                        (changed.status, changed.track, changed.reason, changed.reward, _data(changed), sample.id),
-                    )
-                self._conn.execute("COMMIT")
-            except BaseException:
-                self._conn.execute("ROLLBACK")
-                raise
         return updated
 
     def session_expects_outcome(self, user: str, session_id: str) -> bool:
@@ -362,14 +346,14 @@ class SampleStore:
         the outcome track)."""
         with self._lock:
             row = self._conn.execute(
-                "SELECT 1 FROM samples WHERE user = ? AND session_id = ? AND track = 'outcome' LIMIT 1", (user, session_id)
+                "SELECT 1 FROM samples WHERE \"user\" = ? AND session_id = ? AND track = 'outcome' LIMIT 1", (user, session_id)
             ).fetchone()
         return row is not None
 
     def session_known(self, user: str, session_id: str) -> bool:
         with self._lock:
             row = self._conn.execute(
-                "SELECT 1 FROM samples WHERE user = ? AND session_id = ? LIMIT 1", (user, session_id)
+                "SELECT 1 FROM samples WHERE \"user\" = ? AND session_id = ? LIMIT 1", (user, session_id)
             ).fetchone()
         return row is not None
 
@@ -378,19 +362,10 @@ class SampleStore:
     def forget(self, user: str) -> int:
         """Delete everything of `user`: samples, outcomes, the judge's inbox. Returns the count."""
         with self._lock:
-            self._conn.execute("BEGIN IMMEDIATE")
-            try:
-                count = self._conn.execute("DELETE FROM samples WHERE user = ?", (user,)).rowcount
-                count += self._conn.execute("DELETE FROM outcomes WHERE user = ?", (user,)).rowcount
-                count += self._conn.execute("DELETE FROM feedback WHERE user = ?", (user,)).rowcount
-                count += self._conn.execute(
-                    "DELETE FROM transitions WHERE json_extract(data, '$.turn.user') = ?", (user,)
-                ).rowcount
-                self._conn.execute("COMMIT")
-            except BaseException:
-                self._conn.execute("ROLLBACK")
-                raise
-            scrub(self._conn)
+            with self._conn.transaction():
+                count = sum(self._conn.execute(f'DELETE FROM {table} WHERE "user" = ?', (user,)).rowcount
+                            for table in ("samples", "outcomes", "feedback", "transitions"))
+            self._conn.scrub()
         return count
 
     def expire(self, before: float) -> int:
@@ -427,14 +402,16 @@ class SampleStore:
         """Per adapter scope ("shared", or each user with per-user adapters) and policy version
         that served the turns: samples by status, mean reward of the accepted ones, and the
         explicit ratings among them."""
-        scope = "user" if per_user else "'shared'"
+        scope = '"user"' if per_user else "'shared'"
+        group = '"user", policy_version' if per_user else "policy_version"  # PostgreSQL groups by no constant
+        rating = f"CAST({self._conn.json_text('data', 'feedback', 'rating')} AS INTEGER)"
         with self._lock:
             rows = self._conn.execute(
                 f"SELECT {scope}, policy_version, COUNT(*), "
-                "SUM(status != 'dropped'), SUM(status = 'dropped'), "
+                "COUNT(*) FILTER (WHERE status != 'dropped'), COUNT(*) FILTER (WHERE status = 'dropped'), "
                 "AVG(CASE WHEN status != 'dropped' THEN reward END), "
-                "SUM(json_extract(data, '$.feedback.rating') = 1), SUM(json_extract(data, '$.feedback.rating') = -1) "
-                f"FROM samples GROUP BY {scope}, policy_version ORDER BY {scope}, policy_version"
+                f"COUNT(*) FILTER (WHERE {rating} = 1), COUNT(*) FILTER (WHERE {rating} = -1) "
+                f"FROM samples GROUP BY {group} ORDER BY {group}"
             ).fetchall()
         return [
             {"scope": sc, "policy_version": v, "samples": n, "accepted": int(acc or 0), "dropped": int(drop or 0),
@@ -446,7 +423,7 @@ class SampleStore:
     def feedback_counts(self) -> dict[str, int]:
         with self._lock:
             up, down, corrections = self._conn.execute(
-                "SELECT SUM(rating = 1), SUM(rating = -1), SUM(correction IS NOT NULL) FROM feedback"
+                "SELECT COUNT(*) FILTER (WHERE rating = 1), COUNT(*) FILTER (WHERE rating = -1), COUNT(correction) FROM feedback"
             ).fetchone()
         return {"up": int(up or 0), "down": int(down or 0), "with_correction": int(corrections or 0)}
 

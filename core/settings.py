@@ -75,6 +75,10 @@ class ServerSettings(BaseSettings):
         records_retention_days: how long conversations are kept (records, samples, the judge's
             inbox); 0 keeps everything. `nextstate forget --user NAME` deletes one user's data.
         data_dir: keys, samples, records, adapters and the converted default model.
+        database_url: a PostgreSQL database (`postgresql://user:password@host/db`) that keeps
+            what would be `samples.sqlite3` — the judge's inbox, samples, feedback, outcomes —
+            so that several nextstate processes, on several machines, share it. So far only
+            that store moves there; keys, sessions and stored responses stay in the data dir.
         default_max_tokens: reply length limit when a request sets none.
         stream_keepalive_s: a stream starts as soon as the engine takes the request; while a
             long prompt is prefilled (a minute on a CPU), it sends an SSE comment this often,
@@ -95,6 +99,9 @@ class ServerSettings(BaseSettings):
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)
     data_dir: Path = Path("~/.nextstate")
+    database_url: str | None = Field(
+        None, description="postgresql://... keeps the judge's inbox, samples, feedback and outcomes there; unset = SQLite."
+    )
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     metrics_public: bool = Field(False, description="Serve /metrics without a key (default: an admin key is needed).")
     docs: bool = Field(False, description="Serve the interactive API docs (/docs, /redoc, /openapi.json).")
@@ -136,6 +143,13 @@ class ServerSettings(BaseSettings):
     @classmethod
     def _compiles(cls, value: list[str]) -> list[str]:
         return _compiled(value)
+
+    @field_validator("database_url")
+    @classmethod
+    def _postgres_only(cls, url: str | None) -> str | None:
+        if url and url.split("://", 1)[0] not in ("postgresql", "postgres"):
+            raise ValueError("NEXTSTATE_DATABASE_URL must be a postgresql:// URL (unset: SQLite in the data dir)")
+        return url or None
 
     @field_validator("data_dir")
     @classmethod

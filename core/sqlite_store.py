@@ -36,5 +36,5 @@ def add_missing_columns(conn: sqlite3.Connection, table: str, columns: dict[str,
     """Add each column (name: SQL type) that `table` lacks."""
     present = {row[1] for row in conn.execute(f"PRAGMA table_info({table})")}
     for column, kind in columns.items():
-        if column not in present:
+        if column.strip('"') not in present:  # a name may come quoted ("user")
             conn.execute(f"ALTER TABLE {table} ADD COLUMN {column} {kind}")

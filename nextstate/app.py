@@ -145,7 +145,7 @@ def create_app(settings: Settings | None = None, *, engine_factory: EngineFactor
         model_name = settings.engine.served_model_name or model_dir.name
         prompts = PromptLibrary(settings.judge.prompts_dir)
         keys = KeyStore(settings.keys_db)
-        samples = SampleStore(settings.samples_db)
+        samples = SampleStore(settings.samples_db, settings.server.database_url)
         records = RecordWriter(settings.records_dir)
         await records.start()
         metrics = Metrics()

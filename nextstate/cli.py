@@ -151,7 +151,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     running = running_server(settings)
     where = f"{settings.data_dir}, " + (f"server running (pid {running['pid']}, port {running['port']})" if running
                                         else "server not running")
-    store = SampleStore(settings.samples_db)
+    store = SampleStore(settings.samples_db, settings.server.database_url)
     try:
         report = progress_report(store, AdapterVersions(settings.adapters_dir), mode=settings.judge.mode,
                                  per_user=settings.learner.adapter_scope == "user",

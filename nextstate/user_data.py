@@ -153,7 +153,7 @@ USER_DATA: tuple[UserDataStore, ...] = (
     UserDataStore("keys", _forget_keys, _offline(lambda st: KeyStore(st.keys_db), KeyStore.forget), close=_close_keys),
     UserDataStore("sessions", _forget_sessions, _offline(lambda st: SessionDB(st.sessions_db), _forget_sessions_offline),
                   close=_close_sessions),
-    UserDataStore("samples", _forget_samples, _offline(lambda st: SampleStore(st.samples_db), SampleStore.forget),
+    UserDataStore("samples", _forget_samples, _offline(lambda st: SampleStore(st.samples_db, st.server.database_url), SampleStore.forget),
                   expire=_expire_samples, close=_close_samples),
     UserDataStore("records", _forget_records, _forget_records_offline, expire=_expire_records, close=_close_records),
     UserDataStore("responses", _forget_responses, _offline(lambda st: ResponseStore(st.responses_db), ResponseStore.forget),

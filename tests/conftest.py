@@ -108,3 +108,23 @@ def raw_post(server: RunningServer, body, key: str | None, headers: dict | None 
         h["Authorization"] = f"Bearer {key}"
     content = body if isinstance(body, (str, bytes)) else json.dumps(body)
     return httpx.post(f"{server.base_url}/chat/completions", content=content, headers=h, timeout=60)
+
+
+@pytest.fixture(scope="session")
+def postgres():
+    """A real PostgreSQL server for the session (tests/real_engines/postgres_server.py)."""
+    from tests.real_engines.postgres_server import PostgresServer
+
+    server = PostgresServer()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+def database_url(request) -> str | None:
+    """Each backend a store runs on: None (its SQLite file) or a fresh PostgreSQL database."""
+    if request.param == "sqlite":
+        return None
+    import uuid
+
+    return request.getfixturevalue("postgres").fresh_database(f"t{uuid.uuid4().hex[:12]}")

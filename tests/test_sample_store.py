@@ -1,0 +1,155 @@
+"""The sample store — the judge's inbox, samples, feedback, outcomes — on both backends: its
+SQLite file (the default) and PostgreSQL (NEXTSTATE_DATABASE_URL), with the same tests. On
+PostgreSQL two stores are two processes' views of one database: what one writes, the other reads.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from nextstate.core.sample_store import SampleStore
+from nextstate.core.types import NextState, Sample, Transition, Turn
+from nextstate.judge.advantages import with_outcome
+
+
+@pytest.fixture
+def open_store(tmp_path, database_url):
+    opened = []
+
+    def open_() -> SampleStore:
+        opened.append(SampleStore(tmp_path / "samples.sqlite3", database_url))
+        return opened[-1]
+
+    yield open_
+    for store in opened:
+        store.close()
+
+
+def turn(user: str = "alice", index: int = 1, session: str = "s1") -> Turn:
+    return Turn(session_id=session, user=user, turn_index=index, messages=[{"role": "user", "content": "hi"}],
+                prompt_ids=[1, 2], response_ids=[3], response_logprobs=[-0.5], logprob_temperature=1.0, sampling={},
+                policy_version=0, adapter=None, response_message={"role": "assistant", "content": "x"},
+                finish_reason="stop", created_at=1.0, response_id=f"chatcmpl-{user}-{session}-{index}")
+
+
+def transition(t: Turn) -> Transition:
+    return Transition(turn=t, next_state=NextState(messages=[{"role": "user", "content": "thanks"}]), reason="next_state")
+
+
+def sample(user: str = "alice", index: int = 1, status: str = "ready", reward: float = 1.0, session: str = "s1",
+           feedback=None, track: str = "personal") -> Sample:
+    return Sample(user=user, session_id=session, turn_index=index, policy_version=0, adapter=None, mode="binary",
+                  track=track, status=status, prompt_ids=[1, 2], response_ids=[3], old_logprobs=[-0.5],
+                  logprob_temperature=1.0, advantages=[reward], loss_mask=[1], reward=reward, votes=[1, 1, None],
+                  created_at=1234567890.123456, response_id=f"chatcmpl-{user}-{session}-{index}", feedback=feedback)
+
+
+def test_the_inbox_keeps_each_turn_once_and_finds_it_by_response_id(open_store):
+    store = open_store()
+    first = store.add_transition(transition(turn()))
+    assert first is not None and store.add_transition(transition(turn())) is None
+    other = store.add_transition(transition(turn("bob")))
+    assert [i for i, _ in store.pending_transitions()] == [first, other]
+    found = store.find_turn("alice", "chatcmpl-alice-s1-1")
+    assert found is not None and found[0] == first and found[1].turn.user == "alice"
+    assert store.find_turn("bob", "chatcmpl-alice-s1-1") is None, "a user finds only their own turns"
+    stored = store.add_sample(sample(), transition_id=first)
+    assert stored.id is not None and [i for i, _ in store.pending_transitions()] == [other]
+    assert store.sample_for_response("alice", "chatcmpl-alice-s1-1").created_at == 1234567890.123456
+
+
+def test_a_revised_next_state_replaces_an_untrained_judgement_but_not_a_trained_one(open_store):
+    store = open_store()
+    tid = store.add_transition(transition(turn()))
+    store.add_sample(sample(), transition_id=tid)
+    assert store.revise_transition(transition(turn())) == tid
+    assert store.session_samples("alice", "s1") == [] and [i for i, _ in store.pending_transitions()] == [tid]
+    trained = store.add_sample(sample(), transition_id=tid)
+    store.mark_consumed([trained.id])
+    assert store.revise_transition(transition(turn())) is None
+
+
+def test_samples_flow_from_ready_to_trained_in_order(open_store):
+    store = open_store()
+    ids = [store.add_sample(sample(index=i, user=u)).id for i, u in ((1, "alice"), (2, "bob"), (3, "alice"))]
+    assert ids == sorted(ids)
+    assert [s.id for s in store.ready_samples(10)] == ids
+    assert [s.id for s in store.ready_samples(10, user="alice")] == [ids[0], ids[2]]
+    assert store.ready_counts_by_user() == {"alice": 2, "bob": 1}
+    store.mark_consumed(ids[:1])
+    store.mark_dropped(ids[1:2], "not finite")
+    assert [s.id for s in store.ready_samples(10)] == ids[2:]
+    assert [s.id for s in store.recent_samples(5)] == [ids[2], ids[0]]
+    assert store.training_users(since=0) == {"alice"}
+    assert store.samples("dropped")[0].reason == "not finite"
+
+
+def test_feedback_outcomes_and_stats(open_store):
+    store = open_store()
+    store.set_feedback("alice", "r1", 1, None)
+    store.set_feedback("alice", "r1", -1, "say it shorter")  # a second rating replaces the first
+    assert store.get_feedback("alice", "r1") == {"rating": -1, "correction": "say it shorter"}
+    assert store.get_feedback("bob", "r1") is None
+    assert store.feedback_counts() == {"up": 0, "down": 1, "with_correction": 1}
+    store.add_sample(sample(feedback={"rating": 1}))
+    store.add_sample(sample(index=2, status="dropped", reward=0.0))
+    waiting = store.add_sample(sample(index=3, status="awaiting_outcome", reward=0.0, track="outcome", session="s2"))
+    assert store.set_outcome("alice", "s2", 1.0, with_outcome) == 1
+    assert store.get_outcome("alice", "s2") == 1.0 and store.session_expects_outcome("alice", "s2")
+    assert store.sample_for_response("alice", waiting.response_id).status == "ready"
+    [row] = store.by_version()
+    assert (row["samples"], row["accepted"], row["dropped"], row["feedback_up"]) == (3, 2, 1, 1)
+    stats = store.stats()
+    assert stats["modes"]["binary"] == {"judged": 3, "accepted": 2, "dropped": 1, "awaiting_outcome": 0}
+    store.set_meta("calibration", {"passed": True})
+    assert store.get_meta("calibration") == {"passed": True}
+
+
+def test_forget_takes_everything_of_one_user_and_nothing_else(open_store):
+    store = open_store()
+    for user in ("alice", "bob"):
+        store.add_transition(transition(turn(user)))
+        store.add_sample(sample(user))
+        store.set_feedback(user, f"r-{user}", 1, None)
+        store.set_outcome(user, "s1", 1.0, with_outcome)
+    assert store.forget("alice") == 4
+    assert store.session_samples("alice", "s1") == [] and store.find_turn("alice", "chatcmpl-alice-s1-1") is None
+    assert store.get_outcome("alice", "s1") is None and store.get_feedback("alice", "r-alice") is None
+    assert len(store.session_samples("bob", "s1")) == 1 and store.find_turn("bob", "chatcmpl-bob-s1-1") is not None
+
+
+def test_two_stores_on_one_database_see_each_others_writes(open_store):
+    """Two processes (a proxy and a learner, say) open the same database: samples one judges,
+    the other trains on; what the learner marks trained, the proxy sees as trained."""
+    judge_side, learner_side = open_store(), open_store()
+    stored = judge_side.add_sample(sample())
+    assert [s.id for s in learner_side.ready_samples(10)] == [stored.id]
+    learner_side.mark_consumed([stored.id])
+    assert judge_side.ready_samples(10) == [] and judge_side.samples("consumed")[0].id == stored.id
+
+
+def test_a_server_on_postgres_keeps_its_samples_there_and_forgets_them_there(server_factory, postgres):
+    """NEXTSTATE_DATABASE_URL: a rated reply's sample is in PostgreSQL, where another process
+    (a learner elsewhere) reads it; `forget` deletes it there."""
+    from tests.test_feedback import rate
+    from tests.test_learner import learning_server
+
+    url = postgres.fresh_database("serving")
+    server = learning_server(server_factory, learn=False, database_url=url)
+    alice = server.key("alice")
+    reply = server.client(alice).chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
+                                                          max_tokens=3)
+    assert rate(server, alice, reply.id, 1).status_code == 200
+    elsewhere = SampleStore(server.settings.data_dir / "unused.sqlite3", url)
+    try:
+        found = elsewhere.sample_for_response("alice", reply.id)
+        assert found is not None and (found.status, found.reward) == ("ready", 1.0)
+        assert not (server.settings.samples_db).exists(), "nothing in the data dir's SQLite file"
+        admin = server.key("root", admin=True)
+        import httpx
+
+        answer = httpx.delete(f"{server.base_url}/admin/users/alice", headers={"Authorization": f"Bearer {admin}"}, timeout=60)
+        assert answer.status_code == 200, answer.text
+        assert elsewhere.sample_for_response("alice", reply.id) is None
+    finally:
+        elsewhere.close()
