@@ -101,6 +101,12 @@ class Database:
             raise
         self._conn.execute("COMMIT")
 
+    @property
+    def skip_locked(self) -> str:
+        """What ends a `SELECT` whose rows a transaction takes for itself: PostgreSQL locks them
+        and skips those another holds; SQLite's BEGIN IMMEDIATE already admits one writer."""
+        return " FOR UPDATE SKIP LOCKED" if self.dialect == "postgres" else ""
+
     def json_text(self, column: str, *path: str) -> str:
         """SQL for the text of a field of a JSON column (`path` names the keys from the top)."""
         if self.dialect == "postgres":

@@ -2,7 +2,12 @@
 
 Two queues live here. `transitions` is the judge's inbox: a (turn, next state) pair is
 written before it is judged and marked done in the same transaction that stores its sample,
-so a crash mid-judgement re-judges it on restart instead of losing it. `samples` holds every
+so a crash mid-judgement re-judges it on restart instead of losing it. Several processes may
+share the inbox (PostgreSQL, NEXTSTATE_DATABASE_URL): each transition is claimed by one worker
+for a lease (`LEASE_S`), the one that wrote it first; a worker claims at start what is
+unclaimed, its own from before a restart, or left by a worker whose lease ran out (it died), and
+a judgement is stored only while its worker still holds the claim, so no turn is judged into
+two samples. `samples` holds every
 judged turn, accepted or dropped (with the reason), which the learner consumes in order and
 the admin stats summarise. Calls are blocking; async callers use `asyncio.to_thread`.
 """
@@ -27,7 +32,9 @@ CREATE TABLE IF NOT EXISTS transitions (
     data TEXT NOT NULL,
     turn_key TEXT,
     response_id TEXT,
-    "user" TEXT
+    "user" TEXT,
+    claimed_by TEXT,
+    claimed_until {float}
 );
 CREATE INDEX IF NOT EXISTS transitions_status ON transitions (status, id);
 CREATE TABLE IF NOT EXISTS samples (
@@ -67,6 +74,11 @@ CREATE TABLE IF NOT EXISTS outcomes (
 );
 """
 
+# How long a worker's claim on a transition lasts. Long enough for a slow judge (a CPU judge
+# takes minutes); a worker that died has its transitions judged by another after this.
+LEASE_S = 900.0
+
+
 def _turn_key(turn: Turn) -> str:
     """A turn's identity in the inbox: the inbox keeps each turn once."""
     return f"{turn.user}\x1f{turn.session_id}\x1f{turn.turn_index}"
@@ -93,14 +105,20 @@ def _sample_from_row(row: tuple) -> Sample:
 
 
 class SampleStore:
-    def __init__(self, path: Path, database_url: str | None = None) -> None:
-        """The SQLite file at `path`, or the PostgreSQL database at `database_url` if given."""
+    def __init__(self, path: Path, database_url: str | None = None, worker: str = "") -> None:
+        """The SQLite file at `path`, or the PostgreSQL database at `database_url` if given.
+        `worker` names this process among those sharing the database (its claims); the same
+        name after a restart takes its claims back at once."""
+        self.worker = worker
         self._conn = Database.open(path, _SCHEMA, "synchronous=NORMAL", url=database_url)
         # Since 0.1: one transition per turn. A turn handed over again (a crash after the judge
         # took it, before its session was saved) is recognised and not judged twice.
         # Since 0.2: feedback names a turn by the response id its client got.
         # Since 0.3: a transition's user is a column (it was read out of its JSON).
-        self._conn.add_missing_columns("transitions", {"turn_key": "TEXT", "response_id": "TEXT", '"user"': "TEXT"})
+        # Since 0.4: claims, so that several processes share the inbox.
+        self._conn.add_missing_columns("transitions", {"turn_key": "TEXT", "response_id": "TEXT", '"user"': "TEXT",
+                                                       "claimed_by": "TEXT", "claimed_until": "REAL" if
+                                                       self._conn.dialect == "sqlite" else "DOUBLE PRECISION"})
         self._conn.add_missing_columns("samples", {"response_id": "TEXT"})
         self._conn.execute("CREATE UNIQUE INDEX IF NOT EXISTS transitions_turn ON transitions (turn_key)")
         self._conn.execute("CREATE INDEX IF NOT EXISTS transitions_response ON transitions (response_id)")
@@ -123,11 +141,15 @@ class SampleStore:
             return self._insert_transition(transition, status, " ON CONFLICT (turn_key) DO NOTHING")
 
     def _insert_transition(self, transition: Transition, status: str, conflict: str = "") -> int | None:
+        """Insert it, claimed by this worker (who judges what it hands over); a store opened
+        without a worker name (a tool, a test) leaves it for any worker to claim."""
         turn = transition.turn
+        now = time.time()
+        owner, until = self._claim(now)
         return self._conn.insert(
-            'INSERT INTO transitions (created_at, status, data, turn_key, response_id, "user") VALUES (?, ?, ?, ?, ?, ?)'
-            + conflict,
-            (time.time(), status, transition.model_dump_json(), _turn_key(turn), turn.response_id, turn.user),
+            'INSERT INTO transitions (created_at, status, data, turn_key, response_id, "user", claimed_by, claimed_until) '
+            "VALUES (?, ?, ?, ?, ?, ?, ?, ?)" + conflict,
+            (now, status, transition.model_dump_json(), _turn_key(turn), turn.response_id, turn.user, owner, until),
         )
 
     def revise_transition(self, transition: Transition, status: str = "pending") -> int | None:
@@ -153,9 +175,10 @@ class SampleStore:
                 "DELETE FROM samples WHERE \"user\" = ? AND session_id = ? AND turn_index = ?",
                 (turn.user, turn.session_id, turn.turn_index),
             )
+            now = time.time()
             self._conn.execute(
-                "UPDATE transitions SET data = ?, status = ?, created_at = ? WHERE id = ?",
-                (transition.model_dump_json(), status, time.time(), row[0]),
+                "UPDATE transitions SET data = ?, status = ?, created_at = ?, claimed_by = ?, claimed_until = ? WHERE id = ?",
+                (transition.model_dump_json(), status, now, *self._claim(now), row[0]),
             )
             return int(row[0])
 
@@ -174,21 +197,50 @@ class SampleStore:
         with self._lock:
             self._conn.execute("UPDATE transitions SET status = ? WHERE id = ? AND status = 'pending'", (status, transition_id))
 
+    def _claim(self, now: float) -> tuple[str | None, float | None]:
+        """(claimed_by, claimed_until) of what this worker writes: its own, or nobody's."""
+        return (self.worker, now + LEASE_S) if self.worker else (None, None)
+
     def pending_transitions(self) -> list[tuple[int, Transition]]:
         with self._lock:
             rows = self._conn.execute("SELECT id, data FROM transitions WHERE status = 'pending' ORDER BY id").fetchall()
         return [(row[0], Transition.model_validate_json(row[1])) for row in rows]
 
+    def claim_pending(self, now: float | None = None) -> list[tuple[int, Transition]]:
+        """Claim for this worker the pending transitions no live worker holds: unclaimed, its
+        own (it restarted), or claimed by a worker whose lease ran out (it died). Workers that
+        claim at once get disjoint sets (PostgreSQL skips rows another holds locked; SQLite
+        takes them one writer at a time)."""
+        now = time.time() if now is None else now
+        with self._lock, self._conn.transaction():
+            rows = self._conn.execute(
+                "UPDATE transitions SET claimed_by = ?, claimed_until = ? WHERE id IN ("
+                "SELECT id FROM transitions WHERE status = 'pending' "
+                "AND (claimed_by IS NULL OR claimed_by = ? OR claimed_until IS NULL OR claimed_until < ?)"
+                f"{self._conn.skip_locked}) RETURNING id, data",
+                (self.worker, now + LEASE_S, self.worker, now),
+            ).fetchall()
+        return sorted((int(row[0]), Transition.model_validate_json(row[1])) for row in rows)
+
     # ---------------------------------------------------------------- samples
 
-    def add_sample(self, sample: Sample, transition_id: int | None = None, rescore: Rescore | None = None) -> Sample:
-        """Store a judged sample and close its transition, atomically.
+    def add_sample(self, sample: Sample, transition_id: int | None = None, rescore: Rescore | None = None,
+                   claimed: bool = False) -> Sample | None:
+        """Store a judged sample and close its transition, atomically. `claimed`: the judge's
+        own judgement of the transition, stored only while this worker holds its claim (None
+        when another worker took it over, its lease having run out).
 
         A sample waiting for its session's outcome is passed through `rescore` here if the
         outcome was posted while it was being judged, so it cannot wait forever for an outcome
         that came.
         """
         with self._lock, self._conn.transaction():
+            if claimed and transition_id is not None and self._conn.execute(
+                "UPDATE transitions SET status = 'done' WHERE id = ? AND status = 'pending' "
+                "AND (claimed_by = ? OR claimed_by IS NULL)",
+                (transition_id, self.worker),
+            ).rowcount != 1:
+                return None
             if sample.status == "awaiting_outcome" and rescore is not None:
                 row = self._conn.execute(
                     "SELECT reward FROM outcomes WHERE \"user\" = ? AND session_id = ?", (sample.user, sample.session_id)

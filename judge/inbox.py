@@ -32,8 +32,9 @@ class JudgeInbox:
         self._arriving: dict[str, Transition] = {}
 
     async def resume(self) -> int:
-        """Judge again what a previous run took but did not finish; returns how many."""
-        pending = await asyncio.to_thread(self.store.pending_transitions)
+        """Judge again what a previous run took but did not finish — this worker's, and any a
+        worker sharing the database left when it died — and returns how many."""
+        pending = await asyncio.to_thread(self.store.claim_pending)
         for transition_id, transition in pending:
             self.tasks.spawn(self._judge(transition_id, transition))
         if pending:

@@ -155,10 +155,14 @@ class Judge:
         # the votes came back while users may be waiting: storing can wait for a quiet moment too
         await self.quiet()
         try:
-            sample = await self._samples.write(self.store.add_sample, sample, transition_id, with_outcome)
+            stored = await self._samples.write(self.store.add_sample, sample, transition_id, with_outcome, True)
         except Exception:  # noqa: BLE001 - beyond the disk waiting room, or a bug: logged, the rest goes on
             log.exception("could not store a sample")
             return
+        if stored is None:  # our claim ran out and another worker judged it (a shared database)
+            log.warning("transition %s was judged by another worker; this judgement is dropped", transition_id)
+            return
+        sample = stored
         seconds = time.monotonic() - started
         self.stats.sample_seconds.append(seconds)
         turn = transition.turn
@@ -178,9 +182,11 @@ class Judge:
     async def store_sample(self, sample: Sample, transition_id: int | None = None) -> Sample:
         """Store a sample made outside a judgement (a rating, an episode's last step), closing
         its inbox entry if one is named, and tell the learner."""
-        sample = await self._samples.write(self.store.add_sample, sample, transition_id, with_outcome)
-        self.notify(sample)
-        return sample
+        stored = await self._samples.write(self.store.add_sample, sample, transition_id, with_outcome)
+        if stored is None:  # only a claimed judgement is ever refused
+            raise RuntimeError("the sample store refused an unclaimed sample")
+        self.notify(stored)
+        return stored
 
     async def durable_write(self, fn: Callable[..., T], *args: Any) -> T:
         """A write to the sample store that a full disk delays instead of losing (core/durable.py)."""

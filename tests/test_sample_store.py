@@ -16,8 +16,8 @@ from nextstate.judge.advantages import with_outcome
 def open_store(tmp_path, database_url):
     opened = []
 
-    def open_() -> SampleStore:
-        opened.append(SampleStore(tmp_path / "samples.sqlite3", database_url))
+    def open_(worker: str = "w1") -> SampleStore:
+        opened.append(SampleStore(tmp_path / "samples.sqlite3", database_url, worker=worker))
         return opened[-1]
 
     yield open_
@@ -126,6 +126,57 @@ def test_two_stores_on_one_database_see_each_others_writes(open_store):
     assert [s.id for s in learner_side.ready_samples(10)] == [stored.id]
     learner_side.mark_consumed([stored.id])
     assert judge_side.ready_samples(10) == [] and judge_side.samples("consumed")[0].id == stored.id
+
+
+def test_each_transition_is_judged_by_one_worker_and_a_dead_workers_come_back(open_store):
+    """Two judges share the inbox. What one hands over is its own to judge; the other, starting,
+    claims nothing of it while the first lives. When the first dies, its lease runs out and the
+    other takes its transitions; the first, come back too late, cannot store its judgement."""
+    from nextstate.core import sample_store
+
+    a, b = open_store("judge-a"), open_store("judge-b")
+    tid = a.add_transition(transition(turn()))
+    assert b.claim_pending() == [], "a live worker's transition is not taken"
+    later = __import__("time").time() + sample_store.LEASE_S + 1
+    assert [i for i, _ in b.claim_pending(now=later)] == [tid], "a dead worker's transition returns"
+    assert a.add_sample(sample(), transition_id=tid, claimed=True) is None, "judged by b now, not by a"
+    judged = b.add_sample(sample(), transition_id=tid, claimed=True)
+    assert judged is not None and len(a.session_samples("alice", "s1")) == 1
+    assert b.claim_pending(now=later) == [] and a.claim_pending(now=later) == []
+
+
+def test_a_restarted_worker_takes_its_own_claims_back_at_once(open_store):
+    first = open_store("proxy-1")
+    tid = first.add_transition(transition(turn()))
+    first.close()
+    assert [i for i, _ in open_store("proxy-1").claim_pending()] == [tid]
+
+
+def test_workers_claiming_at_once_get_disjoint_transitions(open_store):
+    """Abandoned transitions claimed by four workers at the same moment: each exactly once."""
+    import threading
+    import time
+
+    from nextstate.core import sample_store
+
+    writer = open_store("gone")
+    ids = [writer.add_transition(transition(turn(index=i))) for i in range(40)]
+    workers = [open_store(f"judge-{k}") for k in range(4)]
+    later = time.time() + sample_store.LEASE_S + 1
+    claimed: dict[str, list[int]] = {}
+    start = threading.Barrier(len(workers))
+
+    def claim(store) -> None:
+        start.wait()
+        claimed[store.worker] = [i for i, _ in store.claim_pending(now=later)]
+
+    threads = [threading.Thread(target=claim, args=(w,)) for w in workers]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    taken = [i for got in claimed.values() for i in got]
+    assert sorted(taken) == ids, "every transition claimed, none twice"
 
 
 def test_a_server_on_postgres_keeps_its_samples_there_and_forgets_them_there(server_factory, postgres):
