@@ -75,6 +75,9 @@ class ServerSettings(BaseSettings):
         records_retention_days: how long conversations are kept (records, samples, the judge's
             inbox); 0 keeps everything. `nextstate forget --user NAME` deletes one user's data.
         data_dir: keys, samples, records, adapters and the converted default model.
+        adapters_dir: where the learner writes adapter versions and every process and engine
+            worker reads them (a shared volume when there are several); a process that does not
+            learn (NEXTSTATE_LEARN=false) serves the versions published there.
         database_url: a PostgreSQL database (`postgresql://user:password@host/db`) that keeps
             what would be `samples.sqlite3` — the judge's inbox, samples, feedback, outcomes —
             so that several nextstate processes, on several machines, share it. So far only
@@ -99,6 +102,9 @@ class ServerSettings(BaseSettings):
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)
     data_dir: Path = Path("~/.nextstate")
+    adapters_dir: Path | None = Field(
+        None, description="Where versions are written and read; unset = DATA_DIR/adapters. Shared by every process."
+    )
     database_url: str | None = Field(
         None, description="postgresql://... keeps the judge's inbox, samples, feedback and outcomes there; unset = SQLite."
     )
@@ -151,10 +157,10 @@ class ServerSettings(BaseSettings):
             raise ValueError("NEXTSTATE_DATABASE_URL must be a postgresql:// URL (unset: SQLite in the data dir)")
         return url or None
 
-    @field_validator("data_dir")
+    @field_validator("data_dir", "adapters_dir")
     @classmethod
-    def _expand(cls, value: Path) -> Path:
-        return value.expanduser()
+    def _expand(cls, value: Path | None) -> Path | None:
+        return value.expanduser() if value is not None else None
 
     @model_validator(mode="after")
     def _session_caps_agree(self) -> ServerSettings:
@@ -486,7 +492,7 @@ class Settings(BaseModel):
 
     @property
     def adapters_dir(self) -> Path:
-        return self.data_dir / "adapters"
+        return self.server.adapters_dir or self.data_dir / "adapters"
 
     @property
     def records_dir(self) -> Path:

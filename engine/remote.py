@@ -380,6 +380,12 @@ class RemoteEngine:
         if failure is not None:
             raise EngineError(f"{self.server} could not unload adapter {name!r}: {failure}")
 
+    def release_adapter(self, name: str) -> None:
+        """Stop sending `name` without unloading it from the server: another process (the
+        learner that published it) unloads it there once its requests are done."""
+        self._adapters.discard(name)
+        self._paths.pop(name, None)
+
     def _adapter_lost(self, error: Exception) -> bool:
         return any(text in str(error) for text in self.lost_adapter_texts)
 

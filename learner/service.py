@@ -22,6 +22,7 @@ from typing import Any
 from nextstate.engine.base import Engine
 from nextstate.engine.devices import resolve_device
 from nextstate.learner.batching import Waiting, choose_batch, ready_by_scope
+from nextstate.learner.follower import load_version
 from nextstate.learner.gate import PublishGate
 from nextstate.learner.memory_budget import Refusal
 from nextstate.learner.trainer import LoraTrainer, StepResult
@@ -286,7 +287,7 @@ class Learner:
         name = await asyncio.to_thread(self.versions.serving_name, scope, version)
         old = self.policies.current_scope(scope)
         if name not in getattr(self.engine, "adapters", []):
-            await self.engine.load_adapter(name, str(path))
+            await load_version(self.engine, name, str(path))  # a follower elsewhere may be loading it too
         self.policies.publish(scope, PolicyRef(version=version, adapter=name))
         swap_s = time.monotonic() - started
         if old.adapter and old.adapter != name:

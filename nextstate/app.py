@@ -21,6 +21,7 @@ from nextstate.judge.feedback import ExplicitFeedback
 from nextstate.judge.inbox import JudgeInbox
 from nextstate.judge.service import Judge
 from nextstate.judge.startup_check import StartupCheck
+from nextstate.learner.follower import VersionFollower
 from nextstate.learner.service import Learner
 from nextstate.core.sample_store import SampleStore
 from nextstate import __version__
@@ -212,6 +213,8 @@ def create_app(settings: Settings | None = None, *, engine_factory: EngineFactor
             samples=samples, turns=turns, chat=ChatCompletionServing(turns), messages=MessagesServing(turns),
             responses=ResponsesServing(turns, stored_responses), judge=judge,
             feedback=ExplicitFeedback(judge, inbox, samples, records), learner=learner,
+            # a process that does not learn serves what the learner elsewhere publishes
+            follower=None if learner is not None else VersionFollower(settings.adapters_dir, engine, policies),
             forget_user=lambda user: forget_online(services, user),
             engine=engine, inbox=inbox, session_db=session_db, stored_responses=stored_responses,
         )
@@ -222,6 +225,8 @@ def create_app(settings: Settings | None = None, *, engine_factory: EngineFactor
         mark_running(settings, settings.server.port)
         if learner is not None:
             await learner.start()
+        if services.follower is not None:
+            await services.follower.start()
         await StartupCheck(judge).start()
         await inbox.resume()
         if resumed := sessions.resume():
@@ -260,6 +265,8 @@ async def shutdown(services: Services) -> None:
     then the engine. Open sessions stay open on disk: a restart continues them."""
     if services.learner is not None:
         await services.learner.aclose()
+    if services.follower is not None:
+        await services.follower.aclose()
     await services.judge.aclose()
     for store in USER_DATA:
         if store.close is not None:

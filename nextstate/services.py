@@ -16,6 +16,7 @@ from nextstate.engine.base import Engine
 from nextstate.judge.feedback import ExplicitFeedback
 from nextstate.judge.inbox import JudgeInbox
 from nextstate.judge.service import Judge
+from nextstate.learner.follower import VersionFollower
 from nextstate.learner.service import Learner
 from nextstate.proxy.app_state import ProxyServices
 from nextstate.proxy.responses.store import ResponseStore
@@ -27,6 +28,7 @@ class Services(ProxyServices):
     judge: Judge
     feedback: ExplicitFeedback
     learner: Learner | None
+    follower: VersionFollower | None
     engine: Engine
     inbox: JudgeInbox
     session_db: SessionDB

@@ -189,3 +189,25 @@ async def test_users_on_one_real_worker_behind_the_router_never_share_cached_pre
         if process is not None:
             process.stop()
         worker.stop()
+
+
+def test_a_proxy_that_does_not_learn_serves_the_versions_the_learner_publishes(server_factory, workers, tmp_path, monkeypatch):
+    """Two nextstate processes in front of one engine, one adapters folder between them: the one
+    that learns publishes, the other (NEXTSTATE_LEARN=false) serves each version within seconds,
+    by the same name, and stops sending the version before it."""
+    from nextstate.learner import follower
+
+    monkeypatch.setattr(follower, "FOLLOW_S", 0.2)
+    shared = tmp_path / "adapters"
+    engine = dict(engine="sglang", sglang_url=workers[0].url, judge_enabled=False, adapters_dir=shared)
+    learning = server_factory(**engine, batch_size=2, min_batch_size=2, lr=5e-3, lora_r=4, lora_alpha=8, max_staleness=0)
+    serving = server_factory(**engine, learn=False)
+    for version in (1, 2):
+        feed(learning, served_samples(learning, 2, seed0=10 * version))
+        wait_for(lambda: learning.app.state.services.policies.current("alice").version == version, timeout=120)
+        name = learning.app.state.services.policies.current("alice").adapter
+        wait_for(lambda: serving.app.state.services.policies.current("alice").adapter == name, timeout=10)
+        workers[0].requests.clear()
+        assert ask(serving, "carol").headers["x-policy-version"] == str(version)
+        assert [b.get("lora_path") for b in generations(workers[0])] == [name]
+        assert serving.app.state.services.engine.adapters == [name], "the version before is no longer sent"
