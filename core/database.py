@@ -34,7 +34,7 @@ _TYPES: dict[Dialect, dict[str, str]] = {
 
 
 def is_postgres_url(url: str | None) -> bool:
-    return bool(url) and url.split("://", 1)[0] in ("postgresql", "postgres")  # type: ignore[union-attr]
+    return url is not None and url.split("://", 1)[0] in ("postgresql", "postgres")
 
 
 class Database:
@@ -49,7 +49,10 @@ class Database:
         if url:
             if not is_postgres_url(url):
                 raise ValueError(f"NEXTSTATE_DATABASE_URL must be a postgresql:// URL, got {url.split('://', 1)[0]}://")
-            import psycopg  # only a deployment that names PostgreSQL needs it
+            try:
+                import psycopg  # only a deployment that names PostgreSQL needs it
+            except ImportError:
+                raise RuntimeError("NEXTSTATE_DATABASE_URL needs psycopg: pip install 'nextstate[postgres]'") from None
 
             conn = psycopg.connect(url, autocommit=True)
             db = cls(conn, "postgres")

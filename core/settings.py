@@ -21,6 +21,8 @@ from typing import Any, ClassVar, Literal
 from pydantic import BaseModel, Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from nextstate.core.database import is_postgres_url
+
 _ENV = SettingsConfigDict(env_prefix="NEXTSTATE_", extra="ignore")
 
 # Text that changes between requests of one conversation, removed before matching a request to
@@ -79,9 +81,9 @@ class ServerSettings(BaseSettings):
             worker reads them (a shared volume when there are several); a process that does not
             learn (NEXTSTATE_LEARN=false) serves the versions published there.
         database_url: a PostgreSQL database (`postgresql://user:password@host/db`) that keeps
-            what would be `samples.sqlite3` — the judge's inbox, samples, feedback, outcomes —
-            so that several nextstate processes, on several machines, share it. So far only
-            that store moves there; keys, sessions and stored responses stay in the data dir.
+            the API keys and what would be `samples.sqlite3` — the judge's inbox, samples,
+            feedback, outcomes — so that several nextstate processes, on several machines,
+            share them. Sessions and stored responses stay in the data dir for now.
         default_max_tokens: reply length limit when a request sets none.
         stream_keepalive_s: a stream starts as soon as the engine takes the request; while a
             long prompt is prefilled (a minute on a CPU), it sends an SSE comment this often,
@@ -106,7 +108,7 @@ class ServerSettings(BaseSettings):
         None, description="Where versions are written and read; unset = DATA_DIR/adapters. Shared by every process."
     )
     database_url: str | None = Field(
-        None, description="postgresql://... keeps the judge's inbox, samples, feedback and outcomes there; unset = SQLite."
+        None, description="postgresql://... keeps API keys, the judge's inbox, samples, feedback and outcomes there; unset = SQLite."
     )
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     metrics_public: bool = Field(False, description="Serve /metrics without a key (default: an admin key is needed).")
@@ -153,7 +155,7 @@ class ServerSettings(BaseSettings):
     @field_validator("database_url")
     @classmethod
     def _postgres_only(cls, url: str | None) -> str | None:
-        if url and url.split("://", 1)[0] not in ("postgresql", "postgres"):
+        if url and not is_postgres_url(url):
             raise ValueError("NEXTSTATE_DATABASE_URL must be a postgresql:// URL (unset: SQLite in the data dir)")
         return url or None
 

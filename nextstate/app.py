@@ -146,7 +146,7 @@ def create_app(settings: Settings | None = None, *, engine_factory: EngineFactor
         renderer = await asyncio.to_thread(ChatRenderer.from_dir, model_dir)
         model_name = settings.engine.served_model_name or model_dir.name
         prompts = PromptLibrary(settings.judge.prompts_dir)
-        keys = KeyStore(settings.keys_db)
+        keys = KeyStore(settings.keys_db, settings.server.database_url)
         samples = SampleStore(settings.samples_db, settings.server.database_url, worker=f"{socket.gethostname()}:{settings.server.port}")
         records = RecordWriter(settings.records_dir)
         await records.start()

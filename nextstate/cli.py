@@ -92,7 +92,7 @@ def _keys():
         prepare_data_dir(settings.data_dir)
     except DataDirUnusable as exc:
         sys.exit(f"nextstate: {exc}")
-    return settings, KeyStore(settings.keys_db)
+    return settings, KeyStore(settings.keys_db, settings.server.database_url)
 
 
 def cmd_keys_create(args: argparse.Namespace) -> int:

@@ -150,7 +150,7 @@ def _forget_adapters_offline(settings: Settings, user: str) -> bool:
 
 
 USER_DATA: tuple[UserDataStore, ...] = (
-    UserDataStore("keys", _forget_keys, _offline(lambda st: KeyStore(st.keys_db), KeyStore.forget), close=_close_keys),
+    UserDataStore("keys", _forget_keys, _offline(lambda st: KeyStore(st.keys_db, st.server.database_url), KeyStore.forget), close=_close_keys),
     UserDataStore("sessions", _forget_sessions, _offline(lambda st: SessionDB(st.sessions_db), _forget_sessions_offline),
                   close=_close_sessions),
     UserDataStore("samples", _forget_samples, _offline(lambda st: SampleStore(st.samples_db, st.server.database_url), SampleStore.forget),

@@ -1,4 +1,5 @@
-"""Per-user API keys in the embedded SQLite store, kept only as SHA-256 hashes.
+"""Per-user API keys, kept only as SHA-256 hashes, in the data dir's SQLite file or in
+PostgreSQL (NEXTSTATE_DATABASE_URL), where every nextstate process checks the same keys.
 
 A key is shown once, at creation. Keys are 256-bit random tokens, so a plain SHA-256 (no
 slow KDF) is enough to make a stolen database useless, and lets a request be checked with one
@@ -16,19 +17,21 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from nextstate.core.sqlite_store import add_missing_columns, open_sqlite, scrub
+from nextstate.core.database import Database
 
 KEY_PREFIX = "ns-"
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS api_keys (
     id TEXT PRIMARY KEY,
-    user TEXT NOT NULL,
+    "user" TEXT NOT NULL,
     key_hash TEXT NOT NULL UNIQUE,
     hint TEXT NOT NULL,
     admin INTEGER NOT NULL DEFAULT 0,
-    created_at REAL NOT NULL,
-    revoked_at REAL
+    created_at {float} NOT NULL,
+    revoked_at {float},
+    rpm INTEGER,
+    tpm INTEGER
 );
 """
 # Columns added since the first release, with their type: added to an older database on open.
@@ -52,7 +55,7 @@ class ApiKey:
 
 
 # The columns an ApiKey is read from, in its fields' order (`_key`).
-_KEY_COLUMNS = "id, user, hint, admin, created_at, revoked_at, rpm, tpm"
+_KEY_COLUMNS = 'id, "user", hint, admin, created_at, revoked_at, rpm, tpm'
 
 
 def _key(row: tuple) -> ApiKey:
@@ -64,9 +67,10 @@ def _hash(secret: str) -> str:
 
 
 class KeyStore:
-    def __init__(self, path: Path) -> None:
-        self._conn = open_sqlite(path, _SCHEMA, "busy_timeout=5000")
-        add_missing_columns(self._conn, "api_keys", _ADDED_COLUMNS)
+    def __init__(self, path: Path, database_url: str | None = None) -> None:
+        """The SQLite file at `path`, or the PostgreSQL database at `database_url` if given."""
+        self._conn = Database.open(path, _SCHEMA, "busy_timeout=5000", url=database_url)
+        self._conn.add_missing_columns("api_keys", _ADDED_COLUMNS)
         self._lock = threading.Lock()
 
     def close(self) -> None:
@@ -92,7 +96,7 @@ class KeyStore:
         )
         with self._lock:
             self._conn.execute(
-                "INSERT INTO api_keys (id, user, key_hash, hint, admin, created_at, rpm, tpm) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                'INSERT INTO api_keys (id, "user", key_hash, hint, admin, created_at, rpm, tpm) VALUES (?, ?, ?, ?, ?, ?, ?, ?)',
                 (key.id, key.user, _hash(secret), key.hint, int(admin), key.created_at, rpm, tpm),
             )
         return key, secret
@@ -122,8 +126,8 @@ class KeyStore:
     def forget(self, user: str) -> int:
         """Delete every key of `user` (revoked ones too); returns how many."""
         with self._lock:
-            count = self._conn.execute("DELETE FROM api_keys WHERE user = ?", (user,)).rowcount
-            scrub(self._conn)
+            count = self._conn.execute('DELETE FROM api_keys WHERE "user" = ?', (user,)).rowcount
+            self._conn.scrub()
             return count
 
     def revoke(self, key_id: str) -> bool:

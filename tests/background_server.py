@@ -60,7 +60,7 @@ class RunningServer:
         return self.base_url.removesuffix("/v1")
 
     def key(self, user: str, admin: bool = False) -> str:
-        store = KeyStore(self.settings.keys_db)
+        store = KeyStore(self.settings.keys_db, self.settings.server.database_url)
         try:
             return store.create(user, admin=admin)[1]
         finally:

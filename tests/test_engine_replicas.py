@@ -50,7 +50,7 @@ def test_versions_reach_every_worker_and_each_user_stays_on_one(server_factory, 
     server = server_factory(engine="sglang", sglang_url=router.url, sglang_router=True, judge_enabled=False,
                             batch_size=2, min_batch_size=2, lr=5e-3, lora_r=4, lora_alpha=8, max_staleness=0)
     services = server.app.state.services
-    users = [f"user{i}" for i in range(4)]
+    users = [f"user{i}" for i in range(8)]  # where a new user goes is the router's choice: several, to see both
 
     def publish(version: int) -> str:
         feed(server, served_samples(server, 2, seed0=10 * version))

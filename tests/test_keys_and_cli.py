@@ -39,6 +39,23 @@ def test_keys_are_stored_hashed(tmp_path):
     assert store.verify(secret) is None
 
 
+def test_keys_work_the_same_on_both_backends_and_every_process_sees_them(tmp_path, database_url):
+    """On PostgreSQL (NEXTSTATE_DATABASE_URL) two processes' stores are one: a key made by one
+    (`nextstate keys create`) is checked by the other (a proxy), and revoked for both at once."""
+    made_here, checked_there = KeyStore(tmp_path / "a.sqlite3", database_url), KeyStore(tmp_path / "a.sqlite3", database_url)
+    try:
+        key, secret = made_here.create("alice", rpm=60)
+        found = checked_there.verify(secret)
+        assert found is not None and (found.user, found.rpm, found.admin) == ("alice", 60, False)
+        assert checked_there.get(key.id) == found and [k.id for k in checked_there.list()] == [key.id]
+        assert made_here.revoke(key.id) and checked_there.verify(secret) is None
+        made_here.create("bob", admin=True)
+        assert checked_there.forget("alice") == 1 and [k.user for k in made_here.list()] == ["bob"]
+    finally:
+        made_here.close()
+        checked_there.close()
+
+
 def test_key_user_names_are_validated(tmp_path):
     store = KeyStore(tmp_path / "k.sqlite3")
     with pytest.raises(ValueError):

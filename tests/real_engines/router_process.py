@@ -11,7 +11,7 @@ from tests.real_engines.server_process import ServerProcess
 
 class SGLangRouter(ServerProcess):
     """The router in front of `workers`, with the `manual` policy: a request's routing key
-    (header x-smg-routing-key) pins it to one worker; new keys go to the worker with the fewest."""
+    (header x-smg-routing-key) pins it to one worker; a new key goes to the worker with the fewest requests in flight."""
 
     name = "router"
     distribution = "sglang-router"
@@ -23,7 +23,7 @@ class SGLangRouter(ServerProcess):
 
     def command(self) -> list[str]:
         return [self.python, "-m", "sglang_router.launch_router", "--host", "127.0.0.1", "--port", str(self.port),
-                "--worker-urls", *self.workers, "--policy", "manual", "--assignment-mode", "min_group",
+                "--worker-urls", *self.workers, "--policy", "manual", "--assignment-mode", "min_load",
                 # its metrics listener has a fixed default port (29000): two routers would collide
                 "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()),
                 # the stand-in workers share the test process, whose training holds the GIL for
