@@ -81,9 +81,9 @@ class ServerSettings(BaseSettings):
             worker reads them (a shared volume when there are several); a process that does not
             learn (NEXTSTATE_LEARN=false) serves the versions published there.
         database_url: a PostgreSQL database (`postgresql://user:password@host/db`) that keeps
-            the API keys and what would be `samples.sqlite3` — the judge's inbox, samples,
-            feedback, outcomes — so that several nextstate processes, on several machines,
-            share them. Sessions and stored responses stay in the data dir for now.
+            the API keys, the stored Responses and what would be `samples.sqlite3` — the
+            judge's inbox, samples, feedback, outcomes — so that several nextstate processes, on
+            several machines, share them. Open sessions stay in the data dir for now.
         default_max_tokens: reply length limit when a request sets none.
         stream_keepalive_s: a stream starts as soon as the engine takes the request; while a
             long prompt is prefilled (a minute on a CPU), it sends an SSE comment this often,
@@ -108,7 +108,7 @@ class ServerSettings(BaseSettings):
         None, description="Where versions are written and read; unset = DATA_DIR/adapters. Shared by every process."
     )
     database_url: str | None = Field(
-        None, description="postgresql://... keeps API keys, the judge's inbox, samples, feedback and outcomes there; unset = SQLite."
+        None, description="postgresql://... keeps API keys, stored Responses, samples and the judge's inbox there; unset = SQLite."
     )
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     metrics_public: bool = Field(False, description="Serve /metrics without a key (default: an admin key is needed).")

@@ -207,7 +207,7 @@ def create_app(settings: Settings | None = None, *, engine_factory: EngineFactor
             max_parallel_per_user=settings.server.max_parallel_per_user,
             max_memory_bytes=settings.server.max_memory_mb << 20 or int(total_bytes() * 0.9),
         )
-        stored_responses = ResponseStore(settings.responses_db)
+        stored_responses = ResponseStore(settings.responses_db, settings.server.database_url)
         services = Services(
             settings=settings, keys=keys, records=records, metrics=metrics, sessions=sessions, policies=policies,
             samples=samples, turns=turns, chat=ChatCompletionServing(turns), messages=MessagesServing(turns),

@@ -156,7 +156,7 @@ USER_DATA: tuple[UserDataStore, ...] = (
     UserDataStore("samples", _forget_samples, _offline(lambda st: SampleStore(st.samples_db, st.server.database_url), SampleStore.forget),
                   expire=_expire_samples, close=_close_samples),
     UserDataStore("records", _forget_records, _forget_records_offline, expire=_expire_records, close=_close_records),
-    UserDataStore("responses", _forget_responses, _offline(lambda st: ResponseStore(st.responses_db), ResponseStore.forget),
+    UserDataStore("responses", _forget_responses, _offline(lambda st: ResponseStore(st.responses_db, st.server.database_url), ResponseStore.forget),
                   expire=_expire_responses, close=_close_responses),
     UserDataStore("adapter_deleted", _forget_adapters, _forget_adapters_offline),
 )

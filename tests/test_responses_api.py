@@ -184,3 +184,30 @@ def test_a_stored_response_can_be_retrieved_listed_and_deleted_by_its_user_only(
         alice.responses.retrieve(created.id)
     with pytest.raises(openai.NotFoundError):
         alice.responses.create(model="tiny", input="and another?", previous_response_id=created.id, max_output_tokens=4)
+
+
+def test_stored_responses_are_found_by_any_process_on_either_backend(tmp_path, database_url):
+    """On PostgreSQL a response stored by one process continues (previous_response_id) on another;
+    on both backends a user finds only their own, a second save replaces the first, and
+    forget and expiry delete them."""
+    from nextstate.proxy.responses.store import ResponseStore
+
+    here, there = ResponseStore(tmp_path / "r.sqlite3", database_url), ResponseStore(tmp_path / "r.sqlite3", database_url)
+    try:
+        messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
+        here.save("alice", "resp_1", messages, {"id": "resp_1", "object": "response"}, [{"type": "message"}])
+        assert there.conversation("alice", "resp_1") == messages
+        assert there.response("alice", "resp_1") == ({"id": "resp_1", "object": "response"}, [{"type": "message"}])
+        assert there.conversation("bob", "resp_1") is None, "another user's id is not found"
+        here.save("alice", "resp_1", messages[:1])
+        assert there.conversation("alice", "resp_1") == messages[:1] and there.response("alice", "resp_1") is None
+        here.save("alice", "resp_2", messages)
+        here.save("bob", "resp_3", messages)
+        assert there.delete("alice", "resp_2") and not there.delete("alice", "resp_2")
+        assert here.forget("alice") == 1 and there.conversation("bob", "resp_3") == messages
+        import time
+
+        assert here.expire(time.time() + 1) == 1 and there.conversation("bob", "resp_3") is None
+    finally:
+        here.close()
+        there.close()

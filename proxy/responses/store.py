@@ -3,8 +3,9 @@ not resend.
 
 Each stored response is its whole conversation in chat shape (without the instructions, which
 OpenAI does not carry over either) ending with the reply, under (user, response id): another
-user's id is simply not found. Stored in the data dir's `responses.sqlite3`; forgetting a user
-and the retention period delete them like the rest of a user's data.
+user's id is simply not found. Stored in the data dir's `responses.sqlite3`, or in PostgreSQL
+(NEXTSTATE_DATABASE_URL), where any nextstate process finds a response another one stored;
+forgetting a user and the retention period delete them like the rest of a user's data.
 """
 
 from __future__ import annotations
@@ -15,33 +16,37 @@ import time
 from pathlib import Path
 from typing import Any
 
-from nextstate.core.sqlite_store import add_missing_columns, open_sqlite, scrub
+from nextstate.core.database import Database
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS responses (
-    user TEXT NOT NULL,
+    "user" TEXT NOT NULL,
     id TEXT NOT NULL,
-    created_at REAL NOT NULL,
+    created_at {float} NOT NULL,
     messages TEXT NOT NULL,
-    PRIMARY KEY (user, id)
+    response TEXT,
+    input_items TEXT,
+    PRIMARY KEY ("user", id)
 );
 """
 
 
 class ResponseStore:
-    def __init__(self, path: Path) -> None:
-        self._conn = open_sqlite(path, _SCHEMA, "synchronous=NORMAL")
+    def __init__(self, path: Path, database_url: str | None = None) -> None:
+        """The SQLite file at `path`, or the PostgreSQL database at `database_url` if given."""
+        self._conn = Database.open(path, _SCHEMA, "synchronous=NORMAL", url=database_url)
         # the Response object as it was returned (GET /v1/responses/{id}) and this request's own
         # input items (…/input_items); rows stored before these columns existed have neither
-        add_missing_columns(self._conn, "responses", {"response": "TEXT", "input_items": "TEXT"})
+        self._conn.add_missing_columns("responses", {"response": "TEXT", "input_items": "TEXT"})
         self._lock = threading.Lock()
 
     def save(self, user: str, response_id: str, messages: list[dict[str, Any]],
              response: dict[str, Any] | None = None, input_items: list[dict[str, Any]] | None = None) -> None:
         with self._lock:
             self._conn.execute(
-                "INSERT OR REPLACE INTO responses (user, id, created_at, messages, response, input_items) "
-                "VALUES (?, ?, ?, ?, ?, ?)",
+                'INSERT INTO responses ("user", id, created_at, messages, response, input_items) VALUES (?, ?, ?, ?, ?, ?) '
+                'ON CONFLICT ("user", id) DO UPDATE SET created_at = excluded.created_at, messages = excluded.messages, '
+                "response = excluded.response, input_items = excluded.input_items",
                 (user, response_id, time.time(), json.dumps(messages, ensure_ascii=False),
                  None if response is None else json.dumps(response, ensure_ascii=False),
                  None if input_items is None else json.dumps(input_items, ensure_ascii=False)),
@@ -51,7 +56,7 @@ class ResponseStore:
         """The stored Response object and its input items, or None (unknown, or another user's)."""
         with self._lock:
             row = self._conn.execute(
-                "SELECT response, input_items FROM responses WHERE user = ? AND id = ?", (user, response_id)
+                'SELECT response, input_items FROM responses WHERE "user" = ? AND id = ?', (user, response_id)
             ).fetchone()
         if row is None or row[0] is None:
             return None
@@ -59,21 +64,21 @@ class ResponseStore:
 
     def delete(self, user: str, response_id: str) -> bool:
         with self._lock:
-            gone = self._conn.execute("DELETE FROM responses WHERE user = ? AND id = ?", (user, response_id)).rowcount
-            scrub(self._conn)
+            gone = self._conn.execute('DELETE FROM responses WHERE "user" = ? AND id = ?', (user, response_id)).rowcount
+            self._conn.scrub()
             return gone > 0
 
     def conversation(self, user: str, response_id: str) -> list[dict[str, Any]] | None:
         with self._lock:
             row = self._conn.execute(
-                "SELECT messages FROM responses WHERE user = ? AND id = ?", (user, response_id)
+                'SELECT messages FROM responses WHERE "user" = ? AND id = ?', (user, response_id)
             ).fetchone()
         return None if row is None else json.loads(row[0])
 
     def forget(self, user: str) -> int:
         with self._lock:
-            count = self._conn.execute("DELETE FROM responses WHERE user = ?", (user,)).rowcount
-            scrub(self._conn)
+            count = self._conn.execute('DELETE FROM responses WHERE "user" = ?', (user,)).rowcount
+            self._conn.scrub()
             return count
 
     def expire(self, cutoff: float) -> int:
