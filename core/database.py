@@ -117,7 +117,9 @@ class Database:
         return f"json_extract({column}, '$.{'.'.join(path)}')"
 
     def add_missing_columns(self, table: str, columns: dict[str, str]) -> None:
-        """Columns added since a table was first made (an older data dir opens with them)."""
+        """Columns added since a table was first made (an older data dir opens with them);
+        types as in a schema (`{float}`)."""
+        columns = {column: kind.format(**_TYPES[self.dialect]) for column, kind in columns.items()}
         if self.dialect == "postgres":
             for column, kind in columns.items():
                 self._conn.execute(f"ALTER TABLE {table} ADD COLUMN IF NOT EXISTS {column} {kind}")

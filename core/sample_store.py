@@ -7,9 +7,8 @@ share the inbox (PostgreSQL, NEXTSTATE_DATABASE_URL): each transition is claimed
 for a lease (`LEASE_S`), the one that wrote it first; a worker claims at start what is
 unclaimed, its own from before a restart, or left by a worker whose lease ran out (it died), and
 a judgement is stored only while its worker still holds the claim, so no turn is judged into
-two samples. `samples` holds every
-judged turn, accepted or dropped (with the reason), which the learner consumes in order and
-the admin stats summarise. Calls are blocking; async callers use `asyncio.to_thread`.
+two samples. `samples` holds every judged turn, accepted or dropped (with the reason), which
+the learner consumes in order and the admin stats summarise. Calls are blocking; async callers use `asyncio.to_thread`.
 """
 
 from __future__ import annotations
@@ -117,8 +116,7 @@ class SampleStore:
         # Since 0.3: a transition's user is a column (it was read out of its JSON).
         # Since 0.4: claims, so that several processes share the inbox.
         self._conn.add_missing_columns("transitions", {"turn_key": "TEXT", "response_id": "TEXT", '"user"': "TEXT",
-                                                       "claimed_by": "TEXT", "claimed_until": "REAL" if
-                                                       self._conn.dialect == "sqlite" else "DOUBLE PRECISION"})
+                                                       "claimed_by": "TEXT", "claimed_until": "{float}"})
         self._conn.add_missing_columns("samples", {"response_id": "TEXT"})
         self._conn.execute("CREATE UNIQUE INDEX IF NOT EXISTS transitions_turn ON transitions (turn_key)")
         self._conn.execute("CREATE INDEX IF NOT EXISTS transitions_response ON transitions (response_id)")
