@@ -136,6 +136,7 @@ class RemoteEngine:
         self.backoff_s = backoff_s
         self._adapters: set[str] = set()
         self._paths: dict[str, str] = {}  # what each loaded adapter was loaded from, to reload it
+        self._reloaded: set[str] = set()  # loaded again by this client after the server lost them
         self._reload_lock = asyncio.Lock()
         self._http = LazySession(
             # `timeout_s` bounds each wait for the server's next bytes, not a whole generation
@@ -376,15 +377,21 @@ class RemoteEngine:
         # Remove it from routing first; the server itself finishes requests still using it.
         self._adapters.discard(name)
         self._paths.pop(name, None)
+        self._reloaded.discard(name)
         failure = await self._server_unload(name)
         if failure is not None:
             raise EngineError(f"{self.server} could not unload adapter {name!r}: {failure}")
 
-    def release_adapter(self, name: str) -> None:
-        """Stop sending `name` without unloading it from the server: another process (the
-        learner that published it) unloads it there once its requests are done."""
+    async def release_adapter(self, name: str) -> None:
+        """Stop sending `name`. The server keeps it — another process (the learner that
+        published it) unloads it there once its requests are done — unless this client loaded it
+        there again after it was gone (a request named it just after the learner's unload): then
+        this client unloads it too, or nobody would."""
+        if name in self._reloaded and name in self._adapters:
+            await self.unload_adapter(name)
         self._adapters.discard(name)
         self._paths.pop(name, None)
+        self._reloaded.discard(name)
 
     def _adapter_lost(self, error: Exception) -> bool:
         return any(text in str(error) for text in self.lost_adapter_texts)
@@ -401,6 +408,7 @@ class RemoteEngine:
             log.error("%s lost adapter %s and could not load it again: %s", self.server, adapter, failure)
             return False
         log.warning("%s had lost adapter %s (restarted?); loaded it again from %s", self.server, adapter, self._paths[adapter])
+        self._reloaded.add(adapter)
         return True
 
     async def served_adapters(self, base_url: str | None = None) -> dict[str, str] | None:

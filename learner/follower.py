@@ -83,7 +83,7 @@ class VersionFollower:
         release = getattr(self.engine, "release_adapter", None)
         try:
             if release is not None:
-                release(name)
+                await release(name)
             else:
                 await self.engine.unload_adapter(name)
         except Exception:  # noqa: BLE001 - a version not freed costs memory, not service

@@ -211,3 +211,38 @@ def test_a_proxy_that_does_not_learn_serves_the_versions_the_learner_publishes(s
         assert ask(serving, "carol").headers["x-policy-version"] == str(version)
         assert [b.get("lora_path") for b in generations(workers[0])] == [name]
         assert serving.app.state.services.engine.adapters == [name], "the version before is no longer sent"
+
+
+def test_a_follower_that_loaded_an_old_version_again_unloads_it_when_it_moves(server_factory, tiny_model_dir, tmp_path, monkeypatch):
+    """vLLM forgets an unloaded adapter for good. Between the learner's publish of v2 (which
+    unloads v1) and a follower's move, a request of the follower's on v1 finds it gone and loads it
+    again, to be served; when the follower moves to v2 it unloads v1 itself, so the server does
+    not keep a version nobody will unload."""
+    from nextstate.learner import follower
+    from tests.fake_vllm import FakeVLLM
+
+    monkeypatch.setattr(follower, "FOLLOW_S", 3600.0)  # the test moves the follower itself
+    engine = FakeVLLM(tiny_model_dir)
+    try:
+        shared = tmp_path / "adapters"
+        settings = dict(engine="vllm", vllm_url=engine.url, judge_enabled=False, adapters_dir=shared)
+        learning = server_factory(**settings, batch_size=2, min_batch_size=2, lr=5e-3, lora_r=4, lora_alpha=8,
+                                  max_staleness=0)
+        serving = server_factory(**settings, learn=False)
+        services = serving.app.state.services
+        names = []
+        for version in (1, 2):
+            feed(learning, served_samples(learning, 2, seed0=10 * version))
+            wait_for(lambda: learning.app.state.services.policies.current("alice").version == version, timeout=120)
+            names.append(learning.app.state.services.policies.current("alice").adapter)
+            wait_for(lambda: set(engine.loaded_adapters()) == {names[-1]}, timeout=30)
+            if version == 1:
+                assert serving.call(services.follower.follow()) == 1
+        # the follower still serves v1, which the learner has unloaded: its request loads it again
+        assert ask(serving, "carol").headers["x-policy-version"] == "1"
+        assert set(engine.loaded_adapters()) == set(names)
+        assert serving.call(services.follower.follow()) == 1
+        assert ask(serving, "carol").headers["x-policy-version"] == "2"
+        assert set(engine.loaded_adapters()) == {names[1]}, "the follower unloaded the v1 it had loaded again"
+    finally:
+        engine.stop()
