@@ -6,6 +6,9 @@ What is pinned: a published version is loaded on every worker before it serves (
 not pass adapter loads on), each user's requests stay on one worker while users spread over
 both, every request is served by the version it names whichever worker takes it, a worker that
 restarts empty or joins later gets the current version, and old versions leave every worker.
+The same module has the serving processes beside the learning one: a process that does not learn
+serves each version the learner publishes to the shared adapters folder, and unloads what it
+loaded again itself.
 """
 
 from __future__ import annotations
