@@ -14,6 +14,7 @@ callers use `asyncio.to_thread`.
 from __future__ import annotations
 
 import contextlib
+import functools
 import re
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -25,6 +26,16 @@ Dialect = Literal["sqlite", "postgres"]
 
 _LITERAL = re.compile(r"'[^']*'")  # SQL string literals (JSON paths name a user key)
 _BARE_USER = re.compile(r'(?<!["\w.$])user(?![\w"])')
+
+@functools.lru_cache(maxsize=512)
+def _translate(sql: str, dialect: Dialect) -> str:
+    """A statement as `dialect` takes it; checked and translated once per distinct statement
+    (stores use a few dozen; the key lookup runs on every request)."""
+    if _BARE_USER.search(_LITERAL.sub("''", sql)):
+        # in PostgreSQL a bare `user` is CURRENT_USER: `WHERE user = ?` would match nothing
+        raise ValueError(f'SQL names the column user without quotes ("user"): {sql[:120]}')
+    return sql.replace("?", "%s") if dialect == "postgres" else sql
+
 
 _TYPES: dict[Dialect, dict[str, str]] = {
     "sqlite": {"id": "INTEGER PRIMARY KEY AUTOINCREMENT", "float": "REAL"},
@@ -46,9 +57,7 @@ class Database:
     def open(cls, path: Path, schema: str, *pragmas: str, url: str | None = None) -> Database:
         """The store's database: PostgreSQL at `url` if given, else the SQLite file at `path`.
         `schema` is applied (idempotent: CREATE ... IF NOT EXISTS); `pragmas` are SQLite's."""
-        if url:
-            if not is_postgres_url(url):
-                raise ValueError(f"NEXTSTATE_DATABASE_URL must be a postgresql:// URL, got {url.split('://', 1)[0]}://")
+        if url:  # a postgresql:// URL: the settings check it (is_postgres_url)
             try:
                 import psycopg  # only a deployment that names PostgreSQL needs it
             except ImportError:
@@ -66,10 +75,7 @@ class Database:
         return cls(open_sqlite(path, schema.format(**_TYPES["sqlite"]), *pragmas), "sqlite")
 
     def _sql(self, sql: str) -> str:
-        if _BARE_USER.search(_LITERAL.sub("''", sql)):
-            # in PostgreSQL a bare `user` is CURRENT_USER: `WHERE user = ?` would match nothing
-            raise ValueError(f'SQL names the column user without quotes ("user"): {sql[:120]}')
-        return sql.replace("?", "%s") if self.dialect == "postgres" else sql
+        return _translate(sql, self.dialect)
 
     def execute(self, sql: str, params: Iterable[Any] = ()) -> Any:
         """A cursor: fetchone, fetchall, rowcount."""
@@ -116,15 +122,18 @@ class Database:
             return f"({column}::jsonb #>> '{{{','.join(path)}}}')"
         return f"json_extract({column}, '$.{'.'.join(path)}')"
 
-    def add_missing_columns(self, table: str, columns: dict[str, str]) -> None:
-        """Columns added since a table was first made (an older data dir opens with them);
-        types as in a schema (`{float}`)."""
+    def add_missing_columns(self, table: str, columns: dict[str, str]) -> list[str]:
+        """Add the columns (types as in a schema: `{float}`) that `table` lacks — columns added
+        since it was first made, so an older database opens with them; returns those added."""
         columns = {column: kind.format(**_TYPES[self.dialect]) for column, kind in columns.items()}
-        if self.dialect == "postgres":
-            for column, kind in columns.items():
-                self._conn.execute(f"ALTER TABLE {table} ADD COLUMN IF NOT EXISTS {column} {kind}")
-        else:
-            add_missing_columns(self._conn, table, columns)
+        if self.dialect == "sqlite":
+            return add_missing_columns(self._conn, table, columns)
+        rows = self._conn.execute("SELECT column_name FROM information_schema.columns WHERE table_name = %s", (table,))
+        present = {row[0] for row in rows.fetchall()}
+        added = [column for column in columns if column.strip('"') not in present]
+        for column in added:
+            self._conn.execute(f"ALTER TABLE {table} ADD COLUMN {column} {columns[column]}")
+        return added
 
     def scrub(self) -> None:
         """After deleting a user's rows: leave no copy of them in the files (SQLite's write-ahead

@@ -115,13 +115,14 @@ class SampleStore:
         # Since 0.2: feedback names a turn by the response id its client got.
         # Since 0.3: a transition's user is a column (it was read out of its JSON).
         # Since 0.4: claims, so that several processes share the inbox.
-        self._conn.add_missing_columns("transitions", {"turn_key": "TEXT", "response_id": "TEXT", '"user"': "TEXT",
-                                                       "claimed_by": "TEXT", "claimed_until": "{float}"})
+        added = self._conn.add_missing_columns("transitions", {"turn_key": "TEXT", "response_id": "TEXT", '"user"': "TEXT",
+                                                               "claimed_by": "TEXT", "claimed_until": "{float}"})
         self._conn.add_missing_columns("samples", {"response_id": "TEXT"})
         self._conn.execute("CREATE UNIQUE INDEX IF NOT EXISTS transitions_turn ON transitions (turn_key)")
         self._conn.execute("CREATE INDEX IF NOT EXISTS transitions_response ON transitions (response_id)")
         self._conn.execute("CREATE INDEX IF NOT EXISTS samples_response ON samples (response_id)")
-        self._conn.execute(f'UPDATE transitions SET "user" = {self._conn.json_text("data", "turn", "user")} WHERE "user" IS NULL')
+        if '"user"' in added:  # once, for the transitions an older version wrote
+            self._conn.execute(f'UPDATE transitions SET "user" = {self._conn.json_text("data", "turn", "user")}')
         self._lock = threading.Lock()
 
     def close(self) -> None:

@@ -32,9 +32,10 @@ def scrub(conn: sqlite3.Connection) -> None:
     conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
 
 
-def add_missing_columns(conn: sqlite3.Connection, table: str, columns: dict[str, str]) -> None:
-    """Add each column (name: SQL type) that `table` lacks."""
+def add_missing_columns(conn: sqlite3.Connection, table: str, columns: dict[str, str]) -> list[str]:
+    """Add each column (name: SQL type) that `table` lacks; returns those added."""
     present = {row[1] for row in conn.execute(f"PRAGMA table_info({table})")}
-    for column, kind in columns.items():
-        if column.strip('"') not in present:  # a name may come quoted ("user")
-            conn.execute(f"ALTER TABLE {table} ADD COLUMN {column} {kind}")
+    added = [column for column in columns if column.strip('"') not in present]  # a name may come quoted ("user")
+    for column in added:
+        conn.execute(f"ALTER TABLE {table} ADD COLUMN {column} {columns[column]}")
+    return added

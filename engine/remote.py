@@ -411,19 +411,24 @@ class RemoteEngine:
         self._reloaded.add(adapter)
         return True
 
-    async def served_adapters(self, base_url: str | None = None) -> dict[str, str] | None:
-        """name → path of the adapters the server (or `base_url`, one of its workers) holds: its
-        OpenAI-style /v1/models, where an adapter is a model with a parent and its path is the
-        root; None if it cannot say."""
+    async def _models(self, base_url: str | None = None) -> list[dict[str, Any]] | None:
+        """The server's (or `base_url`'s, one of its workers) OpenAI-style /v1/models entries;
+        None if it cannot say."""
         try:
             async with self._http.session().get(f"{base_url or self.base_url}/v1/models") as response:
                 models = (await response.json()).get("data", []) if response.status == 200 else None
         except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, AttributeError) as exc:
-            log.warning("could not list %s's adapters: %s", self.server, exc)
+            log.warning("could not list %s's models: %s", self.server, exc)
             return None
+        return [m for m in models if isinstance(m, dict)] if isinstance(models, list) else None
+
+    async def served_adapters(self, base_url: str | None = None) -> dict[str, str] | None:
+        """name → path of the adapters the server (or `base_url`, one of its workers) holds: an
+        adapter is a model with a parent, and its path is the root; None if it cannot say."""
+        models = await self._models(base_url)
         if models is None:
             return None
-        return {m["id"]: m["root"] for m in models if isinstance(m, dict) and m.get("parent") and m.get("id") and m.get("root")}
+        return {m["id"]: m["root"] for m in models if m.get("parent") and m.get("id") and m.get("root")}
 
     async def unload_leftovers(self, root: Path, keep: set[str]) -> list[str]:
         """Unload what the server holds from under `root` (nextstate's adapters) that this engine

@@ -44,8 +44,6 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-import aiohttp
-
 from nextstate.engine.base import EngineBadGateway, GeneratedToken, SamplingParams
 from nextstate.engine.remote import RemoteEngine, error_message
 
@@ -70,13 +68,8 @@ class VLLMEngine(RemoteEngine):
     async def check_server(self, probe_ids: list[int]) -> None:
         """Also reads the context vLLM serves (`--max-model-len` may be below the model's), so
         that a prompt too long for it is refused by nextstate with the usual message."""
-        try:
-            async with self._http.session().get(f"{self.base_url}/v1/models") as response:
-                models = (await response.json()).get("data", []) if response.status == 200 else []
-        except (aiohttp.ClientError, ValueError, AttributeError):
-            models = []
-        for model in models:
-            if isinstance(model, dict) and not model.get("parent") and isinstance(model.get("max_model_len"), int):
+        for model in await self._models() or []:
+            if not model.get("parent") and isinstance(model.get("max_model_len"), int):
                 self.info.max_context = min(self.info.max_context, model["max_model_len"])
         await super().check_server(probe_ids)
 

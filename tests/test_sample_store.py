@@ -204,3 +204,25 @@ def test_a_server_on_postgres_keeps_its_samples_there_and_forgets_them_there(ser
         assert elsewhere.sample_for_response("alice", reply.id) is None
     finally:
         elsewhere.close()
+
+
+def test_an_older_inbox_gets_its_user_column_once_and_forget_still_finds_its_turns(tmp_path):
+    """Transitions written before the "user" column existed (it was read out of their JSON) get
+    it filled when the file is first opened by this version."""
+    import sqlite3
+
+    path = tmp_path / "samples.sqlite3"
+    conn = sqlite3.connect(path)
+    conn.execute("CREATE TABLE transitions (id INTEGER PRIMARY KEY AUTOINCREMENT, created_at REAL NOT NULL, "
+                 "status TEXT NOT NULL, data TEXT NOT NULL, turn_key TEXT, response_id TEXT)")
+    old = transition(turn("alice"))
+    conn.execute("INSERT INTO transitions (created_at, status, data, turn_key, response_id) VALUES (1, 'pending', ?, 'k', ?)",
+                 (old.model_dump_json(), old.turn.response_id))
+    conn.commit()
+    conn.close()
+    store = SampleStore(path)
+    try:
+        assert store.find_turn("alice", old.turn.response_id) is not None
+        assert store.forget("alice") == 1 and store.pending_transitions() == []
+    finally:
+        store.close()
