@@ -147,7 +147,8 @@ def create_app(settings: Settings | None = None, *, engine_factory: EngineFactor
         model_name = settings.engine.served_model_name or model_dir.name
         prompts = PromptLibrary(settings.judge.prompts_dir)
         keys = KeyStore(settings.keys_db, settings.server.database_url)
-        samples = SampleStore(settings.samples_db, settings.server.database_url, worker=f"{socket.gethostname()}:{settings.server.port}")
+        worker = f"{socket.gethostname()}:{settings.server.port}"  # this process, in claims on shared work
+        samples = SampleStore(settings.samples_db, settings.server.database_url, worker=worker)
         records = RecordWriter(settings.records_dir)
         await records.start()
         metrics = Metrics()
@@ -183,7 +184,7 @@ def create_app(settings: Settings | None = None, *, engine_factory: EngineFactor
                 settings.learner, model_dir, settings.adapters_dir, engine, samples, policies, records,
                 prepare_batch=functools.partial(prepare_batch, settings=settings.judge),
             )
-        session_db = SessionDB(settings.sessions_db)
+        session_db = SessionDB(settings.sessions_db, settings.server.database_url)
         sessions = SessionStore(
             emit,
             idle_s=settings.server.session_idle_s,
@@ -192,6 +193,7 @@ def create_app(settings: Settings | None = None, *, engine_factory: EngineFactor
             max_per_user=settings.server.max_sessions_per_user,
             volatile=VolatileText(settings.server.session_volatile_patterns),
             db=session_db,
+            worker=worker,
         )
         turns = TurnService(
             engine=engine,
@@ -278,6 +280,11 @@ async def _sweep(sessions: SessionStore, metrics: Metrics) -> None:
     interval = max(0.05, min(30.0, sessions.idle_s / 4, (sessions.settle_s or sessions.idle_s) / 4))
     while True:
         await asyncio.sleep(interval)
-        if sessions.sweep():
+        try:
+            changed = await sessions.sweep_shared() if sessions.shared else sessions.sweep()
+        except Exception:  # noqa: BLE001 - the shared database was unreachable: the next round tries again
+            log.exception("could not sweep the shared sessions")
+            continue
+        if changed:
             metrics.sessions_open.set(len(sessions))
             await sessions.save()

@@ -69,13 +69,14 @@ async def _close_keys(s: Services) -> None:
 
 
 async def _forget_sessions(s: Services, user: str) -> int:
+    await s.sessions.refresh(user, every=True)  # shared: those open in other processes too
     count = s.sessions.forget(user)
     await s.sessions.save()
     return count
 
 
 def _forget_sessions_offline(db: SessionDB, user: str) -> int:
-    count = sum(1 for row in db.load() if row["user"] == user)
+    count = sum(1 for _ in db.load(user))
     db.forget(user)
     return count
 
@@ -151,7 +152,7 @@ def _forget_adapters_offline(settings: Settings, user: str) -> bool:
 
 USER_DATA: tuple[UserDataStore, ...] = (
     UserDataStore("keys", _forget_keys, _offline(lambda st: KeyStore(st.keys_db, st.server.database_url), KeyStore.forget), close=_close_keys),
-    UserDataStore("sessions", _forget_sessions, _offline(lambda st: SessionDB(st.sessions_db), _forget_sessions_offline),
+    UserDataStore("sessions", _forget_sessions, _offline(lambda st: SessionDB(st.sessions_db, st.server.database_url), _forget_sessions_offline),
                   close=_close_sessions),
     UserDataStore("samples", _forget_samples, _offline(lambda st: SampleStore(st.samples_db, st.server.database_url), SampleStore.forget),
                   expire=_expire_samples, close=_close_samples),

@@ -69,6 +69,7 @@ async def post_feedback(request: Request, key: ApiKey = Depends(authenticate)) -
     # a rating counts as a request against the key's limit: a correction costs a teacher pass
     state = services(request)
     await state.turns.limiter.admit(key, 0)
+    await state.sessions.refresh(key.user, every=True)  # the turn may be open in another process's session
     open_turn = state.sessions.find_turn(key.user, body.response_id)
     result = await state.feedback.apply(
         key.user, body.response_id, body.rating, body.correction, open_turn=open_turn

@@ -1,9 +1,20 @@
-"""Open sessions on disk (SQLite in the data dir), so a restart continues every conversation.
+"""Open sessions on disk, so a restart continues every conversation: a SQLite file in the data
+dir, or PostgreSQL (NEXTSTATE_DATABASE_URL), where every serving process shares them.
 
 Each session is one row holding its main line, its pending turn and its provisional transition
 as JSON. Writes are ordered and happen on one background thread: a request never waits for the
-disk, and the last state written is always the newest. `flush()` waits for the queue to drain
-(shutdown and tests).
+disk, and the last state written is always the newest. `written()` resolves once the queue
+before it is committed (a reply ends after that, so the next request finds its turn wherever
+it lands).
+
+Shared (PostgreSQL), a row also carries what lets several processes hold copies of it:
+* `rev`, a random token per write; a process writes only over the revision it read, so a copy
+  that fell behind (another process took the conversation's last turn) never overwrites the
+  newer row — it notices at its next request and reads the row again (`revisions`).
+* `session_index`: the chain hashes of each session's line (user-seeded, so globally unique),
+  for finding a conversation that arrives without a session id at any process.
+* `active_at` and a closing lease (`closer`, `close_until`): an idle session is closed by the
+  one process that claims it, and a closer that dies leaves it to the next (`claim_idle`).
 """
 
 from __future__ import annotations
@@ -12,53 +23,138 @@ import concurrent.futures
 import json
 import logging
 import queue
-import sqlite3
 import threading
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from nextstate.core.sqlite_store import open_sqlite, scrub
+from nextstate.core.database import Database
 
 log = logging.getLogger(__name__)
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS sessions (
-    user TEXT NOT NULL,
+    "user" TEXT NOT NULL,
     id TEXT NOT NULL,
     data TEXT NOT NULL,
-    PRIMARY KEY (user, id)
+    PRIMARY KEY ("user", id)
 );
+CREATE TABLE IF NOT EXISTS session_index (
+    hash TEXT PRIMARY KEY,
+    "user" TEXT NOT NULL,
+    id TEXT NOT NULL
+);
+CREATE INDEX IF NOT EXISTS session_index_session ON session_index ("user", id);
 """
+# added after the first release: an older file opens with them
+_LATER_COLUMNS = {"rev": "TEXT", "active_at": "{float} NOT NULL DEFAULT 0", "closer": "TEXT", "close_until": "{float}"}
+
+# How long a process that claimed an idle session may take to close it before another may.
+CLOSE_LEASE_S = 120.0
+
+
+@dataclass
+class Write:
+    """One session row to write. `prev`: the revision it replaces (None: a new row); `done`
+    is called on the writer thread with whether the row was written (False: another process
+    wrote the session meanwhile, or closed it)."""
+
+    user: str
+    id: str
+    data: str
+    rev: str | None = None
+    prev: str | None = None
+    active_at: float = field(default_factory=time.time)
+    hashes: tuple[str, ...] = ()
+    done: Callable[[bool], None] | None = None
 
 
 class SessionDB:
-    def __init__(self, path: Path) -> None:
-        self._conn = open_sqlite(path, _SCHEMA, "synchronous=NORMAL")
+    def __init__(self, path: Path, database_url: str | None = None) -> None:
+        """The SQLite file at `path`, or the PostgreSQL database at `database_url` (shared)."""
+        self._db = Database.open(path, _SCHEMA, "synchronous=NORMAL", url=database_url)
+        self._db.add_missing_columns("sessions", _LATER_COLUMNS)
+        self.shared = self._db.dialect == "postgres"
+        self._lock = threading.Lock()  # the writer thread and readers share one connection
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._idle = threading.Event()
         self._idle.set()
         self._pending = 0
-        self._lock = threading.Lock()
+        self._count_lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name="nextstate-sessions", daemon=True)
         self._thread.start()
 
-    def load(self) -> Iterator[dict[str, Any]]:
-        for (data,) in self._conn.execute("SELECT data FROM sessions ORDER BY rowid").fetchall():
-            yield json.loads(data)
+    # ------------------------------------------------------------------ reads
 
-    def save(self, user: str, session_id: str, data: str) -> None:
-        """Queue `data` (the session's JSON text) as the session's row."""
-        self._put(("save", user, session_id, data))
+    def load(self, user: str | None = None) -> Iterator[dict[str, Any]]:
+        """Every open session (of `user`), least recently active first."""
+        where, params = ('WHERE "user" = ?', (user,)) if user is not None else ("", ())
+        with self._lock:
+            rows = self._db.execute(f"SELECT data, rev FROM sessions {where} ORDER BY active_at", params).fetchall()
+        for data, rev in rows:
+            yield dict(json.loads(data), rev=rev)
+
+    def revisions(self, user: str, hashes: Iterable[str] = (), ids: Iterable[str] = (), every: bool = False) -> dict[str, str | None]:
+        """The revision of each open session of `user` named in `ids` or whose line holds one
+        of `hashes` (a request's chain), or of `every` one: what a process compares its copies
+        with."""
+        hashes, ids = list(hashes), list(ids)
+        conditions, params = ["TRUE"] if every else [], [user]
+        if ids:
+            conditions.append(f"id IN ({','.join('?' * len(ids))})")
+            params += ids
+        if hashes:
+            conditions.append(
+                f'id IN (SELECT id FROM session_index WHERE "user" = ? AND hash IN ({",".join("?" * len(hashes))}))'
+            )
+            params += [user, *hashes]
+        if not conditions:
+            return {}
+        with self._lock:
+            rows = self._db.execute(
+                f'SELECT id, rev FROM sessions WHERE "user" = ? AND ({" OR ".join(conditions)})', params
+            ).fetchall()
+        return dict(rows)
+
+    def rows(self, user: str, ids: Iterable[str]) -> list[dict[str, Any]]:
+        ids = list(ids)
+        if not ids:
+            return []
+        with self._lock:
+            rows = self._db.execute(
+                f'SELECT data, rev FROM sessions WHERE "user" = ? AND id IN ({",".join("?" * len(ids))})', [user, *ids]
+            ).fetchall()
+        return [dict(json.loads(data), rev=rev) for data, rev in rows]
+
+    def claim_idle(self, active_before: float, worker: str, limit: int = 100) -> list[dict[str, Any]]:
+        """Take the closing of sessions nobody used since `active_before` (wall clock) and that
+        no live process is closing already; their rows, which the claimer closes and deletes."""
+        now = time.time()
+        with self._lock, self._db.transaction():
+            rows = self._db.execute(
+                "UPDATE sessions SET closer = ?, close_until = ? WHERE (\"user\", id) IN ("
+                "SELECT \"user\", id FROM sessions WHERE active_at < ? AND (closer IS NULL OR close_until < ?) "
+                f"ORDER BY active_at LIMIT ?{self._db.skip_locked}) RETURNING data, rev",
+                (worker, now + CLOSE_LEASE_S, active_before, now, limit),
+            ).fetchall()
+        return [dict(json.loads(data), rev=rev) for data, rev in rows]
+
+    # ------------------------------------------------------------------ writes (queued)
+
+    def save(self, write: Write) -> None:
+        """Queue a session's row (its JSON text in `write.data`)."""
+        self._put(("save", write))
 
     def delete(self, user: str, session_id: str) -> None:
-        self._put(("delete", user, session_id, None))
+        self._put(("delete", (user, session_id)))
 
     def forget(self, user: str) -> None:
-        self._put(("forget", user, None, None))
+        self._put(("forget", user))
 
     def _put(self, item: tuple) -> None:
-        with self._lock:
+        with self._count_lock:
             self._pending += 1
             self._idle.clear()
         self._queue.put(item)
@@ -67,7 +163,7 @@ class SessionDB:
         """Done once every write queued so far is committed: a request awaits this (one
         wake-up from the writer thread) rather than a thread of its own blocking in flush()."""
         done: concurrent.futures.Future = concurrent.futures.Future()
-        self._put(("barrier", None, None, done))
+        self._put(("barrier", done))
         return done
 
     def flush(self, timeout: float = 30.0) -> bool:
@@ -77,32 +173,67 @@ class SessionDB:
         self.flush()
         self._queue.put(None)
         self._thread.join(10)
-        self._conn.close()
+        self._db.close()
 
     def _run(self) -> None:
         while True:
             item = self._queue.get()
             if item is None:
                 return
-            op, user, session_id, data = item
+            op, arg = item
             try:
                 if op == "barrier":
-                    if data.set_running_or_notify_cancel():  # False: the waiter gave up
-                        data.set_result(None)
-                elif op == "save":
-                    self._conn.execute(
-                        "INSERT INTO sessions (user, id, data) VALUES (?, ?, ?) "
-                        "ON CONFLICT (user, id) DO UPDATE SET data = excluded.data",
-                        (user, session_id, data),
-                    )
-                elif op == "forget":
-                    self._conn.execute("DELETE FROM sessions WHERE user = ?", (user,))
-                    scrub(self._conn)
+                    if arg.set_running_or_notify_cancel():  # False: the waiter gave up
+                        arg.set_result(None)
                 else:
-                    self._conn.execute("DELETE FROM sessions WHERE user = ? AND id = ?", (user, session_id))
-            except sqlite3.Error:
-                log.exception("could not persist session %s of %s", session_id, user)
-            with self._lock:
+                    with self._lock:
+                        getattr(self, "_" + op)(arg)
+            except Exception:  # noqa: BLE001 - a lost write is logged, the writer goes on
+                log.exception("could not persist the sessions (%s)", op)
+            with self._count_lock:
                 self._pending -= 1
                 if self._pending == 0:
                     self._idle.set()
+
+    def _save(self, w: Write) -> None:
+        if not self.shared:
+            self._db.execute(
+                'INSERT INTO sessions ("user", id, data, rev, active_at) VALUES (?, ?, ?, ?, ?) '
+                'ON CONFLICT ("user", id) DO UPDATE SET data = excluded.data, rev = excluded.rev, active_at = excluded.active_at',
+                (w.user, w.id, w.data, w.rev, w.active_at),
+            )
+            written = True
+        else:
+            with self._db.transaction():
+                if w.prev is None:
+                    written = self._db.execute(
+                        'INSERT INTO sessions ("user", id, data, rev, active_at) VALUES (?, ?, ?, ?, ?) '
+                        'ON CONFLICT ("user", id) DO NOTHING', (w.user, w.id, w.data, w.rev, w.active_at),
+                    ).rowcount == 1
+                else:
+                    written = self._db.execute(
+                        'UPDATE sessions SET data = ?, rev = ?, active_at = ? WHERE "user" = ? AND id = ? AND rev = ?',
+                        (w.data, w.rev, w.active_at, w.user, w.id, w.prev),
+                    ).rowcount == 1
+                if written and w.hashes:
+                    self._db.executemany(
+                        'INSERT INTO session_index (hash, "user", id) VALUES (?, ?, ?) '
+                        "ON CONFLICT (hash) DO UPDATE SET id = excluded.id",
+                        [(h, w.user, w.id) for h in w.hashes],
+                    )
+            if not written:
+                log.warning("session %s of %s was changed by another process since this one read it; "
+                            "its change here is dropped and the session read again", w.id, w.user)
+        if w.done is not None:
+            w.done(written)
+
+    def _delete(self, key: tuple[str, str]) -> None:
+        with self._db.transaction():
+            self._db.execute('DELETE FROM sessions WHERE "user" = ? AND id = ?', key)
+            self._db.execute('DELETE FROM session_index WHERE "user" = ? AND id = ?', key)
+
+    def _forget(self, user: str) -> None:
+        with self._db.transaction():
+            self._db.execute('DELETE FROM sessions WHERE "user" = ?', (user,))
+            self._db.execute('DELETE FROM session_index WHERE "user" = ?', (user,))
+        self._db.scrub()

@@ -44,6 +44,7 @@ async def post_outcome(session_id: str, request: Request, key: ApiKey = Depends(
             400, f"reward must be between {judge.outcome_min:g} and {judge.outcome_max:g} (NEXTSTATE_OUTCOME_MIN/MAX).",
             param="reward", code="reward_out_of_range",
         )
+    await services(request).sessions.refresh(key.user, session_id=session_id)
     session = services(request).sessions.get(key.user, session_id)
     samples = services(request).samples
     if session is not None:

@@ -31,6 +31,13 @@ by user, so one user's request can never land in, or read from, another user's s
 `save()` writes a session's row beside the transitions it just handed to the judge, not after
 them: the row keeps those until the judge's inbox has them on disk, and `resume()` hands them
 over again after a crash (the inbox keeps a turn once), so a crash between the two loses neither.
+
+With a shared `SessionDB` (PostgreSQL) every serving process holds copies of the sessions it
+served lately, and the database has the newest: `refresh()` reads again, before a request is
+classified, each candidate session another process changed since (one query when nothing did),
+so a conversation whose requests alternate between processes stays one session with the same
+transitions. Idle sessions are closed by whichever process claims them in the database
+(`sweep_shared`), not by every process that held a copy.
 """
 
 from __future__ import annotations
@@ -51,7 +58,7 @@ import pydantic_core
 
 from nextstate.core.types import NextState, Transition, Turn
 from nextstate.proxy.session_chain import Chain, MessageDigests, VolatileText, chain_step
-from nextstate.proxy.session_db import SessionDB
+from nextstate.proxy.session_db import SessionDB, Write
 
 # Where a session hands each transition (the judge's inbox). What it returns resolves once the
 # transition is safe on disk, so the session may drop it from its row; None: kept at once.
@@ -85,6 +92,13 @@ class Session:
     handing: list[Transition] = field(default_factory=list)
     # Each turn's JSON text, by id (the turn is kept, so the id stays its own): see `to_json`.
     _encoded: dict[int, tuple[Turn, str]] = field(default_factory=dict, repr=False)
+    # Shared sessions: the revision of this copy's last write (or of the row it was read from),
+    # the last one the database confirmed, whether one was refused (another process wrote the
+    # row first), and the line's hashes not yet in the database's index.
+    rev: str | None = None
+    written_rev: str | None = None
+    conflicted: bool = False
+    unindexed: list[str] = field(default_factory=list)
 
     def to_json(self) -> str:
         """The session's row, as JSON text, written on every request of an agent's
@@ -128,7 +142,26 @@ class Session:
             provisional_sent=data.get("provisional_sent", False),
             outcome_expected=data.get("outcome_expected", False),
             handing=[Transition.model_validate(t) for t in data.get("handing", ())],
+            rev=data.get("rev"), written_rev=data.get("rev"),
         )
+
+    def write(self) -> Write:
+        """This session's row as its next write, under a new revision."""
+        prev, self.rev = self.rev, secrets.token_hex(8)
+        hashes, self.unindexed = tuple(self.unindexed), []
+
+        def done(written: bool, rev: str = self.rev) -> None:  # on the writer thread
+            if written:
+                self.written_rev = rev
+            else:
+                self.conflicted = True
+
+        return Write(self.user, self.id, self.to_json(), self.rev, prev, self.last_active_wall, hashes, done)
+
+    @property
+    def writing(self) -> bool:
+        """A write of this copy is on its way to the database: the copy is the newest."""
+        return self.rev != self.written_rev and not self.conflicted
 
 
 def _encode_turn(turn: Turn) -> str:
@@ -167,6 +200,7 @@ class SessionStore:
         max_per_user: int | None = None,
         volatile: VolatileText | None = None,
         db: SessionDB | None = None,
+        worker: str = "",
     ) -> None:
         self._emit_to = emit
         self._handed: list[asyncio.Future[None]] = []  # what `emit` returned, until the judge has it on disk
@@ -181,7 +215,11 @@ class SessionStore:
         self._sessions: OrderedDict[tuple[str, str], Session] = OrderedDict()  # least recent first
         self._per_user: dict[str, OrderedDict[str, Session]] = {}  # the same, by user
         self._index: dict[str, Session] = {}  # chain hash (user-seeded) -> a session whose line has it
-        if db is not None:
+        # Shared: sessions are read when a request needs them, not all at start (every process
+        # would hold every session); `worker` names this process in the closing leases.
+        self.shared = db is not None and db.shared
+        self.worker = worker or secrets.token_hex(6)
+        if db is not None and not self.shared:
             for data in db.load():
                 self._register(Session.from_json(data, self._clock()))
 
@@ -228,7 +266,7 @@ class SessionStore:
         if self._db is not None and len(closed) < len(dirty):
             for key in dirty:
                 if (s := self._sessions.get(key)) is not None:
-                    self._db.save(s.user, s.id, s.to_json())
+                    self._db.save(s.write())
             rows = asyncio.wrap_future(self._db.written())
         if handed:
             await asyncio.wait(handed, timeout=wait_s)
@@ -239,6 +277,9 @@ class SessionStore:
         if rows is not None:
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(rows, wait_s)
+
+    def chain(self, user: str, messages: list[dict[str, Any]]) -> Chain:
+        return Chain.of(user, messages, self.digests)
 
     def get(self, user: str, session_id: str) -> Session | None:
         return self._sessions.get((user, session_id))
@@ -252,9 +293,11 @@ class SessionStore:
         session_id: str | None = None,
         turn_type: TurnType | None = None,
         done: bool = False,
+        request: Chain | None = None,
     ) -> TurnPlan:
-        """Classify a request; nothing changes until its reply is committed."""
-        request = Chain.of(user, messages, self.digests)
+        """Classify a request (`request`: its chain, if made already); nothing changes until
+        its reply is committed."""
+        request = request or self.chain(user, messages)
         if session_id is not None:
             session = self._sessions.get((user, session_id)) or Session(session_id, user, True, self._clock())
             match = self._classify(session, request, messages)
@@ -344,6 +387,9 @@ class SessionStore:
         s.line = plan.request.extended(reply, len(plan.messages), self.digests)
         s.pending = turn
         self._reindex(s, old_hashes)
+        if self.shared:
+            known = set(old_hashes)
+            s.unindexed += [h for h in s.line.hashes if h not in known]
         self._touch(s)
         if plan.close_after:
             self.close(s)
@@ -404,13 +450,7 @@ class SessionStore:
         if s.closed:
             return
         s.closed = True
-        self._sessions.pop((s.user, s.id), None)
-        own = self._per_user.get(s.user)
-        if own is not None:
-            own.pop(s.id, None)
-            if not own:
-                del self._per_user[s.user]
-        self._reindex(s, s.line.hashes if s.line else (), keep=False)
+        self._unregister(s)
         self._confirm(s)
         if s.pending is not None:
             self._emit(s, Transition(turn=s.pending, next_state=None, reason=reason))
@@ -473,6 +513,87 @@ class SessionStore:
         for s in list(self._sessions.values()):
             self.close(s)
 
+    # ------------------------------------------------------------------ shared (PostgreSQL)
+
+    async def refresh(
+        self, user: str, request: Chain | None = None, session_id: str | None = None, every: bool = False
+    ) -> None:
+        """Shared sessions: bring this process's copies of `user`'s sessions that `request` may
+        continue (or `session_id`, or `every` one) up to the database's revision, reading those
+        another process changed, and dropping those it closed. A copy whose own write is still
+        on its way is the newest already. No-op for sessions of one process."""
+        if not self.shared:
+            return
+        assert self._db is not None
+        hashes = request.hashes if request is not None else ()
+        copies = {s.id: s for h in hashes if (s := self._index.get(h)) is not None and s.user == user}
+        if every:
+            copies.update(self._per_user.get(user, {}))
+        elif session_id is not None and (s := self.get(user, session_id)) is not None:
+            copies[s.id] = s
+        ids = set(copies) | ({session_id} if session_id is not None else set())
+        current = {i: c.rev for i, c in copies.items() if not c.conflicted}
+        writing = {i for i, c in copies.items() if c.writing}
+
+        def read() -> tuple[dict[str, str | None], list[dict[str, Any]]]:
+            revs = self._db.revisions(user, hashes, ids, every=every)
+            stale = [i for i, rev in revs.items() if i not in writing and current.get(i, _MISSING) != rev]
+            return revs, self._db.rows(user, stale)
+
+        revs, rows = await asyncio.to_thread(read)
+        for i, s in copies.items():
+            if i not in revs and not s.writing:  # closed or forgotten by another process
+                self._drop(s)
+        for data in rows:
+            self._adopt(data)
+
+    def _adopt(self, data: dict[str, Any]) -> Session:
+        """A session's row, read from the shared database, replacing this process's copy. What
+        the row says was on its way to the judge is handed over again (the process that wrote it
+        may have died first; the judge's inbox keeps a turn once)."""
+        s = Session.from_json(data, self._clock())
+        if (old := self.get(s.user, s.id)) is not None:
+            self._drop(old)
+        self._register(s)
+        handing, s.handing = s.handing, []
+        for transition in handing:
+            self._emit(s, transition)
+        return s
+
+    async def sweep_shared(self) -> int:
+        """`sweep` for shared sessions: copies idle here are dropped (another process may be
+        serving the conversation), and the sessions idle in the database — served here or
+        anywhere, even by a process that died — are closed by the one process that claims each.
+        Settling (see `_settle`) happens only on a copy the database confirms is current."""
+        assert self._db is not None
+        now = self._clock()
+        while self._sessions:
+            s = next(iter(self._sessions.values()))
+            if s.last_active > now - self.idle_s:
+                break
+            self._drop(s)
+        claimed = await asyncio.to_thread(self._db.claim_idle, time.time() - self.idle_s, self.worker)
+        for data in claimed:
+            self.close(self._adopt(data))
+        changed = len(claimed)
+        if self.settle_s > 0:
+            quiet = []
+            for s in self._sessions.values():  # least recently active first
+                if s.last_active > now - self.settle_s:
+                    break
+                if s.provisional is not None and not s.provisional_sent and not s.writing:
+                    quiet.append(s)
+            for s in quiet:
+                revs = await asyncio.to_thread(self._db.revisions, s.user, (), (s.id,))
+                if self._sessions.get((s.user, s.id)) is not s or s.provisional_sent:
+                    continue
+                if revs.get(s.id) != s.rev or s.conflicted:
+                    self._drop(s)  # another process went on with it: read again when needed
+                else:
+                    self._settle(s)
+                    changed += 1
+        return changed
+
     # ------------------------------------------------------------------ bookkeeping
 
     def _register(self, s: Session) -> None:
@@ -483,13 +604,29 @@ class SessionStore:
         own.move_to_end(s.id)
         if s.line is not None:
             self._reindex(s, ())
+        # Shared, only this process's copy goes: the session stays open in the database.
+        evict = self._drop if self.shared else self.close
         while len(own) > self.max_per_user:  # a user's many sessions push out their own, not others'
-            self.close(next(iter(own.values())))
+            evict(next(iter(own.values())))
         while len(self._sessions) > self.max_sessions:
             # the user holding the most sessions gives up their least recent: one user opening
             # many never closes another's conversation while they hold more than that one does
             heaviest = max(self._per_user.values(), key=len)
-            self.close(next(iter(heaviest.values())))
+            evict(next(iter(heaviest.values())))
+
+    def _unregister(self, s: Session) -> None:
+        self._sessions.pop((s.user, s.id), None)
+        own = self._per_user.get(s.user)
+        if own is not None:
+            own.pop(s.id, None)
+            if not own:
+                del self._per_user[s.user]
+        self._reindex(s, s.line.hashes if s.line else (), keep=False)
+
+    def _drop(self, s: Session) -> None:
+        """Forget this process's copy of a shared session, handing nothing to the judge."""
+        if self._sessions.get((s.user, s.id)) is s:
+            self._unregister(s)
 
     def _touch(self, s: Session) -> None:
         s.last_active = self._clock()
@@ -506,6 +643,9 @@ class SessionStore:
                 del self._index[h]
         for h in new:
             self._index[h] = s
+
+
+_MISSING = object()
 
 
 def _messages_from(plan: TurnPlan, chain_index: int) -> list[dict[str, Any]]:

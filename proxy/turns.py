@@ -153,8 +153,11 @@ class TurnService:
             sampling = dataclasses.replace(sampling, max_new_tokens=room)
         quota = await self.limiter.admit(key, len(prompt.ids), sampling.max_new_tokens)
         hints = request.hints
+        chain = self.sessions.chain(key.user, request.messages)
+        await self.sessions.refresh(key.user, chain, hints.session_id)  # served by another process lately?
         plan = self.sessions.resolve(
-            key.user, request.messages, session_id=hints.session_id, turn_type=hints.turn_type, done=hints.done
+            key.user, request.messages, session_id=hints.session_id, turn_type=hints.turn_type, done=hints.done,
+            request=chain,
         )
         self.metrics.turns.labels(plan.turn_type, plan.match).inc()
         self.metrics.sessions_open.set(len(self.sessions))
