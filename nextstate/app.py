@@ -48,6 +48,9 @@ from nextstate.proxy.responses.store import ResponseStore
 from nextstate.proxy.turns import TurnService
 from nextstate.proxy.errors import install_error_handlers
 from nextstate.proxy.keys import KeyStore
+from nextstate.proxy.parallel_slots import LocalSlots, SharedSlots
+from nextstate.proxy.rate_limits import RateLimiter
+from nextstate.proxy.rate_windows import MemoryWindows, SharedWindows
 from nextstate.core.metrics import Metrics
 from nextstate.core.records import RecordWriter
 from nextstate.proxy.admin_routes import router as admin_router
@@ -195,8 +198,14 @@ def create_app(settings: Settings | None = None, *, engine_factory: EngineFactor
             db=session_db,
             worker=worker,
         )
+        # several serving processes on one database count each key's requests together
+        url = settings.server.database_url
+        windows = SharedWindows(settings.data_dir / "rates.sqlite3", url) if url else MemoryWindows()
+        slots = SharedSlots(settings.data_dir / "running.sqlite3", url, worker) if url else LocalSlots()
         turns = TurnService(
             engine=engine,
+            limiter=RateLimiter(windows),
+            slots=slots,
             renderer=renderer,
             sessions=sessions,
             records=records,
@@ -273,6 +282,10 @@ async def shutdown(services: Services) -> None:
     for store in USER_DATA:
         if store.close is not None:
             await store.close(services)
+    if isinstance(windows := services.turns.limiter.windows, SharedWindows):
+        windows.close()
+    if isinstance(slots := services.turns.slots, SharedSlots):
+        await slots.aclose()
     await services.engine.close()
 
 

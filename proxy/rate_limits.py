@@ -5,21 +5,18 @@ A key may carry a requests-per-minute and a tokens-per-minute limit (`nextstate 
 either limit is a 429 with `Retry-After`; every answer to a limited key carries OpenAI's (and
 LiteLLM's) `x-ratelimit-{limit,remaining,reset}-{requests,tokens}` headers, so a client can pace
 itself. Tokens are checked against the prompt before generating and counted in full (prompt
-and completion) once the reply is done.
+and completion) once the reply is done. The windows are this process's, or (several serving
+processes on one PostgreSQL) shared by all of them: proxy/rate_windows.py.
 """
 
 from __future__ import annotations
 
 import math
-import time
 from dataclasses import dataclass
-
-from limits import RateLimitItemPerMinute
-from limits.aio.storage import MemoryStorage
-from limits.aio.strategies import MovingWindowRateLimiter
 
 from nextstate.proxy.errors import ApiError
 from nextstate.proxy.keys import ApiKey
+from nextstate.proxy.rate_windows import MemoryWindows, Window, Windows
 
 
 @dataclass
@@ -29,13 +26,17 @@ class Quota:
     headers: dict[str, str]
 
 
-def _reset(seconds: float) -> str:
-    return f"{max(0.0, seconds):.0f}s"
+def _headers(kind: str, limit: int, window: Window) -> dict[str, str]:
+    return {
+        f"x-ratelimit-limit-{kind}": str(limit),
+        f"x-ratelimit-remaining-{kind}": str(window.remaining),
+        f"x-ratelimit-reset-{kind}": f"{window.reset_s:.0f}s",
+    }
 
 
 class RateLimiter:
-    def __init__(self) -> None:
-        self._limiter = MovingWindowRateLimiter(MemoryStorage())
+    def __init__(self, windows: Windows | None = None) -> None:
+        self.windows = windows or MemoryWindows()
 
     async def admit(self, key: ApiKey, prompt_tokens: int, reply_tokens: int = 0) -> Quota:
         """Count one request; refuse it (429) if the key is over either limit. Its tokens are
@@ -43,42 +44,31 @@ class RateLimiter:
         larger than the key's whole per-minute budget is refused outright, not served once."""
         headers: dict[str, str] = {}
         if key.rpm:
-            item = RateLimitItemPerMinute(key.rpm)
-            allowed = await self._limiter.hit(item, "requests", key.id)
-            headers.update(await self._headers(item, key.id, "requests"))
-            if not allowed:
+            window = await self.windows.hit(key.id, "requests", key.rpm)
+            headers.update(_headers("requests", key.rpm, window))
+            if not window.allowed:
                 raise self._refusal(key, "requests", key.rpm, headers)
         if key.tpm:
-            item = RateLimitItemPerMinute(key.tpm)
             requested = max(1, prompt_tokens + reply_tokens)
-            headers.update(await self._headers(item, key.id, "tokens"))
+            window = await self.windows.peek(key.id, "tokens", key.tpm, cost=requested)
+            headers.update(_headers("tokens", key.tpm, window))
             if requested > key.tpm:
                 raise ApiError(
                     429, f"Request too large for key {key.id}: {prompt_tokens} prompt tokens and up to {reply_tokens} "
                     f"in the reply ({requested}) exceed its limit of {key.tpm} tokens per minute. Send less, or a "
                     "smaller max_tokens.", type="tokens", code="rate_limit_exceeded", headers=headers,
                 )
-            allowed = await self._limiter.test(item, "tokens", key.id, cost=requested)
-            if not allowed:
+            if not window.allowed:
                 raise self._refusal(key, "tokens", key.tpm, headers)
         return Quota(headers)
 
     async def spend(self, key: ApiKey, tokens: int) -> None:
         """Count a finished reply's tokens (prompt and completion) against the key."""
         if key.tpm and tokens > 0:
-            item = RateLimitItemPerMinute(key.tpm)
             # a reply may overshoot what is left: the window takes what fits, the next request waits
-            stats = await self._limiter.get_window_stats(item, "tokens", key.id)
-            if stats.remaining > 0:
-                await self._limiter.hit(item, "tokens", key.id, cost=min(tokens, stats.remaining))
-
-    async def _headers(self, item: RateLimitItemPerMinute, key_id: str, kind: str) -> dict[str, str]:
-        stats = await self._limiter.get_window_stats(item, kind, key_id)
-        return {
-            f"x-ratelimit-limit-{kind}": str(item.amount),
-            f"x-ratelimit-remaining-{kind}": str(max(0, stats.remaining)),
-            f"x-ratelimit-reset-{kind}": _reset(stats.reset_time - time.time()),
-        }
+            window = await self.windows.peek(key.id, "tokens", key.tpm)
+            if window.remaining > 0:
+                await self.windows.hit(key.id, "tokens", key.tpm, cost=min(tokens, window.remaining))
 
     @staticmethod
     def _refusal(key: ApiKey, kind: str, limit: int, headers: dict[str, str]) -> ApiError:

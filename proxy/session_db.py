@@ -128,16 +128,25 @@ class SessionDB:
             ).fetchall()
         return [dict(json.loads(data), rev=rev) for data, rev in rows]
 
-    def claim_idle(self, active_before: float, worker: str, limit: int = 100) -> list[dict[str, Any]]:
-        """Take the closing of sessions nobody used since `active_before` (wall clock) and that
-        no live process is closing already; their rows, which the claimer closes and deletes."""
+    def claim_idle(self, active_before: float, worker: str, max_per_user: int | None = None,
+                   max_sessions: int | None = None, limit: int = 100) -> list[dict[str, Any]]:
+        """Take the closing of the sessions to close — nobody used them since `active_before`
+        (wall clock), or their user holds more than `max_per_user` (all users more than
+        `max_sessions`) and they are the least recent — that no live process is closing
+        already; their rows, which the claimer closes and deletes."""
         now = time.time()
+        free = "(closer IS NULL OR close_until < ?)"
         with self._lock, self._db.transaction():
+            # the lease is checked again on the row itself: a process that waited for another's
+            # claim of the same row sees it taken (PostgreSQL re-reads an updated row)
             rows = self._db.execute(
-                "UPDATE sessions SET closer = ?, close_until = ? WHERE (\"user\", id) IN ("
-                "SELECT \"user\", id FROM sessions WHERE active_at < ? AND (closer IS NULL OR close_until < ?) "
-                f"ORDER BY active_at LIMIT ?{self._db.skip_locked}) RETURNING data, rev",
-                (worker, now + CLOSE_LEASE_S, active_before, now, limit),
+                f'UPDATE sessions SET closer = ?, close_until = ? WHERE {free} AND ("user", id) IN ('
+                'SELECT "user", id FROM (SELECT "user", id, active_at, closer, close_until, '
+                'ROW_NUMBER() OVER (PARTITION BY "user" ORDER BY active_at DESC) AS nth_of_user, '
+                "ROW_NUMBER() OVER (ORDER BY active_at DESC) AS nth FROM sessions) ranked "
+                f"WHERE (active_at < ? OR nth_of_user > ? OR nth > ?) AND {free} ORDER BY active_at LIMIT ?"
+                ") RETURNING data, rev",
+                (worker, now + CLOSE_LEASE_S, now, active_before, max_per_user or 2**62, max_sessions or 2**62, now, limit),
             ).fetchall()
         return [dict(json.loads(data), rev=rev) for data, rev in rows]
 

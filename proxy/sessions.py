@@ -563,7 +563,8 @@ class SessionStore:
     async def sweep_shared(self) -> int:
         """`sweep` for shared sessions: copies idle here are dropped (another process may be
         serving the conversation), and the sessions idle in the database — served here or
-        anywhere, even by a process that died — are closed by the one process that claims each.
+        anywhere, even by a process that died — or beyond the caps on sessions (per user, and in
+        all: a process evicts only its own copies) are closed by the one process that claims each.
         Settling (see `_settle`) happens only on a copy the database confirms is current."""
         assert self._db is not None
         now = self._clock()
@@ -572,7 +573,9 @@ class SessionStore:
             if s.last_active > now - self.idle_s:
                 break
             self._drop(s)
-        claimed = await asyncio.to_thread(self._db.claim_idle, time.time() - self.idle_s, self.worker)
+        claimed = await asyncio.to_thread(
+            self._db.claim_idle, time.time() - self.idle_s, self.worker, self.max_per_user, self.max_sessions
+        )
         for data in claimed:
             self.close(self._adopt(data))
         changed = len(claimed)

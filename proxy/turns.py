@@ -34,6 +34,7 @@ from nextstate.modelio.tool_calls import forced_call_schema
 from nextstate.proxy.decode import Admitted, Decoder, Delta, Finished, StillWorking, TurnEvent
 from nextstate.proxy.errors import ApiError, engine_error, invalid_request, server_error
 from nextstate.proxy.keys import ApiKey
+from nextstate.proxy.parallel_slots import LocalSlots, Slots
 from nextstate.proxy.rate_limits import RateLimiter
 from nextstate.proxy.sessions import SessionStore, TurnPlan
 from nextstate.proxy.wire import TurnHints
@@ -124,6 +125,7 @@ class TurnService:
         keepalive_s: float = 5.0,
         limiter: RateLimiter | None = None,
         max_parallel_per_user: int = 4,
+        slots: Slots | None = None,
         max_memory_bytes: int | None = None,
     ) -> None:
         self.engine = engine
@@ -140,7 +142,7 @@ class TurnService:
         self.keepalive_s = keepalive_s
         self.limiter = limiter or RateLimiter()
         self.max_parallel_per_user = max_parallel_per_user
-        self._running: dict[str, int] = {}  # replies being generated, per user
+        self.slots = slots or LocalSlots()  # replies being generated, per user
 
     # ------------------------------------------------------------------ preparation
 
@@ -226,14 +228,13 @@ class TurnService:
         arrive (`StillWorking` after `keepalive_s` without one), then the finished reply,
         committed. An engine failure before admission raises before anything is yielded; a
         failure after it is recorded (a 'failed' record and count) and raised."""
-        user = prep.key.user
-        if self._running.get(user, 0) >= self.max_parallel_per_user:
+        slot = await self.slots.take(prep.key.user, self.max_parallel_per_user)
+        if slot is None:
             raise ApiError(
                 429, f"You have {self.max_parallel_per_user} replies being generated; wait for one to finish "
                 "(NEXTSTATE_MAX_PARALLEL_PER_USER).", type="requests", code="too_many_parallel_requests",
                 headers={"retry-after": "1"},
             )
-        self._running[user] = self._running.get(user, 0) + 1
         admitted = False
         try:
             # A request is in flight until its reply is saved and sent: background work (the
@@ -257,9 +258,7 @@ class TurnService:
             log.exception("reply %s of %s failed", prep.id, prep.key.user)
             raise error from exc
         finally:
-            self._running[user] -= 1
-            if not self._running[user]:
-                del self._running[user]
+            await self.slots.give_back(slot)
 
     def _failed(self, prep: PreparedTurn, exc: ApiError) -> None:
         self.metrics.failed.labels(exc.code or exc.type).inc()

@@ -215,3 +215,82 @@ def test_new_work_is_refused_while_the_server_is_short_of_memory(server):
         assert refused.json()["error"]["code"] == "server_overloaded"
     finally:
         turns.max_memory_bytes = None
+
+
+def test_shared_windows_let_through_exactly_the_limit_however_many_processes_count(tmp_path, database_url):
+    """Four processes (each its own connection) counting one key at once: exactly the limit is
+    let through, and a peek counts nothing."""
+    import asyncio
+
+    from nextstate.proxy.rate_windows import SharedWindows
+
+    if database_url is None:
+        windows = [SharedWindows(tmp_path / "rates.sqlite3")]  # one process's file
+    else:
+        windows = [SharedWindows(tmp_path / f"{i}.sqlite3", database_url) for i in range(4)]
+
+    async def scenario():
+        assert (await windows[0].peek("k1", "requests", 10)).remaining == 10
+        hits = await asyncio.gather(*(windows[i % len(windows)].hit("k1", "requests", 10) for i in range(25)))
+        assert sum(h.allowed for h in hits) == 10
+        assert min(h.remaining for h in hits) == 0 and all(0 < h.reset_s <= 60 for h in hits)
+        assert (await windows[-1].hit("k2", "requests", 10, cost=4)).remaining == 6, "keys count apart"
+        assert not (await windows[-1].peek("k2", "requests", 10, cost=7)).allowed
+        assert (await windows[-1].peek("k2", "requests", 10, cost=6)).allowed
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        for w in windows:
+            w.close()
+
+
+def test_a_keys_limits_hold_across_serving_processes(server_factory, postgres):
+    """Two nextstate processes on one PostgreSQL: a key allowed 3 requests a minute gets 3 in
+    all, not 3 from each."""
+    import uuid
+
+    url = postgres.fresh_database(f"r{uuid.uuid4().hex[:12]}")
+    a, b = (server_factory(database_url=url, judge_enabled=False) for _ in range(2))
+    from nextstate.proxy.keys import KeyStore
+
+    store = KeyStore(a.settings.keys_db, url)
+    try:
+        _, limited = store.create("carol", rpm=3)
+    finally:
+        store.close()
+    body = {"model": "tiny", "messages": HELLO, "max_tokens": 2}
+    answers = [raw_post(server, body, limited) for server in (a, b, a, b, a)]
+    assert [r.status_code for r in answers] == [200, 200, 200, 429, 429]
+    assert [r.headers["x-ratelimit-remaining-requests"] for r in answers[:3]] == ["2", "1", "0"]
+
+
+def test_the_parallel_cap_holds_across_serving_processes_and_a_dead_ones_slots_expire(slow, postgres, monkeypatch):
+    """Two processes on one PostgreSQL, a user capped at 2 replies at once: two running on a,
+    the third is refused on b; and the slots of a process that died stop counting after their
+    lease."""
+    import uuid
+
+    from nextstate.proxy import parallel_slots
+
+    url = postgres.fresh_database(f"p{uuid.uuid4().hex[:12]}")
+    (a, engine), (b, other) = slow(max_parallel_per_user=2, database_url=url), slow(max_parallel_per_user=2, database_url=url)
+    alice = a.key("alice")
+    body = {"model": "tiny", "messages": HELLO, "max_tokens": 30}
+    engine.default_reply = other.default_reply = " ".join(["tok"] * 40)
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        busy = [pool.submit(raw_post, a, body, alice) for _ in range(2)]
+        time.sleep(0.5)
+        third = raw_post(b, body, alice)
+        assert [f.result().status_code for f in busy] == [200, 200]
+    assert third.status_code == 429 and third.json()["error"]["code"] == "too_many_parallel_requests"
+    assert raw_post(b, body, alice).status_code == 200, "the slots came back when the replies ended"
+
+    # a process that died holding two slots: they count until their lease runs out
+    monkeypatch.setattr(parallel_slots, "LEASE_S", 0.5)
+    dead = parallel_slots.SharedSlots(a.settings.data_dir / "unused.sqlite3", url, "dead:1")
+    assert [a.call(dead.take("alice", 2)) for _ in range(3)][2] is None
+    assert raw_post(b, body, alice).status_code == 429
+    time.sleep(0.6)
+    assert raw_post(b, body, alice).status_code == 200
+    a.call(dead.aclose())

@@ -229,3 +229,30 @@ def test_two_servers_on_one_database_serve_one_conversation_as_one_session(serve
         assert rated is not None and rated.reward == 1.0
     finally:
         store.close()
+
+
+def test_the_caps_on_open_sessions_hold_across_processes(tmp_path, shared_url):
+    """Each process evicts only its own copies; the sessions beyond a user's cap, counted in the
+    database, are closed once, least recent first."""
+    async def scenario():
+        emitted: list[Transition] = []
+        a = Process(shared_url, tmp_path / "a.sqlite3", emitted, "a", max_per_user=2)
+        b = Process(shared_url, tmp_path / "b.sqlite3", emitted, "b", max_per_user=2)
+        for i in range(4):  # four conversations of alice's, two on each process
+            await (a if i % 2 == 0 else b).turn("alice", [SYS, user(f"topic {i}")], f"answer {i}")
+            await asyncio.sleep(0.01)
+        await (a).turn("bob", [SYS, user("mine")], "yours")
+        assert len(a.store) == 3 and len(b.store) == 2, "each process holds its own copies"
+        assert sum(await asyncio.gather(a.store.sweep_shared(), b.store.sweep_shared())) == 2
+        await asyncio.gather(a.store.save(), b.store.save())
+        a.db.flush()
+        b.db.flush()
+        left = sorted((row["user"], row["pending"]["messages"][-1]["content"]) for row in a.db.load())
+        assert left == [("alice", "topic 2"), ("alice", "topic 3"), ("bob", "mine")]
+        return emitted, a, b
+
+    emitted, a, b = asyncio.run(scenario())
+    assert sorted(t.turn.messages[-1]["content"] for t in emitted) == ["topic 0", "topic 1"]
+    assert {t.reason for t in emitted} == {"session_closed"}
+    a.close()
+    b.close()

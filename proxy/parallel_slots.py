@@ -1,0 +1,122 @@
+"""How many replies each user has being generated, against NEXTSTATE_MAX_PARALLEL_PER_USER: in
+this process, or counted across every serving process through PostgreSQL.
+
+One process counts in a dict. Several must count together, or a user gets the cap from each
+process: each reply in flight is then a row (`running`) taken under a per-user lock and deleted
+when the reply ends. A process that dies cannot delete its rows, so each is a lease its process
+renews while the reply runs (`RENEW_S`); a dead process's replies stop counting within `LEASE_S`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import secrets
+import threading
+import time
+from pathlib import Path
+from typing import Protocol
+
+from nextstate.core.database import Database
+
+log = logging.getLogger(__name__)
+
+LEASE_S = 60.0
+RENEW_S = 15.0
+
+
+class Slots(Protocol):
+    async def take(self, user: str, cap: int) -> str | None:
+        """A slot for one reply of `user`'s (its token), or None: `cap` are taken."""
+
+    async def give_back(self, token: str) -> None: ...
+
+
+class LocalSlots:
+    def __init__(self) -> None:
+        self._running: dict[str, int] = {}
+        self._owner: dict[str, str] = {}
+
+    async def take(self, user: str, cap: int) -> str | None:
+        if self._running.get(user, 0) >= cap:
+            return None
+        self._running[user] = self._running.get(user, 0) + 1
+        token = secrets.token_hex(8)
+        self._owner[token] = user
+        return token
+
+    async def give_back(self, token: str) -> None:
+        user = self._owner.pop(token)
+        self._running[user] -= 1
+        if not self._running[user]:
+            del self._running[user]
+
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS running (
+    token TEXT PRIMARY KEY,
+    "user" TEXT NOT NULL,
+    worker TEXT NOT NULL,
+    until {float} NOT NULL
+);
+CREATE INDEX IF NOT EXISTS running_user ON running ("user", until)
+"""
+
+
+class SharedSlots:
+    """Replies in flight as leased rows in PostgreSQL (or a SQLite file, for tests)."""
+
+    def __init__(self, path: Path, database_url: str | None, worker: str) -> None:
+        self._db = Database.open(path, _SCHEMA, "busy_timeout=5000", url=database_url)
+        # this run of the process: one restarted on the same host and port must not renew the
+        # leases its dead predecessor left
+        self.worker = f"{worker}/{secrets.token_hex(4)}"
+        self._lock = threading.Lock()
+        self._renewer: asyncio.Task | None = None
+
+    async def take(self, user: str, cap: int) -> str | None:
+        if self._renewer is None:
+            self._renewer = asyncio.create_task(self._renew(), name="parallel-slots")
+        return await asyncio.to_thread(self._take, user, cap)
+
+    def _take(self, user: str, cap: int) -> str | None:
+        now = time.time()
+        token = secrets.token_hex(12)
+        with self._lock, self._db.transaction():
+            if self._db.dialect == "postgres":  # one taker per user at a time (SQLite's BEGIN IMMEDIATE is)
+                self._db.execute("SELECT pg_advisory_xact_lock(hashtextextended(?, 7303542))", (user,))
+            (running,) = self._db.execute('SELECT COUNT(*) FROM running WHERE "user" = ? AND until > ?', (user, now)).fetchone()
+            if running >= cap:
+                return None
+            self._db.execute('INSERT INTO running (token, "user", worker, until) VALUES (?, ?, ?, ?)',
+                             (token, user, self.worker, now + LEASE_S))
+            self._db.execute("DELETE FROM running WHERE \"user\" = ? AND until <= ?", (user, now))  # dead processes'
+        return token
+
+    async def give_back(self, token: str) -> None:
+        try:
+            await asyncio.to_thread(self._execute, "DELETE FROM running WHERE token = ?", (token,))
+        except Exception:  # noqa: BLE001 - the lease runs out instead
+            log.exception("could not give back a parallel-reply slot; it frees within %.0f s", LEASE_S)
+
+    def _execute(self, sql: str, params: tuple) -> None:
+        with self._lock:
+            self._db.execute(sql, params)
+
+    async def _renew(self) -> None:
+        while True:
+            await asyncio.sleep(RENEW_S)
+            try:
+                await asyncio.to_thread(self._execute, "UPDATE running SET until = ? WHERE worker = ?",
+                                        (time.time() + LEASE_S, self.worker))
+            except Exception:  # noqa: BLE001 - the next round tries again
+                log.warning("could not renew this process's parallel-reply slots", exc_info=True)
+
+    async def aclose(self) -> None:
+        if self._renewer is not None:
+            self._renewer.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._renewer
+        await asyncio.to_thread(self._execute, "DELETE FROM running WHERE worker = ?", (self.worker,))
+        self._db.close()
