@@ -31,6 +31,7 @@ from nextstate.core.policy import PolicyDirectory
 from nextstate.core.private import DataDirUnusable, prepare_data_dir
 from nextstate.core.settings import Settings
 from nextstate.forget import forget_online, keep_for
+from nextstate.dashboard_sessions import DashboardSessions
 from nextstate.server_marker import mark_running, mark_stopped
 from nextstate.services import Services
 from nextstate.user_data import USER_DATA
@@ -228,6 +229,7 @@ def create_app(settings: Settings | None = None, *, engine_factory: EngineFactor
             follower=None if learner is not None else VersionFollower(settings.adapters_dir, engine, policies),
             forget_user=lambda user: forget_online(services, user),
             engine=engine, inbox=inbox, session_db=session_db, stored_responses=stored_responses,
+            dashboard_sessions=DashboardSessions(database_url=url),
         )
         app.state.services = services
         background = [asyncio.create_task(_sweep(sessions, metrics), name="session-sweeper")]
@@ -286,6 +288,7 @@ async def shutdown(services: Services) -> None:
         windows.close()
     if isinstance(slots := services.turns.slots, SharedSlots):
         await slots.aclose()
+    services.dashboard_sessions.close()
     await services.engine.close()
 
 

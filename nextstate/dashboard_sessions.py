@@ -5,45 +5,94 @@ key, with every admin right over the API, until revoked. A session token opens t
 only, ends after `SESSION_S`, and ends at once when its key is revoked or its user forgotten
 (the key is looked up on every use). Sign-in attempts are limited per client address, so a
 stolen-cookie-free guessing run gets `SIGN_IN_PER_MINUTE` tries a minute.
+
+Tokens are kept in memory, or with a shared database (NEXTSTATE_DATABASE_URL) in it — a
+dashboard opened through one serving process stays open when the load balancer sends the next
+page to another — as their SHA-256 only, so the table holds nothing a cookie could be made of;
+the sign-in throttle then counts on the shared rate windows too.
 """
 
 from __future__ import annotations
 
+import asyncio
+import hashlib
 import secrets
+import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 
-from limits import RateLimitItemPerMinute
-from limits.storage import MemoryStorage
-from limits.strategies import MovingWindowRateLimiter
+from nextstate.core.database import Database
+from nextstate.proxy.rate_windows import MemoryWindows, SharedWindows, Windows
 
 SESSION_S = 8 * 3600.0
 SIGN_IN_PER_MINUTE = 10
 
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS dashboard_sessions (
+    token_hash TEXT PRIMARY KEY,
+    key_id TEXT NOT NULL,
+    until {float} NOT NULL
+)
+"""
+
 
 class DashboardSessions:
-    def __init__(self, lifetime_s: float = SESSION_S, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, lifetime_s: float = SESSION_S, clock: Callable[[], float] = time.time,
+                 database_url: str | None = None, path: Path | None = None) -> None:
         self.lifetime_s = lifetime_s
         self._clock = clock
-        self._tokens: dict[str, tuple[str, float]] = {}  # token → (the admin key's id, when it ends)
-        self._attempts = MovingWindowRateLimiter(MemoryStorage())
-        self._per_minute = RateLimitItemPerMinute(SIGN_IN_PER_MINUTE)
+        self._db = Database.open(path or Path("unused"), _SCHEMA, url=database_url) if database_url else None
+        self._lock = threading.Lock()
+        self._tokens: dict[str, tuple[str, float]] = {}  # token hash → (the admin key's id, when it ends)
+        self._attempts: Windows = SharedWindows(Path("unused"), database_url) if database_url else MemoryWindows()
 
-    def may_try(self, client: str) -> bool:
+    async def may_try(self, client: str) -> bool:
         """Count one sign-in attempt from `client`; False once it is over the limit."""
-        return self._attempts.hit(self._per_minute, "dashboard-sign-in", client)
+        return (await self._attempts.hit(client, "dashboard-sign-in", SIGN_IN_PER_MINUTE)).allowed
 
-    def open(self, key_id: str) -> str:
-        now = self._clock()
-        self._tokens = {t: v for t, v in self._tokens.items() if v[1] > now}  # expired ones go
+    async def open(self, key_id: str) -> str:
         token = secrets.token_urlsafe(32)
-        self._tokens[token] = (key_id, now + self.lifetime_s)
+        now = self._clock()
+        if self._db is None:
+            self._tokens = {t: v for t, v in self._tokens.items() if v[1] > now}  # expired ones go
+            self._tokens[_hash(token)] = (key_id, now + self.lifetime_s)
+        else:
+            await asyncio.to_thread(
+                self._execute,
+                ("DELETE FROM dashboard_sessions WHERE until <= ?", (now,)),  # expired ones go
+                ("INSERT INTO dashboard_sessions (token_hash, key_id, until) VALUES (?, ?, ?)",
+                 (_hash(token), key_id, now + self.lifetime_s)),
+            )
         return token
 
-    def key_id(self, token: str) -> str | None:
+    async def key_id(self, token: str) -> str | None:
         """The key a live session was opened with, or None."""
-        found = self._tokens.get(token)
+        if not token:
+            return None
+        if self._db is None:
+            found = self._tokens.get(_hash(token))
+        else:
+            found = await asyncio.to_thread(self._fetch, _hash(token))
         if found is None or found[1] <= self._clock():
-            self._tokens.pop(token, None)
             return None
         return found[0]
+
+    def _fetch(self, token_hash: str) -> tuple[str, float] | None:
+        with self._lock:
+            return self._db.execute("SELECT key_id, until FROM dashboard_sessions WHERE token_hash = ?", (token_hash,)).fetchone()
+
+    def _execute(self, *statements: tuple[str, tuple]) -> None:
+        with self._lock, self._db.transaction():
+            for sql, params in statements:
+                self._db.execute(sql, params)
+
+    def close(self) -> None:
+        if self._db is not None:
+            self._db.close()
+        if isinstance(self._attempts, SharedWindows):
+            self._attempts.close()
+
+
+def _hash(token: str) -> str:
+    return hashlib.sha256(token.encode()).hexdigest()

@@ -199,3 +199,23 @@ def test_the_dashboard_cannot_be_framed_guessed_at_or_kept_open_with_a_stolen_co
     codes = [httpx.post(f"{root}/dashboard/login", data={"key": f"ns-guess-{i}"}).status_code for i in range(8)]
     assert codes == [401] * 8, codes  # two sign-ins were made above
     assert httpx.post(f"{root}/dashboard/login", data={"key": other}).status_code == 429
+
+
+def test_a_dashboard_sign_in_holds_on_every_serving_process_of_one_database(server_factory, postgres):
+    """Behind a load balancer the next page may come from another process: the session is in the
+    shared database (as a hash: the table holds no cookie), and so is the sign-in throttle."""
+    import uuid
+
+    url = postgres.fresh_database(f"d{uuid.uuid4().hex[:12]}")
+    a, b = (server_factory(database_url=url, judge_enabled=False) for _ in range(2))
+    admin = a.key("root", admin=True)
+    token = _token(httpx.post(f"{a.root}/dashboard/login", data={"key": admin}))
+    assert httpx.get(f"{b.root}/dashboard", cookies={"nextstate_admin": token}).status_code == 200
+    import psycopg
+
+    with psycopg.connect(url) as conn:
+        stored = [row[0] for row in conn.execute("SELECT token_hash FROM dashboard_sessions")]
+    assert len(stored) == 1 and token not in stored[0]
+    codes = [httpx.post(f"{(a, b)[i % 2].root}/dashboard/login", data={"key": f"ns-guess-{i}"}).status_code
+             for i in range(10)]
+    assert codes == [401] * 9 + [429], "ten tries a minute from one address, counted across processes"
