@@ -3,11 +3,12 @@
 Two queues live here. `transitions` is the judge's inbox: a (turn, next state) pair is
 written before it is judged and marked done in the same transaction that stores its sample,
 so a crash mid-judgement re-judges it on restart instead of losing it. Several processes may
-share the inbox (PostgreSQL, NEXTSTATE_DATABASE_URL): each transition is claimed by one worker
-for a lease (`LEASE_S`), the one that wrote it first; a worker claims at start what is
-unclaimed, its own from before a restart, or left by a worker whose lease ran out (it died), and
-a judgement is stored only while its worker still holds the claim, so no turn is judged into
-two samples. `samples` holds every judged turn, accepted or dropped (with the reason), which
+share the inbox (PostgreSQL, NEXTSTATE_DATABASE_URL, or one data dir's file): each transition
+is claimed by one worker for a lease (`LEASE_S`, renewed while the worker lives), the one that
+wrote it first or — when serving processes leave judging to `nextstate judge` processes — the
+judge that polls for it first; a worker claims what is unclaimed, its own from before a restart,
+or left by a worker whose lease ran out (it died), and a judgement is stored only while its
+worker still holds the claim, so no turn is judged into two samples. `samples` holds every judged turn, accepted or dropped (with the reason), which
 the learner consumes in order and the admin stats summarise. Calls are blocking; async callers use `asyncio.to_thread`.
 """
 
@@ -73,9 +74,10 @@ CREATE TABLE IF NOT EXISTS outcomes (
 );
 """
 
-# How long a worker's claim on a transition lasts. Long enough for a slow judge (a CPU judge
-# takes minutes); a worker that died has its transitions judged by another after this.
-LEASE_S = 900.0
+# How long a worker's claim on a transition lasts unless renewed (`renew_claims`, which a live
+# worker calls every quarter of it, however long its judge takes): a worker that died has its
+# transitions judged by another after this.
+LEASE_S = 60.0
 
 
 def _turn_key(turn: Turn) -> str:
@@ -205,21 +207,33 @@ class SampleStore:
             rows = self._conn.execute("SELECT id, data FROM transitions WHERE status = 'pending' ORDER BY id").fetchall()
         return [(row[0], Transition.model_validate_json(row[1])) for row in rows]
 
-    def claim_pending(self, now: float | None = None) -> list[tuple[int, Transition]]:
-        """Claim for this worker the pending transitions no live worker holds: unclaimed, its
-        own (it restarted), or claimed by a worker whose lease ran out (it died). Workers that
-        claim at once get disjoint sets (PostgreSQL skips rows another holds locked; SQLite
-        takes them one writer at a time)."""
+    def claim_pending(self, now: float | None = None, limit: int | None = None,
+                      own: bool = True) -> list[tuple[int, Transition]]:
+        """Claim for this worker (oldest first, at most `limit`) the pending transitions no live
+        worker holds: unclaimed, its own (`own`: it restarted), or claimed by a worker whose lease
+        ran out (it died). Workers that claim at once get disjoint sets (PostgreSQL skips rows
+        another holds locked; SQLite takes them one writer at a time)."""
         now = time.time() if now is None else now
+        mine = "claimed_by = ? OR " if own else ""
         with self._lock, self._conn.transaction():
             rows = self._conn.execute(
                 "UPDATE transitions SET claimed_by = ?, claimed_until = ? WHERE id IN ("
                 "SELECT id FROM transitions WHERE status = 'pending' "
-                "AND (claimed_by IS NULL OR claimed_by = ? OR claimed_until IS NULL OR claimed_until < ?)"
+                f"AND (claimed_by IS NULL OR {mine}claimed_until IS NULL OR claimed_until < ?) ORDER BY id LIMIT ?"
                 f"{self._conn.skip_locked}) RETURNING id, data",
-                (self.worker, now + LEASE_S, self.worker, now),
+                (self.worker, now + LEASE_S, *((self.worker,) if own else ()), now, limit if limit is not None else 2**62),
             ).fetchall()
         return sorted((int(row[0]), Transition.model_validate_json(row[1])) for row in rows)
+
+    def renew_claims(self) -> int:
+        """Extend this worker's claims on the transitions it has not judged yet: it lives."""
+        if not self.worker:
+            return 0
+        with self._lock:
+            return self._conn.execute(
+                "UPDATE transitions SET claimed_until = ? WHERE claimed_by = ? AND status = 'pending'",
+                (time.time() + LEASE_S, self.worker),
+            ).rowcount
 
     # ---------------------------------------------------------------- samples
 

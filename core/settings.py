@@ -242,6 +242,10 @@ class JudgeSettings(BaseSettings):
             code clips it; unclipped gaps of tokens the teacher finds absurd dominate a batch).
         opd_teacher: `base` (the model without adapter reads the hint) or `policy` (the adapter
             that served the turn).
+        judge_in_process: off in serving processes whose transitions `nextstate judge`
+            processes judge (their own machines or GPUs; several at once take disjoint
+            transitions from the shared inbox, core/sample_store.py): the serving process
+            only writes the inbox. They share it through NEXTSTATE_DATABASE_URL, or one data dir.
         judge_calibration: at start, the judge must get the bundled cases of
             `prompts/calibration.json` right before it scores implicit feedback; a judge that
             fails (the embedded SmolLM2 does) leaves only explicit feedback training.
@@ -253,6 +257,9 @@ class JudgeSettings(BaseSettings):
     model_config = _ENV
 
     judge_enabled: bool = Field(True, description="Off: transitions are recorded but not judged or trained.")
+    judge_in_process: bool = Field(
+        True, description="Off: this process only writes the judge's inbox; `nextstate judge` processes judge it."
+    )
     judge_calibration: bool = Field(
         True, description="Check the judge on known cases at start; a judge that fails them scores nothing."
     )

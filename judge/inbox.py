@@ -6,26 +6,39 @@ losing it. From there the inbox decides *whether and when* a transition is judge
 judge's start-up check, in a quiet moment, never when its user rated the reply already — and
 `judge.service.Judge` decides *how*. Transitions with nothing to judge (no next state, or no
 implicit judging) are kept as `unjudged`, so that their turns can still be rated.
+
+Where judging happens: in the serving process that wrote the transition (the default), or in
+`nextstate judge` processes of their own (NEXTSTATE_JUDGE_IN_PROCESS=false in the serving ones):
+then the serving process only writes the inbox, unclaimed, and each judge process `poll`s it,
+claiming a bounded batch at a time, so several judges share the work and none takes it all.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 
 from nextstate.core.durable import Durable, StorageUnavailable
-from nextstate.core.sample_store import SampleStore
+from nextstate.core.sample_store import LEASE_S, SampleStore
 from nextstate.core.types import Transition, Turn
 from nextstate.judge.service import Judge
 
 log = logging.getLogger(__name__)
 
 
+# A worker renews its claims this often (a quarter of their lease: one missed renewal is no loss).
+RENEW_S = LEASE_S / 4
+
+
 class JudgeInbox:
-    def __init__(self, judge: Judge, store: SampleStore) -> None:
+    def __init__(self, judge: Judge, store: SampleStore, here: bool = True) -> None:
         self.judge = judge
         self.store = store
+        self.here = here  # judged in this process; False: by `nextstate judge` processes
         self.tasks = judge.tasks
+        self._judging: set[int] = set()  # transitions this process is judging now
+        self._renewer: asyncio.Task | None = None
         # a full or read-only disk holds transitions here until it takes them again
         self._writes = Durable("the judge's inbox (transitions)")
         # Transitions handed over but not yet on disk, by response id (feedback looks here too).
@@ -33,13 +46,56 @@ class JudgeInbox:
 
     async def resume(self) -> int:
         """Judge again what a previous run took but did not finish — this worker's, and any a
-        worker sharing the database left when it died — and returns how many."""
+        worker sharing the database left when it died — and returns how many. From then on
+        this worker's claims are renewed while it lives."""
+        if not self.here:
+            return 0
+        if self._renewer is None:
+            self._renewer = asyncio.create_task(self._renew(), name="judge-claims")
         pending = await asyncio.to_thread(self.store.claim_pending)
         for transition_id, transition in pending:
-            self.tasks.spawn(self._judge(transition_id, transition))
+            self._spawn(transition_id, transition)
         if pending:
             log.info("re-judging %d transitions left over from the last run", len(pending))
         return len(pending)
+
+    async def poll(self, most: int) -> int:
+        """A judge process's round: claim pending transitions (oldest first) until `most` are
+        being judged here, and judge them; returns how many were claimed."""
+        room = most - len(self._judging)
+        if room <= 0:
+            return 0
+        claimed = await asyncio.to_thread(self.store.claim_pending, None, room, False)
+        for transition_id, transition in claimed:
+            self._spawn(transition_id, transition)
+        return len(claimed)
+
+    def _spawn(self, transition_id: int, transition: Transition) -> None:
+        if transition_id in self._judging:
+            return
+        self._judging.add(transition_id)
+
+        async def judged() -> None:
+            try:
+                await self._judge(transition_id, transition)
+            finally:
+                self._judging.discard(transition_id)
+
+        self.tasks.spawn(judged())
+
+    async def _renew(self) -> None:
+        while True:
+            await asyncio.sleep(RENEW_S)
+            try:
+                await asyncio.to_thread(self.store.renew_claims)
+            except Exception:  # noqa: BLE001 - the next round tries again, well within the lease
+                log.warning("could not renew this worker's claims on the judge's inbox", exc_info=True)
+
+    async def aclose(self) -> None:
+        if self._renewer is not None:
+            self._renewer.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._renewer
 
     def arriving(self, response_id: str) -> Turn | None:
         """The turn of a transition handed over but not on disk yet."""
@@ -135,7 +191,7 @@ class JudgeInbox:
             return
         finally:
             self._handed_over(transition, durable)
-        if transition_id is not None and judged:
+        if transition_id is not None and judged and self.here:
             key = (turn.user, turn.session_id)
             self.judge.guarantee.judging(key)
             try:
@@ -155,7 +211,8 @@ class JudgeInbox:
                 transition_id = None  # judged all the same; only a crash before it is stored loses it
             finally:
                 self._handed_over(transition, durable)
-            await self._judge(transition_id, transition)
+            if self.here:  # else a `nextstate judge` process claims it from the inbox
+                await self._judge(transition_id, transition)
         finally:
             self.judge.guarantee.judged((transition.turn.user, transition.turn.session_id))
 

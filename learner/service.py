@@ -1,6 +1,10 @@
 """The co-located learner: consumes ready samples, trains, publishes and hot-swaps adapters.
 
-Training runs in a worker thread beside serving. Every `batch_size` ready samples of a scope
+Training runs in a worker thread beside serving, or in a process of its own (`nextstate learn`,
+nextstate/workers.py): then it loads each version into the engine servers the serving processes
+share, if any, and otherwise only publishes it, for the serving processes to load from the
+adapters folder (learner/follower.py). One learner at a time trains an adapters folder
+(`AdapterVersions.hold_learner`). Every `batch_size` ready samples of a scope
 give one update; the result is published as version N+1 on disk, loaded into the engine under
 a new name, made current for new requests, and the previous version is unloaded once the
 requests still using it finish (the engine defers the unload). Samples are marked consumed
@@ -17,7 +21,7 @@ import shutil
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 from nextstate.engine.base import Engine
 from nextstate.engine.devices import resolve_device
@@ -51,7 +55,7 @@ class Learner:
         settings: LearnerSettings,
         model_dir: Path,
         adapters_dir: Path,
-        engine: Engine,
+        engine: Engine | None,
         store: SampleStore,
         policies: PolicyDirectory,
         records: RecordWriter,
@@ -74,10 +78,12 @@ class Learner:
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
         self._lock = asyncio.Lock()  # one update or rollback at a time
+        self._held: IO[str] | None = None  # the adapters folder's learner lock
 
     # ---------------------------------------------------------------- lifecycle
 
     async def start(self) -> None:
+        self._held = self.versions.hold_learner()  # raises LearnerRunning: one learner per folder
         self.trainer = await asyncio.to_thread(
             LoraTrainer, self.model_dir, self.settings, resolve_device(self.settings.learner_device)
         )
@@ -92,6 +98,9 @@ class Learner:
                 await self._task
             except asyncio.CancelledError:
                 pass
+        if self._held is not None:
+            self._held.close()
+            self._held = None
 
     def notify(self, sample: Sample) -> None:
         """Called for every stored sample; wakes the loop when one is ready to train."""
@@ -286,11 +295,11 @@ class Learner:
         started = time.monotonic()
         name = await asyncio.to_thread(self.versions.serving_name, scope, version)
         old = self.policies.current_scope(scope)
-        if name not in getattr(self.engine, "adapters", []):
+        if self.engine is not None and name not in getattr(self.engine, "adapters", []):
             await load_version(self.engine, name, str(path))  # a follower elsewhere may be loading it too
         self.policies.publish(scope, PolicyRef(version=version, adapter=name))
         swap_s = time.monotonic() - started
-        if old.adapter and old.adapter != name:
+        if old.adapter and old.adapter != name and self.engine is not None:
             # Requests still decoding on the old version finish on it; the engine unloads it after.
             asyncio.create_task(self._unload(old.adapter))
         return round(swap_s, 4)

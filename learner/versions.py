@@ -8,15 +8,17 @@ numbers) and the optimizer state, so training resumes exactly where it stopped.
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import os
 import re
 import shutil
+import socket
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 _SAFE = re.compile(r"[^A-Za-z0-9_.@-]")
 
@@ -29,9 +31,32 @@ def scope_dir_name(scope: str) -> str:
     return safe
 
 
+class LearnerRunning(RuntimeError):
+    """Another learner trains this adapters folder."""
+
+
 class AdapterVersions:
     def __init__(self, root: Path) -> None:
         self.root = root
+
+    def hold_learner(self) -> IO[str]:
+        """Become the one learner of this folder: an exclusive lock on `LEARNER.lock` for as
+        long as the returned file stays open (the kernel drops it when the process dies, even
+        by kill -9). Two learners would train the same samples into two version N+1s."""
+        self.root.mkdir(parents=True, exist_ok=True)
+        handle = (self.root / "LEARNER.lock").open("a+")
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            handle.seek(0)
+            holder = handle.read().strip() or "another process"
+            handle.close()
+            raise LearnerRunning(f"another learner ({holder}) trains the adapters in {self.root}; one at a time") from None
+        handle.seek(0)
+        handle.truncate()
+        handle.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
+        handle.flush()
+        return handle
 
     def scope_root(self, scope: str) -> Path:
         return self.root / scope_dir_name(scope)

@@ -152,7 +152,9 @@ def create_app(settings: Settings | None = None, *, engine_factory: EngineFactor
         prompts = PromptLibrary(settings.judge.prompts_dir)
         keys = KeyStore(settings.keys_db, settings.server.database_url)
         worker = f"{socket.gethostname()}:{settings.server.port}"  # this process, in claims on shared work
-        samples = SampleStore(settings.samples_db, settings.server.database_url, worker=worker)
+        # a process that leaves judging to `nextstate judge` writes the inbox unclaimed
+        samples = SampleStore(settings.samples_db, settings.server.database_url,
+                              worker=worker if settings.judge.judge_in_process else "")
         records = RecordWriter(settings.records_dir)
         await records.start()
         metrics = Metrics()
@@ -177,7 +179,7 @@ def create_app(settings: Settings | None = None, *, engine_factory: EngineFactor
             activity=activity,
             current_adapter=lambda user: policies.current(user).adapter,
         )
-        inbox = JudgeInbox(judge, samples)
+        inbox = JudgeInbox(judge, samples, here=settings.judge.judge_in_process)
 
         def emit(transition: Transition) -> asyncio.Future[None]:
             metrics.transitions.labels(transition.reason).inc()
@@ -240,7 +242,8 @@ def create_app(settings: Settings | None = None, *, engine_factory: EngineFactor
             await learner.start()
         if services.follower is not None:
             await services.follower.start()
-        await StartupCheck(judge).start()
+        if inbox.here:
+            await StartupCheck(judge).start()
         await inbox.resume()
         if resumed := sessions.resume():
             log.info("handed the judge %d transitions again that were on their way when the last run stopped", resumed)
@@ -280,6 +283,7 @@ async def shutdown(services: Services) -> None:
         await services.learner.aclose()
     if services.follower is not None:
         await services.follower.aclose()
+    await services.inbox.aclose()
     await services.judge.aclose()
     for store in USER_DATA:
         if store.close is not None:

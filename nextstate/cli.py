@@ -1,4 +1,5 @@
-"""`nextstate serve` and `nextstate keys ...`: each prints what a person needs next."""
+"""`nextstate serve`, `judge`, `learn`, `keys ...`, `status`, `forget`: each prints what a person
+needs next."""
 
 from __future__ import annotations
 
@@ -80,6 +81,25 @@ def cmd_serve(args: argparse.Namespace) -> int:
     print(text, flush=True)
     server = settings.server
     uvicorn.run(create_app(settings), host=server.host, port=server.port, log_level=server.log_level)
+    return 0
+
+
+def _worker(kind: str) -> int:
+    """`nextstate judge` / `nextstate learn`: nextstate/workers.py."""
+    from nextstate.app import ConfigError
+    from nextstate.engine.default_model import DefaultModelUnavailable
+    from nextstate.learner.versions import LearnerRunning
+    from nextstate.workers import run_judge, run_learner, run_until_signalled
+
+    settings = _settings()
+    logging.basicConfig(level=settings.server.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    where = settings.server.database_url and "the database at NEXTSTATE_DATABASE_URL" or f"the data dir {settings.data_dir}"
+    print(f"nextstate {__version__}: {kind} process on {where}; adapters in {settings.adapters_dir}. "
+          "Ctrl-C (or SIGTERM) stops it.", flush=True)
+    try:
+        run_until_signalled(run_judge if kind == "judge" else run_learner, settings)
+    except (ConfigError, DefaultModelUnavailable, LearnerRunning) as exc:
+        sys.exit(f"nextstate: {exc}")
     return 0
 
 
@@ -197,6 +217,13 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--host", help="bind address (NEXTSTATE_HOST, default 127.0.0.1)")
     serve.add_argument("--port", type=int, help="port (NEXTSTATE_PORT, default 8000)")
     serve.set_defaults(func=cmd_serve)
+
+    judge = sub.add_parser("judge", help="judge the transitions serving processes leave in the shared inbox "
+                           "(those run with NEXTSTATE_JUDGE_IN_PROCESS=false); several may run at once")
+    judge.set_defaults(func=lambda _: _worker("judge"))
+    learn = sub.add_parser("learn", help="train and publish adapter versions from the shared samples, in a process "
+                           "of its own (serving processes then run with NEXTSTATE_LEARN=false); one at a time")
+    learn.set_defaults(func=lambda _: _worker("learn"))
 
     keys = sub.add_parser("keys", help="manage API keys").add_subparsers(dest="keys_command", required=True)
     create = keys.add_parser("create", help="create a key for a user (printed once)")

@@ -50,6 +50,7 @@ class FakeSGLang(AppInThread):
         self.generate_peers: list[int] = []  # the client port of each /generate: one per connection
         self.done_delay_s = 0.0
         self.ever_loaded: dict[str, str] = {}  # every adapter name loaded since the start, and its path
+        self._adapter_updates = asyncio.Lock()
         self.engine: LocalEngine | None = None
         open_engine = engine_factory or (lambda: LocalEngine.open(model_dir, device="cpu"))
 
@@ -116,28 +117,24 @@ class FakeSGLang(AppInThread):
         async def load(request: Request):
             body = await request.json()
             self.requests.append(("/load_lora_adapter", body))
-            name = body["lora_name"]
-            if name in self.ever_loaded:  # loaded or not now: SGLang 0.5.23 keeps the name for good
-                if name not in self.engine.adapters:
-                    await self.engine.load_adapter(name, self.ever_loaded[name])
-                return JSONResponse({"success": False, "error_message": f"Failed to load LoRA adapter {name} because it is "
-                                     "already loaded", "loaded_adapters": self._loaded()}, 400)
-            try:
-                await self.engine.load_adapter(name, body["lora_path"])
-            except Exception as exc:  # noqa: BLE001
-                return JSONResponse({"success": False, "error_message": str(exc), "loaded_adapters": None}, 400)
-            self.ever_loaded[name] = body["lora_path"]
-            return {"success": True, "error_message": "", "loaded_adapters": self._loaded()}
+            async with self._adapter_updates:  # SGLang's tokenizer manager: one adapter update at a time
+                return await self._load(body)
 
         @app.post("/unload_lora_adapter")
         async def unload(request: Request):
             body = await request.json()
             self.requests.append(("/unload_lora_adapter", body))
-            try:
-                await self.engine.unload_adapter(body["lora_name"])
-            except Exception as exc:  # noqa: BLE001
-                return JSONResponse({"success": False, "error_message": str(exc), "loaded_adapters": None}, 400)
+            async with self._adapter_updates:
+                try:
+                    await self.engine.unload_adapter(body["lora_name"])
+                except Exception as exc:  # noqa: BLE001
+                    return JSONResponse({"success": False, "error_message": str(exc), "loaded_adapters": None}, 400)
             return {"success": True, "error_message": "", "loaded_adapters": self._loaded()}
+
+        @app.get("/fake/generations")
+        async def served():  # for a test that runs this fake in a process of its own
+            return [body.get("lora_path") for path, body in self.requests
+                    if path == "/generate" and body["sampling_params"].get("max_new_tokens")]
 
         @app.get("/v1/models")
         async def models():
@@ -160,6 +157,20 @@ class FakeSGLang(AppInThread):
     def loaded_adapters(self) -> dict[str, str]:
         """name → path of what is loaded now (as tests/real_engines/sglang_server.RealSGLang)."""
         return self._loaded()
+
+    async def _load(self, body: dict) -> JSONResponse | dict:
+        name = body["lora_name"]
+        if name in self.ever_loaded:  # loaded or not now: SGLang 0.5.23 keeps the name for good
+            if name not in self.engine.adapters:
+                await self.engine.load_adapter(name, self.ever_loaded[name])
+            return JSONResponse({"success": False, "error_message": f"Failed to load LoRA adapter {name} because it is "
+                                 "already loaded", "loaded_adapters": self._loaded()}, 400)
+        try:
+            await self.engine.load_adapter(name, body["lora_path"])
+        except Exception as exc:  # noqa: BLE001
+            return JSONResponse({"success": False, "error_message": str(exc), "loaded_adapters": None}, 400)
+        self.ever_loaded[name] = body["lora_path"]
+        return {"success": True, "error_message": "", "loaded_adapters": self._loaded()}
 
     def _loaded(self) -> dict[str, str]:
         return {n: self.ever_loaded.get(n, "") for n in self.engine.adapters}

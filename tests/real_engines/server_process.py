@@ -73,14 +73,23 @@ class ServerProcess:
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
                 raise RuntimeError(f"{self.name} exited with {self.process.returncode}:\n{self.log_tail()}")
-            try:
-                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
+            if self.ready():
+                return
             time.sleep(0.5)
         self.stop()
         raise RuntimeError(f"{self.name} did not come up in {self.start_timeout_s:.0f} s:\n{self.log_tail()}")
+
+    def ready(self) -> bool:
+        try:
+            return httpx.get(f"{self.url}/health", timeout=2).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def kill(self) -> None:
+        """kill -9, its whole process group: no cleanup, as a crash or an OOM kill."""
+        if self.process is not None and self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.wait(10)
 
     def stop(self) -> None:
         if self.process is None or self.process.poll() is not None:

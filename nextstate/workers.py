@@ -1,0 +1,131 @@
+"""`nextstate judge` and `nextstate learn`: the judge and the learner as processes of their own.
+
+`nextstate serve` judges and learns beside serving, which suits one machine. A deployment with
+several serving processes, or a model too big to train beside serving, runs them apart: serving
+processes with NEXTSTATE_JUDGE_IN_PROCESS=false and NEXTSTATE_LEARN=false, any number of judge
+processes (each claims a bounded batch of transitions at a time from the shared inbox; a judge
+that dies has its claims taken by another after their lease), and one learner (the adapters
+folder's lock refuses a second). They share NEXTSTATE_DATABASE_URL (or one data dir) and the
+adapters folder (NEXTSTATE_ADAPTERS_DIR), and take every other setting from the same variables
+as `serve`.
+
+A judge process opens the engine the way `serve` does (its teacher passes and, without
+NEXTSTATE_JUDGE_BASE_URL, its votes run there) and follows the published versions, so an OPD
+teacher reads the hint with the adapter that serves. A learner process loads each version into
+the engine servers if the engine is one (SGLang, its router, vLLM), before the serving processes
+move to it; with the embedded engine each serving process loads it from the folder itself.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import os
+import signal
+import socket
+
+from nextstate.app import EngineFactory, make_judge_client, open_engine, preflight
+from nextstate.core.activity import Activity
+from nextstate.core.policy import PolicyDirectory
+from nextstate.core.records import RecordWriter
+from nextstate.core.sample_store import SampleStore
+from nextstate.core.settings import Settings
+from nextstate.judge.advantages import prepare_batch
+from nextstate.judge.inbox import JudgeInbox
+from nextstate.judge.prompts import PromptLibrary
+from nextstate.judge.service import Judge
+from nextstate.judge.startup_check import StartupCheck
+from nextstate.learner.follower import VersionFollower
+from nextstate.learner.service import Learner
+from nextstate.modelio.chat_template import ChatRenderer
+
+log = logging.getLogger(__name__)
+
+# How often a judge process looks for transitions when it has room for more.
+POLL_S = 1.0
+
+
+def worker_name(kind: str) -> str:
+    """This process among those sharing the inbox: its claims carry the name."""
+    return f"{socket.gethostname()}:{kind}:{os.getpid()}"
+
+
+async def run_judge(settings: Settings, stop: asyncio.Event, engine_factory: EngineFactory = open_engine) -> None:
+    """Judge what the serving processes write to the inbox until `stop` is set."""
+    model_dir = await asyncio.to_thread(preflight, settings)
+    engine = await engine_factory(model_dir, settings)
+    renderer = await asyncio.to_thread(ChatRenderer.from_dir, model_dir)
+    model_name = settings.engine.served_model_name or model_dir.name
+    samples = SampleStore(settings.samples_db, settings.server.database_url, worker=worker_name("judge"))
+    records = RecordWriter(settings.records_dir)
+    await records.start()
+    policies = PolicyDirectory(per_user=settings.learner.adapter_scope == "user")
+    follower = VersionFollower(settings.adapters_dir, engine, policies)
+    judge = Judge(
+        settings.judge, make_judge_client(settings, engine, renderer, model_name), PromptLibrary(settings.judge.prompts_dir),
+        engine, renderer, samples, records, activity=Activity(),
+        current_adapter=lambda user: policies.current(user).adapter,
+    )
+    inbox = JudgeInbox(judge, samples)
+    try:
+        await follower.start()
+        await StartupCheck(judge).start()
+        await inbox.resume()
+        log.info("judging the inbox as %s (%d at a time)", samples.worker, settings.judge.judge_concurrency)
+        most = 2 * settings.judge.judge_concurrency  # claimed here at once: the rest is for other judges
+        while not stop.is_set():
+            try:
+                await inbox.poll(most)
+            except Exception:  # noqa: BLE001 - the database may be back next round
+                log.exception("could not poll the judge's inbox")
+            try:
+                await asyncio.wait_for(stop.wait(), POLL_S)
+            except asyncio.TimeoutError:
+                pass
+    finally:
+        await inbox.aclose()
+        await judge.aclose()
+        await follower.aclose()
+        samples.close()
+        await records.aclose()
+        await engine.close()
+
+
+async def run_learner(settings: Settings, stop: asyncio.Event, engine_factory: EngineFactory = open_engine) -> None:
+    """Train on the ready samples in the shared store and publish versions until `stop` is set."""
+    model_dir = await asyncio.to_thread(preflight, settings)
+    # the embedded engine would be a second copy of the model for nothing: serving processes
+    # load each version themselves
+    engine = await engine_factory(model_dir, settings) if settings.engine.engine != "local" else None
+    samples = SampleStore(settings.samples_db, settings.server.database_url)
+    records = RecordWriter(settings.records_dir)
+    await records.start()
+    learner = Learner(
+        settings.learner, model_dir, settings.adapters_dir, engine, samples,
+        PolicyDirectory(per_user=settings.learner.adapter_scope == "user"), records,
+        prepare_batch=functools.partial(prepare_batch, settings=settings.judge),
+    )
+    try:
+        await learner.start()
+        log.info("learning from the ready samples into %s", settings.adapters_dir)
+        await stop.wait()
+    finally:
+        await learner.aclose()
+        samples.close()
+        await records.aclose()
+        if engine is not None:
+            await engine.close()
+
+
+def run_until_signalled(work, settings: Settings) -> None:
+    """Run `work(settings, stop)` until SIGINT or SIGTERM."""
+
+    async def main() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(signum, stop.set)
+        await work(settings, stop)
+
+    asyncio.run(main())
