@@ -6,9 +6,10 @@
 One engine server answers every request with the same 32-token reply and no model
 (tests/fake_sglang.py --scripted, as bench/proxy_overhead's stub), so only HTTP and nextstate
 cost time. N `nextstate serve` processes (NEXTSTATE_LEARN=false, judging off) share one
-PostgreSQL for their API keys (NEXTSTATE_DATABASE_URL: one key works on every process) and sit
-beside the engine; each client is pinned to one process (as a load balancer would pin a user),
-clients spread evenly, and plays 10-turn conversations. Reported per N: replies per second over
+PostgreSQL (NEXTSTATE_DATABASE_URL: keys, open sessions, rate windows, replies in flight) and
+sit beside the engine; each client plays 10-turn conversations and sends each turn to the next
+process in turn (as a round-robin load balancer would: every conversation crosses processes, so
+each request reads the session another process wrote), or with `--pinned` always to one. Reported per N: replies per second over
 the whole run and first-token / full-reply latency p50 and p99. Every process shares this
 machine's cores with the engine, PostgreSQL and the client, so on a small machine the figure
 shows where one box stops, not how far the design goes: BENCHMARKS.md says what it would take at
@@ -73,15 +74,16 @@ class Replicas:
         self.tmp.cleanup()
 
 
-async def drive(replicas: Replicas, clients: int, turns: int) -> dict:
-    """`clients` conversations at once, client c on process c mod N; latencies in ms."""
+async def drive(replicas: Replicas, clients: int, turns: int, pinned: bool = False) -> dict:
+    """`clients` conversations at once, turn t of client c on process (c + t) mod N (or c mod N,
+    `pinned`); latencies in ms."""
     limits = httpx.Limits(max_connections=clients + 4, max_keepalive_connections=clients + 4)
     async with httpx.AsyncClient(timeout=600, limits=limits) as http:
 
         async def play(c: int) -> list[tuple[float, float]]:
             convo, out = Conversation(c), []
-            url = replicas.urls[c % len(replicas.urls)]
             for turn in range(turns):
+                url = replicas.urls[(c + (0 if pinned else turn)) % len(replicas.urls)]
                 if turn and turn % 10 == 0:
                     convo = Conversation(c)
                 ttft, total, text = await _stream_proxy(http, url, replicas.keys[c], convo.next_request(turn), 64)
@@ -102,7 +104,8 @@ async def drive(replicas: Replicas, clients: int, turns: int) -> dict:
 def headline(result: dict) -> str:
     rows = result["rows"]
     parts = [f"N={r['replicas']}: {r['replies_per_s']} replies/s, p50 {r['total_p50_ms']:.0f} ms" for r in rows]
-    return f"{result['clients']} clients on a stub engine; " + "; ".join(parts)
+    spread = "each on one process" if result.get("pinned") else "turns round-robin over the processes"
+    return f"{result['clients']} clients ({spread}) on a stub engine; " + "; ".join(parts)
 
 
 def plot(result: dict):
@@ -124,6 +127,7 @@ def main() -> None:
     parser.add_argument("--replicas", type=int, nargs="+", default=[1, 2, 3])
     parser.add_argument("--clients", type=int, default=16)
     parser.add_argument("--turns", type=int, default=20, help="requests per client")
+    parser.add_argument("--pinned", action="store_true", help="each client always on one process")
     args = parser.parse_args()
     model_dir = bench_model()
     rows = []
@@ -131,11 +135,12 @@ def main() -> None:
         replicas = Replicas(model_dir, n, args.clients)
         try:
             asyncio.run(drive(replicas, args.clients, 2))  # warm every connection and process
-            rows.append({"replicas": n, **asyncio.run(drive(replicas, args.clients, args.turns))})
+            rows.append({"replicas": n, **asyncio.run(drive(replicas, args.clients, args.turns, args.pinned))})
             print(json.dumps(rows[-1]), flush=True)
         finally:
             replicas.close()
-    save({"benchmark": "proxy_replicas", "variant": f"{args.clients}-clients", "clients": args.clients, "rows": rows})
+    variant = f"{args.clients}-clients" + ("-pinned" if args.pinned else "")
+    save({"benchmark": "proxy_replicas", "variant": variant, "clients": args.clients, "pinned": args.pinned, "rows": rows})
 
 
 if __name__ == "__main__":
