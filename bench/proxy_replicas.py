@@ -38,17 +38,19 @@ from tests.real_engines.postgres_server import PostgresServer
 class Replicas:
     """The stub engine, PostgreSQL and N nextstate processes, each in its own process."""
 
-    def __init__(self, model_dir: Path, replicas: int, clients: int) -> None:
+    def __init__(self, model_dir: Path, replicas: int, clients: int, local: bool = False) -> None:
+        """`local`: one process on its data dir's SQLite files and its own memory, no PostgreSQL
+        (the single-process default, for the cost of sharing)."""
         self.procs = []
         self.tmp = tempfile.TemporaryDirectory()
-        self.postgres = PostgresServer()
+        self.postgres = None if local else PostgresServer()
         try:
             port = free_port()
             self.procs.append(_spawn(["-m", "tests.fake_sglang", str(port), str(model_dir), "--scripted", STUB_REPLY]))
             engine_url = f"http://127.0.0.1:{port}"
             _wait_up(f"{engine_url}/health", self.procs[-1])
-            database = self.postgres.fresh_database("bench")
-            store = KeyStore(Path(self.tmp.name) / "unused.sqlite3", database)
+            database = None if local else self.postgres.fresh_database("bench")
+            store = KeyStore(Path(self.tmp.name) / ("p0/nextstate.sqlite3" if local else "unused.sqlite3"), database)
             self.keys = [store.create(f"user{i}")[1] for i in range(clients)]
             store.close()
             self.urls = []
@@ -58,8 +60,8 @@ class Replicas:
                        "NEXTSTATE_SERVED_MODEL_NAME": "m", "NEXTSTATE_LEARN": "0", "NEXTSTATE_JUDGE_ENABLED": "0",
                        "NEXTSTATE_LOG_LEVEL": "warning", "NEXTSTATE_MAX_CONCURRENT_GENERATIONS": "64",
                        "NEXTSTATE_ENGINE": "sglang", "NEXTSTATE_SGLANG_URL": engine_url,
-                       "NEXTSTATE_DATABASE_URL": database, "NEXTSTATE_ADAPTERS_DIR": f"{self.tmp.name}/adapters",
-                       "NEXTSTATE_PORT": str(port)}
+                       "NEXTSTATE_ADAPTERS_DIR": f"{self.tmp.name}/adapters", "NEXTSTATE_PORT": str(port),
+                       **({"NEXTSTATE_DATABASE_URL": database} if database else {})}
                 self.procs.append(_spawn(["-m", "nextstate.cli", "serve"], env))
                 self.urls.append(f"http://127.0.0.1:{port}")
                 _wait_up(f"{self.urls[-1]}/healthz", self.procs[-1])
@@ -70,7 +72,8 @@ class Replicas:
     def close(self) -> None:
         for proc in reversed(self.procs):
             _stop(proc)
-        self.postgres.stop()
+        if self.postgres is not None:
+            self.postgres.stop()
         self.tmp.cleanup()
 
 
@@ -104,7 +107,8 @@ async def drive(replicas: Replicas, clients: int, turns: int, pinned: bool = Fal
 def headline(result: dict) -> str:
     rows = result["rows"]
     parts = [f"N={r['replicas']}: {r['replies_per_s']} replies/s, p50 {r['total_p50_ms']:.0f} ms" for r in rows]
-    spread = "each on one process" if result.get("pinned") else "turns round-robin over the processes"
+    spread = ("one process, no PostgreSQL" if result.get("local") else
+              "each on one process" if result.get("pinned") else "turns round-robin over the processes")
     return f"{result['clients']} clients ({spread}) on a stub engine; " + "; ".join(parts)
 
 
@@ -128,19 +132,24 @@ def main() -> None:
     parser.add_argument("--clients", type=int, default=16)
     parser.add_argument("--turns", type=int, default=20, help="requests per client")
     parser.add_argument("--pinned", action="store_true", help="each client always on one process")
+    parser.add_argument("--local", action="store_true",
+                        help="one process without PostgreSQL (SQLite and memory, the default deployment)")
     args = parser.parse_args()
     model_dir = bench_model()
     rows = []
+    if args.local:
+        args.replicas = [1]
     for n in args.replicas:
-        replicas = Replicas(model_dir, n, args.clients)
+        replicas = Replicas(model_dir, n, args.clients, local=args.local)
         try:
             asyncio.run(drive(replicas, args.clients, 2))  # warm every connection and process
             rows.append({"replicas": n, **asyncio.run(drive(replicas, args.clients, args.turns, args.pinned))})
             print(json.dumps(rows[-1]), flush=True)
         finally:
             replicas.close()
-    variant = f"{args.clients}-clients" + ("-pinned" if args.pinned else "")
-    save({"benchmark": "proxy_replicas", "variant": variant, "clients": args.clients, "pinned": args.pinned, "rows": rows})
+    variant = f"{args.clients}-clients" + ("-pinned" if args.pinned else "") + ("-local" if args.local else "")
+    save({"benchmark": "proxy_replicas", "variant": variant, "clients": args.clients, "pinned": args.pinned,
+          "local": args.local, "rows": rows})
 
 
 if __name__ == "__main__":

@@ -96,26 +96,49 @@ class SessionDB:
         for data, rev in rows:
             yield dict(json.loads(data), rev=rev)
 
+    def changed(self, user: str, hashes: Iterable[str], ids: Iterable[str], every: bool,
+                known: dict[str, str | None]) -> tuple[dict[str, str | None], list[dict[str, Any]]]:
+        """`revisions`, with the rows of those whose revision is not the one `known` (a copy's),
+        in one round trip (shared sessions: PostgreSQL)."""
+        where, params = self._candidates(user, hashes, ids, every)
+        if where is None:
+            return {}, []
+        with self._lock:
+            rows = self._db.execute(
+                "SELECT s.id, s.rev, CASE WHEN k.rev IS NOT DISTINCT FROM s.rev THEN NULL ELSE s.data END "
+                "FROM sessions s LEFT JOIN unnest(?::text[], ?::text[]) AS k(id, rev) ON k.id = s.id "
+                f'WHERE s."user" = ? AND ({where})',
+                [list(known), list(known.values()), user, *params],
+            ).fetchall()
+        return ({i: rev for i, rev, _ in rows},
+                [dict(json.loads(data), rev=rev) for _, rev, data in rows if data is not None])
+
+    def _candidates(self, user: str, hashes: Iterable[str], ids: Iterable[str], every: bool) -> tuple[str | None, list]:
+        """The condition naming `user`'s sessions in `ids` or whose line holds one of `hashes`
+        (or `every` one), and its parameters; None when it names none."""
+        hashes, ids = list(hashes), list(ids)
+        conditions: list[str] = ["TRUE"] if every else []
+        params: list = []
+        if ids:
+            conditions.append(f"s.id IN ({','.join('?' * len(ids))})")
+            params += ids
+        if hashes:
+            conditions.append(
+                f's.id IN (SELECT id FROM session_index WHERE "user" = ? AND hash IN ({",".join("?" * len(hashes))}))'
+            )
+            params += [user, *hashes]
+        return (" OR ".join(conditions) if conditions else None), params
+
     def revisions(self, user: str, hashes: Iterable[str] = (), ids: Iterable[str] = (), every: bool = False) -> dict[str, str | None]:
         """The revision of each open session of `user` named in `ids` or whose line holds one
         of `hashes` (a request's chain), or of `every` one: what a process compares its copies
         with."""
-        hashes, ids = list(hashes), list(ids)
-        conditions, params = ["TRUE"] if every else [], [user]
-        if ids:
-            conditions.append(f"id IN ({','.join('?' * len(ids))})")
-            params += ids
-        if hashes:
-            conditions.append(
-                f'id IN (SELECT id FROM session_index WHERE "user" = ? AND hash IN ({",".join("?" * len(hashes))}))'
-            )
-            params += [user, *hashes]
-        if not conditions:
+        where, params = self._candidates(user, hashes, ids, every)
+        if where is None:
             return {}
         with self._lock:
-            rows = self._db.execute(
-                f'SELECT id, rev FROM sessions WHERE "user" = ? AND ({" OR ".join(conditions)})', params
-            ).fetchall()
+            rows = self._db.execute(f'SELECT s.id, s.rev FROM sessions s WHERE s."user" = ? AND ({where})',
+                                    [user, *params]).fetchall()
         return dict(rows)
 
     def rows(self, user: str, ids: Iterable[str]) -> list[dict[str, Any]]:
@@ -213,23 +236,20 @@ class SessionDB:
             )
             written = True
         else:
-            with self._db.transaction():
-                if w.prev is None:
-                    written = self._db.execute(
-                        'INSERT INTO sessions ("user", id, data, rev, active_at) VALUES (?, ?, ?, ?, ?) '
-                        'ON CONFLICT ("user", id) DO NOTHING', (w.user, w.id, w.data, w.rev, w.active_at),
-                    ).rowcount == 1
-                else:
-                    written = self._db.execute(
-                        'UPDATE sessions SET data = ?, rev = ?, active_at = ? WHERE "user" = ? AND id = ? AND rev = ?',
-                        (w.data, w.rev, w.active_at, w.user, w.id, w.prev),
-                    ).rowcount == 1
-                if written and w.hashes:
-                    self._db.executemany(
-                        'INSERT INTO session_index (hash, "user", id) VALUES (?, ?, ?) '
-                        "ON CONFLICT (hash) DO UPDATE SET id = excluded.id",
-                        [(h, w.user, w.id) for h in w.hashes],
-                    )
+            # one statement, one round trip: the row (over the revision read, or new) and, if it
+            # was written, its new hashes in the index (PostgreSQL runs both in one snapshot)
+            row = ('INSERT INTO sessions ("user", id, data, rev, active_at) VALUES (?, ?, ?, ?, ?) '
+                   'ON CONFLICT ("user", id) DO NOTHING RETURNING id') if w.prev is None else (
+                   'UPDATE sessions SET data = ?, rev = ?, active_at = ? WHERE "user" = ? AND id = ? AND rev = ? RETURNING id')
+            params = (w.user, w.id, w.data, w.rev, w.active_at) if w.prev is None else (
+                w.data, w.rev, w.active_at, w.user, w.id, w.prev)
+            (written,) = self._db.execute(
+                f"WITH written AS ({row}), indexed AS ("
+                'INSERT INTO session_index (hash, "user", id) SELECT h, ?, ? FROM unnest(?::text[]) AS h '
+                "WHERE EXISTS (SELECT 1 FROM written) ON CONFLICT (hash) DO UPDATE SET id = excluded.id RETURNING 1"
+                ") SELECT EXISTS (SELECT 1 FROM written)",
+                (*params, w.user, w.id, list(w.hashes)),
+            ).fetchone()
             if not written:
                 log.warning("session %s of %s was changed by another process since this one read it; "
                             "its change here is dropped and the session read again", w.id, w.user)

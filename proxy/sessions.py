@@ -532,15 +532,11 @@ class SessionStore:
         elif session_id is not None and (s := self.get(user, session_id)) is not None:
             copies[s.id] = s
         ids = set(copies) | ({session_id} if session_id is not None else set())
-        current = {i: c.rev for i, c in copies.items() if not c.conflicted}
+        # a copy whose write is on its way is the newest: whatever the database has, it matches
+        known = {i: None if c.conflicted else c.rev for i, c in copies.items()}
         writing = {i for i, c in copies.items() if c.writing}
-
-        def read() -> tuple[dict[str, str | None], list[dict[str, Any]]]:
-            revs = self._db.revisions(user, hashes, ids, every=every)
-            stale = [i for i, rev in revs.items() if i not in writing and current.get(i, _MISSING) != rev]
-            return revs, self._db.rows(user, stale)
-
-        revs, rows = await asyncio.to_thread(read)
+        revs, rows = await asyncio.to_thread(self._db.changed, user, hashes, ids, every, known)
+        rows = [row for row in rows if row["id"] not in writing]
         for i, s in copies.items():
             if i not in revs and not s.writing:  # closed or forgotten by another process
                 self._drop(s)
@@ -646,9 +642,6 @@ class SessionStore:
                 del self._index[h]
         for h in new:
             self._index[h] = s
-
-
-_MISSING = object()
 
 
 def _messages_from(plan: TurnPlan, chain_index: int) -> list[dict[str, Any]]:
