@@ -34,6 +34,10 @@ class PolicyDirectory:
     def current_scope(self, scope: str) -> PolicyRef:
         return self._current.get(scope, BASE_POLICY)
 
+    def scopes(self) -> set[str]:
+        """The scopes served an adapter."""
+        return set(self._current)
+
     def publish(self, scope: str, ref: PolicyRef) -> None:
         self._current = {**self._current, scope: ref}
 

@@ -16,11 +16,11 @@ claiming a bounded batch at a time, so several judges share the work and none ta
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 
 from nextstate.core.durable import Durable, StorageUnavailable
 from nextstate.core.sample_store import LEASE_S, SampleStore
+from nextstate.core.tasks import Periodic
 from nextstate.core.types import Transition, Turn
 from nextstate.judge.service import Judge
 
@@ -38,7 +38,7 @@ class JudgeInbox:
         self.here = here  # judged in this process; False: by `nextstate judge` processes
         self.tasks = judge.tasks
         self._judging: set[int] = set()  # transitions this process is judging now
-        self._renewer: asyncio.Task | None = None
+        self._renewer = Periodic(RENEW_S, "renew this worker's claims on the judge's inbox", store.renew_claims)
         # a full or read-only disk holds transitions here until it takes them again
         self._writes = Durable("the judge's inbox (transitions)")
         # Transitions handed over but not yet on disk, by response id (feedback looks here too).
@@ -50,8 +50,7 @@ class JudgeInbox:
         this worker's claims are renewed while it lives."""
         if not self.here:
             return 0
-        if self._renewer is None:
-            self._renewer = asyncio.create_task(self._renew(), name="judge-claims")
+        self._renewer.start()
         pending = await asyncio.to_thread(self.store.claim_pending)
         for transition_id, transition in pending:
             self._spawn(transition_id, transition)
@@ -83,19 +82,8 @@ class JudgeInbox:
 
         self.tasks.spawn(judged())
 
-    async def _renew(self) -> None:
-        while True:
-            await asyncio.sleep(RENEW_S)
-            try:
-                await asyncio.to_thread(self.store.renew_claims)
-            except Exception:  # noqa: BLE001 - the next round tries again, well within the lease
-                log.warning("could not renew this worker's claims on the judge's inbox", exc_info=True)
-
     async def aclose(self) -> None:
-        if self._renewer is not None:
-            self._renewer.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._renewer
+        await self._renewer.stop()
 
     def arriving(self, response_id: str) -> Turn | None:
         """The turn of a transition handed over but not on disk yet."""
@@ -104,9 +92,11 @@ class JudgeInbox:
 
     # ---------------------------------------------------------------- TransitionSink
 
-    def submit(self, transition: Transition) -> asyncio.Future[None]:
+    def submit(self, transition: Transition, again: bool = False) -> asyncio.Future[None]:
         """Take a transition; the future resolves once it is safe on disk (the judge's inbox),
-        so that whoever handed it over may forget it. Judging follows, off the request path."""
+        so that whoever handed it over may forget it. Judging follows, off the request path.
+        `again`: handed over once more, as a session row read back says it was on its way (it
+        usually arrived: the inbox keeps a turn once, quietly)."""
         turn = transition.turn
         durable: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         if turn.response_id:
@@ -128,7 +118,7 @@ class JudgeInbox:
             self.tasks.spawn(self._keep(transition, durable))
             return durable
         self.judge.guarantee.judging(key)
-        self.tasks.spawn(self._accept(transition, durable))
+        self.tasks.spawn(self._accept(transition, durable, again))
         return durable
 
     async def _take(self, transition: Transition, status: str = "pending") -> int | None:
@@ -199,12 +189,13 @@ class JudgeInbox:
             finally:
                 self.judge.guarantee.judged(key)
 
-    async def _accept(self, transition: Transition, durable: asyncio.Future[None]) -> None:
+    async def _accept(self, transition: Transition, durable: asyncio.Future[None], again: bool = False) -> None:
         try:
             try:
                 transition_id = await self._take(transition)
                 if transition_id is None:  # the inbox has this turn already: it is judged once
-                    log.info("turn %d of session %s was handed over again; judged once", transition.turn.turn_index,
+                    log.log(logging.DEBUG if again else logging.INFO, "turn %d of session %s was handed over again; "
+                            "judged once", transition.turn.turn_index,
                              transition.turn.session_id)
                     return
             except StorageUnavailable:

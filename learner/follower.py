@@ -19,6 +19,7 @@ from pathlib import Path
 
 from nextstate.core.policy import PolicyDirectory, PolicyRef
 from nextstate.engine.base import Engine
+from nextstate.learner.registry import VersionRegistry
 from nextstate.learner.versions import AdapterVersions
 
 log = logging.getLogger(__name__)
@@ -43,10 +44,14 @@ async def load_version(engine: Engine, name: str, path: str, attempts: int = 3) 
 
 
 class VersionFollower:
-    def __init__(self, adapters_dir: Path, engine: Engine, policies: PolicyDirectory) -> None:
+    def __init__(self, adapters_dir: Path, engine: Engine, policies: PolicyDirectory,
+                 registry: VersionRegistry | None = None) -> None:
+        """`registry`: with a shared database, each scope's serving version is read there
+        (learner/registry.py) instead of from the adapters folder's CURRENT files."""
         self.versions = AdapterVersions(adapters_dir)
         self.engine = engine
         self.policies = policies
+        self.registry = registry
         self._task: asyncio.Task | None = None
 
     async def start(self) -> None:
@@ -61,21 +66,40 @@ class VersionFollower:
 
     async def follow(self) -> int:
         """Serve each scope's current version; returns how many scopes moved."""
+        if self.registry is not None:
+            return await self._follow_registry()
         moved = 0
         for scope in await asyncio.to_thread(self.versions.scopes):
             version = await asyncio.to_thread(self.versions.current, scope)
-            old = self.policies.current_scope(scope)
-            if version is None or version == old.version:
+            if version is None or version == self.policies.current_scope(scope).version:
                 continue
             name = await asyncio.to_thread(self.versions.serving_name, scope, version)
-            if name not in getattr(self.engine, "adapters", []):
-                await load_version(self.engine, name, str(self.versions.path(scope, version)))
-            self.policies.publish(scope, PolicyRef(version=version, adapter=name))
-            moved += 1
-            log.info("serving %s version %d, published by the learner elsewhere", scope, version)
-            if old.adapter and old.adapter != name:
-                await self._release(old.adapter)
+            moved += await self._move(scope, version, name, str(self.versions.path(scope, version)))
         return moved
+
+    async def _follow_registry(self) -> int:
+        published = await asyncio.to_thread(self.registry.published)
+        moved = 0
+        for scope, current in published.items():
+            if current.version != self.policies.current_scope(scope).version:
+                moved += await self._move(scope, current.version, current.name, current.path)
+        for scope in self.policies.scopes() - published.keys():  # forgotten: the base model serves them
+            old = self.policies.forget(scope)
+            if old is not None and old.adapter:
+                await self._release(old.adapter)
+                moved += 1
+                log.info("stopped serving the adapter of %s, forgotten", scope)
+        return moved
+
+    async def _move(self, scope: str, version: int, name: str, path: str) -> int:
+        old = self.policies.current_scope(scope)
+        if name not in getattr(self.engine, "adapters", []):
+            await load_version(self.engine, name, path)
+        self.policies.publish(scope, PolicyRef(version=version, adapter=name))
+        log.info("serving %s version %d, published by the learner elsewhere", scope, version)
+        if old.adapter and old.adapter != name:
+            await self._release(old.adapter)
+        return 1
 
     async def _release(self, name: str) -> None:
         """Stop holding `name`: an engine server's client forgets it (the learner unloads it

@@ -29,6 +29,7 @@ from nextstate.learner.batching import Waiting, choose_batch, ready_by_scope
 from nextstate.learner.follower import load_version
 from nextstate.learner.gate import PublishGate
 from nextstate.learner.memory_budget import Refusal
+from nextstate.learner.registry import VersionRegistry
 from nextstate.learner.trainer import LoraTrainer, StepResult
 from nextstate.learner.versions import AdapterVersions
 from nextstate.core.policy import PolicyDirectory, PolicyRef
@@ -60,9 +61,11 @@ class Learner:
         policies: PolicyDirectory,
         records: RecordWriter,
         prepare_batch: BatchAdvantages | None = None,
+        registry: VersionRegistry | None = None,
     ) -> None:
         self.settings = settings
         self.prepare_batch = prepare_batch or (lambda samples: samples)
+        self.registry = registry  # the shared database's pointer to each scope's serving version
         self.model_dir = model_dir
         self.engine = engine
         self.store = store
@@ -138,6 +141,8 @@ class Learner:
                 pass
             self._wake.clear()
             try:
+                if self.registry is not None:
+                    await self._forget_asked()
                 while await self.train_ready():
                     pass
             except asyncio.CancelledError:
@@ -298,6 +303,8 @@ class Learner:
         if self.engine is not None and name not in getattr(self.engine, "adapters", []):
             await load_version(self.engine, name, str(path))  # a follower elsewhere may be loading it too
         self.policies.publish(scope, PolicyRef(version=version, adapter=name))
+        if self.registry is not None:  # loaded on every engine worker: the followers may serve it
+            await asyncio.to_thread(self.registry.publish, scope, version, name, str(path))
         swap_s = time.monotonic() - started
         if old.adapter and old.adapter != name and self.engine is not None:
             # Requests still decoding on the old version finish on it; the engine unloads it after.
@@ -333,7 +340,17 @@ class Learner:
             await asyncio.to_thread(self.trainer.drop_scope, user)
             await asyncio.to_thread(shutil.rmtree, self.versions.scope_root(user), True)
             self._step_index.pop(user, None)
+            if self.registry is not None:  # a version published while it was asked goes too
+                await asyncio.to_thread(self.registry.forget, user)
+                await asyncio.to_thread(self.registry.forgot, user)
             return True
+
+    async def _forget_asked(self) -> None:
+        """Forget the users another process was asked to forget (VersionRegistry.forget)."""
+        for scope in await asyncio.to_thread(self.registry.forgotten):
+            await self.forget(scope)
+            await asyncio.to_thread(self.registry.forgot, scope)  # (the shared scope: nothing was theirs)
+            log.info("learner: forgot the adapter of %s, as asked", scope)
 
     async def rollback(self, scope: str, version: int) -> int:
         """Serve (and train on from) an earlier version, published as a new version."""

@@ -22,6 +22,7 @@ from nextstate.judge.inbox import JudgeInbox
 from nextstate.judge.service import Judge
 from nextstate.judge.startup_check import StartupCheck
 from nextstate.learner.follower import VersionFollower
+from nextstate.learner.registry import VersionRegistry
 from nextstate.learner.service import Learner
 from nextstate.core.sample_store import SampleStore
 from nextstate import __version__
@@ -132,6 +133,13 @@ async def open_engine(model_dir: Path, settings: Settings) -> Engine:
     )
 
 
+def open_registry(settings: Settings) -> VersionRegistry | None:
+    """Several processes on one database: each scope's serving version is published there
+    (learner/registry.py); one process alone reads the adapters folder's files."""
+    url = settings.server.database_url
+    return VersionRegistry(settings.data_dir / "versions.sqlite3", url) if url else None
+
+
 def make_judge_client(settings: Settings, engine: Engine, renderer: ChatRenderer, model_name: str) -> JudgeClient:
     js = settings.judge
     if js.judge_base_url:
@@ -185,10 +193,11 @@ def create_app(settings: Settings | None = None, *, engine_factory: EngineFactor
             metrics.transitions.labels(transition.reason).inc()
             return inbox.submit(transition)
 
+        registry = open_registry(settings)
         if settings.learner.learn:
             learner = Learner(
                 settings.learner, model_dir, settings.adapters_dir, engine, samples, policies, records,
-                prepare_batch=functools.partial(prepare_batch, settings=settings.judge),
+                prepare_batch=functools.partial(prepare_batch, settings=settings.judge), registry=registry,
             )
         session_db = SessionDB(settings.sessions_db, settings.server.database_url)
         sessions = SessionStore(
@@ -200,6 +209,7 @@ def create_app(settings: Settings | None = None, *, engine_factory: EngineFactor
             volatile=VolatileText(settings.server.session_volatile_patterns),
             db=session_db,
             worker=worker,
+            rehand=lambda transition: inbox.submit(transition, again=True),  # counted when first handed over
         )
         # several serving processes on one database count each key's requests together
         url = settings.server.database_url
@@ -228,7 +238,8 @@ def create_app(settings: Settings | None = None, *, engine_factory: EngineFactor
             responses=ResponsesServing(turns, stored_responses), judge=judge,
             feedback=ExplicitFeedback(judge, inbox, samples, records), learner=learner,
             # a process that does not learn serves what the learner elsewhere publishes
-            follower=None if learner is not None else VersionFollower(settings.adapters_dir, engine, policies),
+            follower=None if learner is not None else VersionFollower(settings.adapters_dir, engine, policies, registry),
+            registry=registry,
             forget_user=lambda user: forget_online(services, user),
             engine=engine, inbox=inbox, session_db=session_db, stored_responses=stored_responses,
             dashboard_sessions=DashboardSessions(database_url=url),
@@ -293,6 +304,8 @@ async def shutdown(services: Services) -> None:
     if isinstance(slots := services.turns.slots, SharedSlots):
         await slots.aclose()
     services.dashboard_sessions.close()
+    if services.registry is not None:
+        services.registry.close()
     await services.engine.close()
 
 

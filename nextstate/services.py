@@ -17,6 +17,7 @@ from nextstate.judge.feedback import ExplicitFeedback
 from nextstate.judge.inbox import JudgeInbox
 from nextstate.judge.service import Judge
 from nextstate.learner.follower import VersionFollower
+from nextstate.learner.registry import VersionRegistry
 from nextstate.learner.service import Learner
 from nextstate.proxy.app_state import ProxyServices
 from nextstate.proxy.responses.store import ResponseStore
@@ -34,6 +35,7 @@ class Services(ProxyServices):
     session_db: SessionDB
     stored_responses: ResponseStore
     dashboard_sessions: DashboardSessions = field(default_factory=DashboardSessions)
+    registry: VersionRegistry | None = None  # each scope's serving version, in a shared database
 
 
 def app_services(request: Request) -> Services:

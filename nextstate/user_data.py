@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 from nextstate.core.records import purge_records
 from nextstate.core.sample_store import SampleStore
 from nextstate.core.settings import Settings
+from nextstate.learner.registry import VersionRegistry
 from nextstate.learner.versions import AdapterVersions
 from nextstate.proxy.keys import KeyStore
 from nextstate.proxy.responses.store import ResponseStore
@@ -140,13 +141,29 @@ async def _close_responses(s: Services) -> None:
 
 
 async def _forget_adapters(s: Services, user: str) -> bool:
-    return await s.learner.forget(user) if s.learner is not None else False
+    if s.learner is not None:
+        return await s.learner.forget(user)
+    if s.registry is None or not s.policies.per_user:
+        return False
+    # the learner runs elsewhere: it is asked through the database, and deletes the versions
+    # within seconds; every process stops serving them as soon as they are unpublished
+    had = await asyncio.to_thread(s.registry.forget, user)
+    if s.follower is not None:
+        await s.follower.follow()
+    return had
 
 
 def _forget_adapters_offline(settings: Settings, user: str) -> bool:
     scope_root = AdapterVersions(settings.adapters_dir).scope_root(user)
     existed = scope_root.is_dir()
     shutil.rmtree(scope_root, ignore_errors=True)
+    if settings.server.database_url and settings.learner.adapter_scope == "user":
+        # a learner running elsewhere drops what it holds of them too
+        registry = VersionRegistry(settings.data_dir / "versions.sqlite3", settings.server.database_url)
+        try:
+            registry.forget(user)
+        finally:
+            registry.close()
     return existed
 
 

@@ -25,7 +25,7 @@ import os
 import signal
 import socket
 
-from nextstate.app import EngineFactory, make_judge_client, open_engine, preflight
+from nextstate.app import EngineFactory, make_judge_client, open_engine, open_registry, preflight
 from nextstate.core.activity import Activity
 from nextstate.core.policy import PolicyDirectory
 from nextstate.core.records import RecordWriter
@@ -61,7 +61,8 @@ async def run_judge(settings: Settings, stop: asyncio.Event, engine_factory: Eng
     records = RecordWriter(settings.records_dir)
     await records.start()
     policies = PolicyDirectory(per_user=settings.learner.adapter_scope == "user")
-    follower = VersionFollower(settings.adapters_dir, engine, policies)
+    registry = open_registry(settings)
+    follower = VersionFollower(settings.adapters_dir, engine, policies, registry)
     judge = Judge(
         settings.judge, make_judge_client(settings, engine, renderer, model_name), PromptLibrary(settings.judge.prompts_dir),
         engine, renderer, samples, records, activity=Activity(),
@@ -88,6 +89,8 @@ async def run_judge(settings: Settings, stop: asyncio.Event, engine_factory: Eng
         await judge.aclose()
         await follower.aclose()
         samples.close()
+        if registry is not None:
+            registry.close()
         await records.aclose()
         await engine.close()
 
@@ -101,10 +104,11 @@ async def run_learner(settings: Settings, stop: asyncio.Event, engine_factory: E
     samples = SampleStore(settings.samples_db, settings.server.database_url)
     records = RecordWriter(settings.records_dir)
     await records.start()
+    registry = open_registry(settings)
     learner = Learner(
         settings.learner, model_dir, settings.adapters_dir, engine, samples,
         PolicyDirectory(per_user=settings.learner.adapter_scope == "user"), records,
-        prepare_batch=functools.partial(prepare_batch, settings=settings.judge),
+        prepare_batch=functools.partial(prepare_batch, settings=settings.judge), registry=registry,
     )
     try:
         await learner.start()
@@ -113,6 +117,8 @@ async def run_learner(settings: Settings, stop: asyncio.Event, engine_factory: E
     finally:
         await learner.aclose()
         samples.close()
+        if registry is not None:
+            registry.close()
         await records.aclose()
         if engine is not None:
             await engine.close()

@@ -10,7 +10,6 @@ renews while the reply runs (`RENEW_S`); a dead process's replies stop counting 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import secrets
 import threading
@@ -19,6 +18,7 @@ from pathlib import Path
 from typing import Protocol
 
 from nextstate.core.database import Database
+from nextstate.core.tasks import Periodic
 
 log = logging.getLogger(__name__)
 
@@ -74,12 +74,11 @@ class SharedSlots:
         # leases its dead predecessor left
         self.worker = f"{worker}/{secrets.token_hex(4)}"
         self._lock = threading.Lock()
-        self._renewer: asyncio.Task | None = None
+        self._renewer = Periodic(RENEW_S, "renew this process's parallel-reply slots", self._renew)
         self._takes = 0
 
     async def take(self, user: str, cap: int) -> str | None:
-        if self._renewer is None:
-            self._renewer = asyncio.create_task(self._renew(), name="parallel-slots")
+        self._renewer.start()
         return await asyncio.to_thread(self._take, user, cap)
 
     def _take(self, user: str, cap: int) -> str | None:
@@ -111,19 +110,10 @@ class SharedSlots:
         with self._lock:
             self._db.execute(sql, params)
 
-    async def _renew(self) -> None:
-        while True:
-            await asyncio.sleep(RENEW_S)
-            try:
-                await asyncio.to_thread(self._execute, "UPDATE running SET until = ? WHERE worker = ?",
-                                        (time.time() + LEASE_S, self.worker))
-            except Exception:  # noqa: BLE001 - the next round tries again
-                log.warning("could not renew this process's parallel-reply slots", exc_info=True)
+    def _renew(self) -> None:
+        self._execute("UPDATE running SET until = ? WHERE worker = ?", (time.time() + LEASE_S, self.worker))
 
     async def aclose(self) -> None:
-        if self._renewer is not None:
-            self._renewer.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._renewer
+        await self._renewer.stop()
         await asyncio.to_thread(self._execute, "DELETE FROM running WHERE worker = ?", (self.worker,))
         self._db.close()

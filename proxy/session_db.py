@@ -141,16 +141,6 @@ class SessionDB:
                                     [user, *params]).fetchall()
         return dict(rows)
 
-    def rows(self, user: str, ids: Iterable[str]) -> list[dict[str, Any]]:
-        ids = list(ids)
-        if not ids:
-            return []
-        with self._lock:
-            rows = self._db.execute(
-                f'SELECT data, rev FROM sessions WHERE "user" = ? AND id IN ({",".join("?" * len(ids))})', [user, *ids]
-            ).fetchall()
-        return [dict(json.loads(data), rev=rev) for data, rev in rows]
-
     def claim_idle(self, active_before: float, worker: str, max_per_user: int | None = None,
                    max_sessions: int | None = None, limit: int = 100) -> list[dict[str, Any]]:
         """Take the closing of the sessions to close — nobody used them since `active_before`

@@ -201,8 +201,12 @@ class SessionStore:
         volatile: VolatileText | None = None,
         db: SessionDB | None = None,
         worker: str = "",
+        rehand: TransitionSink | None = None,
     ) -> None:
+        """`rehand`: where transitions a row read back says were on their way go again (the
+        judge's inbox, told it is a repeat; `emit` if not given)."""
         self._emit_to = emit
+        self._rehand_to = rehand or emit
         self._handed: list[asyncio.Future[None]] = []  # what `emit` returned, until the judge has it on disk
         self._dirty: set[tuple[str, str]] = set()
         self.idle_s = idle_s
@@ -226,8 +230,8 @@ class SessionStore:
     def __len__(self) -> int:
         return len(self._sessions)
 
-    def _emit(self, s: Session, transition: Transition) -> None:
-        handed = self._emit_to(transition)
+    def _emit(self, s: Session, transition: Transition, again: bool = False) -> None:
+        handed = (self._rehand_to if again else self._emit_to)(transition)
         if inspect.isawaitable(handed):
             handed = asyncio.ensure_future(handed)
             s.handing.append(transition)
@@ -249,7 +253,7 @@ class SessionStore:
         for s in list(self._sessions.values()):
             handing, s.handing = s.handing, []
             for transition in handing:
-                self._emit(s, transition)
+                self._emit(s, transition, again=True)
                 resumed += 1
         return resumed
 
@@ -297,7 +301,7 @@ class SessionStore:
     ) -> TurnPlan:
         """Classify a request (`request`: its chain, if made already); nothing changes until
         its reply is committed."""
-        request = request or self.chain(user, messages)
+        request = request if request is not None else self.chain(user, messages)
         if session_id is not None:
             session = self._sessions.get((user, session_id)) or Session(session_id, user, True, self._clock())
             match = self._classify(session, request, messages)
@@ -553,7 +557,7 @@ class SessionStore:
         self._register(s)
         handing, s.handing = s.handing, []
         for transition in handing:
-            self._emit(s, transition)
+            self._emit(s, transition, again=True)
         return s
 
     async def sweep_shared(self) -> int:

@@ -16,7 +16,6 @@ the router.
 from __future__ import annotations
 
 import concurrent.futures
-import threading
 import uuid
 
 import httpx

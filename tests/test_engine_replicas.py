@@ -249,3 +249,43 @@ def test_a_follower_that_loaded_an_old_version_again_unloads_it_when_it_moves(se
         assert set(engine.loaded_adapters()) == {names[1]}, "the follower unloaded the v1 it had loaded again"
     finally:
         engine.stop()
+
+
+def test_with_a_shared_database_versions_and_forgetting_go_through_it(server_factory, workers, tmp_path, postgres, monkeypatch):
+    """On PostgreSQL the serving version of each scope is published in the database once the
+    learner loaded it, and followers read it there. Forgetting a user on a process that does not
+    learn stops their adapter being served at once, everywhere, and the learner, asked through
+    the database, deletes their versions."""
+    import uuid
+
+    import httpx
+
+    from nextstate.learner import follower
+    from nextstate.learner.registry import VersionRegistry
+
+    monkeypatch.setattr(follower, "FOLLOW_S", 0.2)
+    url = postgres.fresh_database(f"v{uuid.uuid4().hex[:12]}")
+    engine = dict(engine="sglang", sglang_url=workers[0].url, judge_enabled=False, adapters_dir=tmp_path / "adapters",
+                  database_url=url, adapter_scope="user")
+    learning = server_factory(**engine, batch_size=2, min_batch_size=2, lr=5e-3, lora_r=4, lora_alpha=8, max_staleness=0)
+    serving = server_factory(**engine, learn=False)
+    feed(learning, served_samples(learning, 2, user="alice"))
+    wait_for(lambda: learning.app.state.services.policies.current("alice").version == 1, timeout=120)
+    name = learning.app.state.services.policies.current("alice").adapter
+    registry = VersionRegistry(tmp_path / "unused.sqlite3", url)
+    try:
+        assert {s: (p.version, p.name) for s, p in registry.published().items()} == {"alice": (1, name)}
+        wait_for(lambda: serving.app.state.services.policies.current("alice").adapter == name, timeout=10)
+        assert ask(serving, "alice").headers["x-policy-version"] == "1"
+        assert ask(serving, "bob").headers["x-policy-version"] == "0", "bob has no adapter of his own"
+
+        admin = serving.key("root", admin=True)
+        answer = httpx.delete(f"{serving.base_url}/admin/users/alice", headers={"Authorization": f"Bearer {admin}"}, timeout=60)
+        assert answer.status_code == 200 and answer.json()["adapter_deleted"] is True, answer.text
+        assert serving.app.state.services.policies.current("alice").adapter is None, "served the base model at once"
+        scope_root = learning.app.state.services.learner.versions.scope_root("alice")
+        wait_for(lambda: not scope_root.exists() and not registry.forgotten(), timeout=30)
+        assert registry.published() == {}
+        assert learning.app.state.services.policies.current("alice").adapter is None
+    finally:
+        registry.close()

@@ -29,6 +29,22 @@ def shared_url(postgres) -> str:
     return postgres.fresh_database(f"s{uuid.uuid4().hex[:12]}")
 
 
+@pytest.fixture
+def processes(tmp_path, shared_url):
+    """`processes(name, **store_settings)` opens one more process on the shared database; all
+    hand their transitions to `processes.emitted`, and all are closed after the test."""
+    opened: list[Process] = []
+
+    def open_process(name: str, **kwargs) -> Process:
+        opened.append(Process(shared_url, tmp_path / f"{name}.sqlite3", open_process.emitted, name, **kwargs))
+        return opened[-1]
+
+    open_process.emitted = []
+    yield open_process
+    for process in opened:
+        process.close()
+
+
 class Process:
     """One serving process's session store, driven as proxy/turns.py drives it."""
 
@@ -63,13 +79,13 @@ def summary(emitted: list[Transition]) -> list[tuple]:
     return sorted((t.turn.turn_index, t.reason, t.next_state.messages if t.next_state else None) for t in emitted)
 
 
-def test_a_conversation_alternating_between_processes_is_one_session(tmp_path, shared_url):
+def test_a_conversation_alternating_between_processes_is_one_session(processes, tmp_path):
+    one: list[Transition] = []
+    alone = Process(None, tmp_path / "one.sqlite3", one, "alone")  # one process, its SQLite file
+    both = processes.emitted
+
     async def scenario():
-        one: list[Transition] = []
-        alone = Process(None, tmp_path / "one.sqlite3", one, "alone")
-        both: list[Transition] = []
-        a = Process(shared_url, tmp_path / "a.sqlite3", both, "a")
-        b = Process(shared_url, tmp_path / "b.sqlite3", both, "b")
+        a, b = processes("a"), processes("b")
         ids = set()
         for i, (messages, answer) in enumerate(conversation(6)):
             await alone.turn("alice", messages, answer)
@@ -81,24 +97,22 @@ def test_a_conversation_alternating_between_processes_is_one_session(tmp_path, s
         for i, (messages, answer) in enumerate(conversation(3)):
             plan = await (b if i % 2 == 0 else a).turn("bob", messages, answer, session_id="agent-7")
             assert plan.turn_index == i + 1
-        return one, both, a, b
 
-    one, both, a, b = asyncio.run(scenario())
+    asyncio.run(scenario())
+    alone.close()
     alice = [t for t in both if t.turn.user == "alice"]
     assert summary(alice)[:4] == summary(one)[:4], "the same confirmed transitions as one process gave"
     assert len(alice) == 4, "turns 1-4 confirmed; 5 provisional and 6 pending stay in the open session"
     bob = [t for t in both if t.turn.user == "bob"]
     assert [(t.turn.turn_index, t.turn.session_id) for t in bob] == [(1, "agent-7")]
-    a.close()
-    b.close()
 
 
-def test_idle_sessions_close_once_even_when_their_process_died(tmp_path, shared_url):
+def test_idle_sessions_close_once_even_when_their_process_died(processes):
     async def scenario():
-        emitted: list[Transition] = []
-        a = Process(shared_url, tmp_path / "a.sqlite3", emitted, "a", idle_s=0.2)
-        b = Process(shared_url, tmp_path / "b.sqlite3", emitted, "b", idle_s=0.2)
-        c = Process(shared_url, tmp_path / "c.sqlite3", emitted, "c", idle_s=0.2)
+        emitted = processes.emitted
+        a = processes("a", idle_s=0.2)
+        b = processes("b", idle_s=0.2)
+        c = processes("c", idle_s=0.2)
         steps = conversation(3)
         for i, (messages, answer) in enumerate(steps):
             await (a if i % 2 == 0 else b).turn("alice", messages, answer)
@@ -110,48 +124,45 @@ def test_idle_sessions_close_once_even_when_their_process_died(tmp_path, shared_
         changed = await asyncio.gather(a.store.sweep_shared(), b.store.sweep_shared())
         await asyncio.gather(a.store.save(), b.store.save())
         assert sum(changed) == 2, "alice's and carol's sessions, each closed by one process"
-        return emitted, a, b
+        a.db.flush()
+        b.db.flush()
+        assert list(a.db.load()) == [], "closed sessions are gone from the database"
+        return emitted
 
-    emitted, a, b = asyncio.run(scenario())
+    emitted = asyncio.run(scenario())
     assert summary(emitted) == [
         (1, "next_state", [user("q2")]), (1, "session_closed", None),
         (2, "next_state", [user("q3")]), (3, "session_closed", None),
     ]
     assert [t.turn.user for t in emitted if t.turn.turn_index == 1 and t.reason == "session_closed"] == ["carol"]
-    a.db.flush()
-    assert list(a.db.load()) == [], "closed sessions are gone from the database"
-    a.close()
-    b.close()
 
 
-def test_a_closer_that_dies_leaves_the_session_to_the_next(tmp_path, shared_url, monkeypatch):
+def test_a_closer_that_dies_leaves_the_session_to_the_next(processes, monkeypatch):
     monkeypatch.setattr(session_db_module, "CLOSE_LEASE_S", 0.2)
 
     async def scenario():
-        emitted: list[Transition] = []
-        a = Process(shared_url, tmp_path / "a.sqlite3", emitted, "a", idle_s=0.01)
+        emitted = processes.emitted
+        a = processes("a", idle_s=0.01)
         await a.turn("alice", *conversation(1)[0])
         await asyncio.sleep(0.05)
         claimed = a.db.claim_idle(time.time(), "dead")  # claimed, never closed
         assert len(claimed) == 1
-        b = Process(shared_url, tmp_path / "b.sqlite3", emitted, "b", idle_s=0.01)
+        b = processes("b", idle_s=0.01)
         assert await b.store.sweep_shared() == 0, "the dead closer's lease still runs"
         await asyncio.sleep(0.3)
         assert await b.store.sweep_shared() == 1
         await b.store.save()
-        return emitted, a, b
+        return emitted
 
-    emitted, a, b = asyncio.run(scenario())
+    emitted = asyncio.run(scenario())
     assert summary(emitted) == [(1, "session_closed", None)]
-    a.close()
-    b.close()
 
 
-def test_a_copy_behind_the_database_never_overwrites_it(tmp_path, shared_url):
+def test_a_copy_behind_the_database_never_overwrites_it(processes):
     async def scenario():
-        emitted: list[Transition] = []
-        a = Process(shared_url, tmp_path / "a.sqlite3", emitted, "a")
-        b = Process(shared_url, tmp_path / "b.sqlite3", emitted, "b")
+        emitted = processes.emitted
+        a = processes("a")
+        b = processes("b")
         steps = conversation(3)
         await a.turn("alice", *steps[0])
         await b.turn("alice", *steps[1])
@@ -166,19 +177,17 @@ def test_a_copy_behind_the_database_never_overwrites_it(tmp_path, shared_url):
         assert (plan.match, plan.turn_index) == ("extend", 3)
         assert plan.session.provisional.turn.turn_index == 2
         assert plan.session.provisional.next_state.messages == [user("q3")]
-        return emitted, a, b
+        return emitted
 
-    emitted, a, b = asyncio.run(scenario())
+    emitted = asyncio.run(scenario())
     assert summary(emitted) == [(1, "next_state", [user("q2")])]
-    a.close()
-    b.close()
 
 
-def test_forgetting_a_user_in_one_process_reaches_the_others(tmp_path, shared_url):
+def test_forgetting_a_user_in_one_process_reaches_the_others(processes):
     async def scenario():
-        emitted: list[Transition] = []
-        a = Process(shared_url, tmp_path / "a.sqlite3", emitted, "a")
-        b = Process(shared_url, tmp_path / "b.sqlite3", emitted, "b")
+        emitted = processes.emitted
+        a = processes("a")
+        b = processes("b")
         steps = conversation(3)
         await a.turn("alice", *steps[0])
         await b.turn("alice", *steps[1])
@@ -188,12 +197,10 @@ def test_forgetting_a_user_in_one_process_reaches_the_others(tmp_path, shared_ur
         a.db.flush()
         plan = await b.turn("alice", *steps[2])
         assert plan.match == "new", "b's copy went with the rows"
-        return emitted, a, b
+        return emitted
 
-    emitted, a, b = asyncio.run(scenario())
+    emitted = asyncio.run(scenario())
     assert summary(emitted) == [], "nothing of a forgotten user's goes to the judge"
-    a.close()
-    b.close()
 
 
 def test_two_servers_on_one_database_serve_one_conversation_as_one_session(server_factory, postgres):
@@ -231,13 +238,13 @@ def test_two_servers_on_one_database_serve_one_conversation_as_one_session(serve
         store.close()
 
 
-def test_the_caps_on_open_sessions_hold_across_processes(tmp_path, shared_url):
+def test_the_caps_on_open_sessions_hold_across_processes(processes):
     """Each process evicts only its own copies; the sessions beyond a user's cap, counted in the
     database, are closed once, least recent first."""
     async def scenario():
-        emitted: list[Transition] = []
-        a = Process(shared_url, tmp_path / "a.sqlite3", emitted, "a", max_per_user=2)
-        b = Process(shared_url, tmp_path / "b.sqlite3", emitted, "b", max_per_user=2)
+        emitted = processes.emitted
+        a = processes("a", max_per_user=2)
+        b = processes("b", max_per_user=2)
         for i in range(4):  # four conversations of alice's, two on each process
             await (a if i % 2 == 0 else b).turn("alice", [SYS, user(f"topic {i}")], f"answer {i}")
             await asyncio.sleep(0.01)
@@ -249,10 +256,8 @@ def test_the_caps_on_open_sessions_hold_across_processes(tmp_path, shared_url):
         b.db.flush()
         left = sorted((row["user"], row["pending"]["messages"][-1]["content"]) for row in a.db.load())
         assert left == [("alice", "topic 2"), ("alice", "topic 3"), ("bob", "mine")]
-        return emitted, a, b
+        return emitted
 
-    emitted, a, b = asyncio.run(scenario())
+    emitted = asyncio.run(scenario())
     assert sorted(t.turn.messages[-1]["content"] for t in emitted) == ["topic 0", "topic 1"]
     assert {t.reason for t in emitted} == {"session_closed"}
-    a.close()
-    b.close()
