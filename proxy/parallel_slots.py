@@ -66,7 +66,8 @@ CREATE INDEX IF NOT EXISTS running_user ON running ("user", until)
 
 
 class SharedSlots:
-    """Replies in flight as leased rows in PostgreSQL (or a SQLite file, for tests)."""
+    """Replies in flight as leased rows in PostgreSQL (its data-modifying WITH takes a slot in
+    one statement; one process alone counts in memory, `LocalSlots`)."""
 
     def __init__(self, path: Path, database_url: str | None, worker: str) -> None:
         self._db = Database.open(path, _SCHEMA, "busy_timeout=5000", url=database_url)
