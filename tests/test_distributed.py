@@ -215,12 +215,15 @@ def test_replicas_judges_and_a_learner_of_their_own_learn_from_one_conversation_
     # its start, which serves them the published versions (loaded on it before it serves them)
     versions = AdapterVersions(d.adapters)
     published = lambda: {versions.serving_name("shared", v) for v in versions.versions("shared") if v >= version}  # noqa: E731
-    for i in range(8, 24):
+    def newcomer(i: int) -> int:
+        return int(client(d.proxies[i % 2], d.key(f"user{i}")).chat.completions.with_raw_response.create(
+            model="tiny", messages=[{"role": "user", "content": "new here"}], max_tokens=2).headers["x-policy-version"])
+
+    for batch in range(4):  # at once: min_load places them by the requests in flight (one at a time: a tie)
         if published() & set(dead.served()):
             break
-        headers = client(d.proxies[i % 2], d.key(f"user{i}")).chat.completions.with_raw_response.create(
-            model="tiny", messages=[{"role": "user", "content": "new here"}], max_tokens=2).headers
-        assert int(headers["x-policy-version"]) >= version
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            assert all(v >= version for v in pool.map(newcomer, range(8 + 4 * batch, 12 + 4 * batch)))
     assert set(dead.served()) and set(dead.served()) <= published(), "the restarted worker serves the versions, never base"
 
     # -- kill -9 of the learner with samples waiting: restarted, it trains each sample once
