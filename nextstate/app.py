@@ -23,6 +23,7 @@ from nextstate.judge.service import Judge
 from nextstate.judge.startup_check import StartupCheck
 from nextstate.learner.follower import VersionFollower
 from nextstate.learner.registry import VersionRegistry
+from nextstate.learner.versions import AdapterVersions, LearnerRunning
 from nextstate.learner.service import Learner
 from nextstate.core.sample_store import SampleStore
 from nextstate import __version__
@@ -85,6 +86,11 @@ def preflight(settings: Settings) -> Path:
         PromptLibrary(settings.judge.prompts_dir).require(settings.judge.prm_prompt)
     except FileNotFoundError as exc:
         raise ConfigError(str(exc)) from exc
+    if settings.learner.learn:
+        try:  # said before serving, not as a failed start-up: `nextstate learn` may run elsewhere
+            AdapterVersions(settings.adapters_dir).hold_learner().close()
+        except LearnerRunning as exc:
+            raise ConfigError(f"{exc}. Serve with NEXTSTATE_LEARN=false beside it.") from exc
     return model_dir
 
 

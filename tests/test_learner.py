@@ -705,3 +705,21 @@ def test_a_refused_step_keeps_its_samples_and_says_what_it_waits_for(server_fact
     services.learner._wake.set()
     wait_for(lambda: services.policies.current("alice").version == 1)
     assert len(services.samples.samples("consumed")) == 4
+
+
+def test_a_second_learner_on_one_adapters_folder_is_refused_before_serving(tmp_path, tiny_model_dir):
+    """Two learners would train the same samples into two version N+1s: `nextstate serve`
+    (learning) or `nextstate learn` on a folder another learner holds stops with the reason."""
+    from nextstate.app import ConfigError, preflight
+    from nextstate.learner.versions import AdapterVersions
+    from tests.conftest import make_settings
+
+    settings = make_settings(tmp_path, tiny_model_dir)
+    held = AdapterVersions(settings.adapters_dir).hold_learner()
+    try:
+        with pytest.raises(ConfigError, match="another learner .* NEXTSTATE_LEARN=false"):
+            preflight(settings)
+        preflight(settings.with_overrides(learn=False))  # serving beside it is fine
+    finally:
+        held.close()
+    preflight(settings)
