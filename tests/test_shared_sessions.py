@@ -66,6 +66,14 @@ class Process:
         self.db.close()
 
 
+async def alternated(processes) -> tuple[Process, Process, list[tuple[list[dict], str]]]:
+    """Processes a and b, alice's first turn taken by a and her second by b; her three steps."""
+    a, b, steps = processes("a"), processes("b"), conversation(3)
+    await a.turn("alice", *steps[0])
+    await b.turn("alice", *steps[1])
+    return a, b, steps
+
+
 def conversation(n: int) -> list[tuple[list[dict], str]]:
     """An agent's n requests, each the whole conversation so far, with the reply each gets."""
     steps, messages = [], [SYS, user("q1")]
@@ -161,11 +169,7 @@ def test_a_closer_that_dies_leaves_the_session_to_the_next(processes, monkeypatc
 def test_a_copy_behind_the_database_never_overwrites_it(processes):
     async def scenario():
         emitted = processes.emitted
-        a = processes("a")
-        b = processes("b")
-        steps = conversation(3)
-        await a.turn("alice", *steps[0])
-        await b.turn("alice", *steps[1])
+        a, b, steps = await alternated(processes)
         # a commits on its stale copy without reading the database first (as two processes
         # committing one conversation's turns at the same moment would): its write is refused
         stale = a.store.resolve("alice", steps[1][0])
@@ -186,11 +190,7 @@ def test_a_copy_behind_the_database_never_overwrites_it(processes):
 def test_forgetting_a_user_in_one_process_reaches_the_others(processes):
     async def scenario():
         emitted = processes.emitted
-        a = processes("a")
-        b = processes("b")
-        steps = conversation(3)
-        await a.turn("alice", *steps[0])
-        await b.turn("alice", *steps[1])
+        a, b, steps = await alternated(processes)
         await a.store.refresh("alice", every=True)
         assert a.store.forget("alice") == 1
         await a.store.save()
