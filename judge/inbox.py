@@ -60,7 +60,9 @@ class JudgeInbox:
 
     async def poll(self, most: int) -> int:
         """A judge process's round: claim pending transitions (oldest first) until `most` are
-        being judged here, and judge them; returns how many were claimed."""
+        being judged here, and judge them; returns how many were claimed. (A judge process
+        does not `resume`: that would claim the whole backlog at once.)"""
+        self._renewer.start()
         room = most - len(self._judging)
         if room <= 0:
             return 0

@@ -72,7 +72,6 @@ async def run_judge(settings: Settings, stop: asyncio.Event, engine_factory: Eng
     try:
         await follower.start()
         await StartupCheck(judge).start()
-        await inbox.resume()
         log.info("judging the inbox as %s (%d at a time)", samples.worker, settings.judge.judge_concurrency)
         most = 2 * settings.judge.judge_concurrency  # claimed here at once: the rest is for other judges
         while not stop.is_set():

@@ -226,3 +226,24 @@ def test_an_older_inbox_gets_its_user_column_once_and_forget_still_finds_its_tur
         assert store.forget("alice") == 1 and store.pending_transitions() == []
     finally:
         store.close()
+
+
+def test_judges_polling_an_unclaimed_inbox_take_a_bounded_batch_each_and_keep_it_while_they_live(open_store):
+    """Serving processes that leave judging to `nextstate judge` write unclaimed transitions;
+    each judge takes at most its batch, oldest first, and renews its claims while it lives."""
+    from nextstate.core import sample_store
+
+    import time
+
+    serving = open_store("")  # writes unclaimed
+    ids = [serving.add_transition(transition(turn(index=i))) for i in range(5)]
+    a, b = open_store("judge-a"), open_store("judge-b")
+    lease = sample_store.LEASE_S
+    assert [i for i, _ in a.claim_pending(now=time.time() - lease / 2, limit=2, own=False)] == ids[:2]
+    assert [i for i, _ in b.claim_pending(limit=2, own=False)] == ids[2:4]
+    # a's claims, taken half a lease ago, would run out before b's; renewed, they last a lease from now
+    assert a.renew_claims() == 2 and serving.renew_claims() == 0
+    later = time.time() + lease * 3 / 4
+    assert [i for i, _ in b.claim_pending(now=later, own=False)] == [ids[4]], "a's claims hold while renewed"
+    assert set(ids[:2]) <= {i for i, _ in b.claim_pending(now=time.time() + lease + 1, own=False)}, \
+        "not renewed (a died), they return"
