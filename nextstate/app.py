@@ -86,12 +86,18 @@ def preflight(settings: Settings) -> Path:
         PromptLibrary(settings.judge.prompts_dir).require(settings.judge.prm_prompt)
     except FileNotFoundError as exc:
         raise ConfigError(str(exc)) from exc
+    return model_dir
+
+
+def check_no_other_learner(settings: Settings) -> None:
+    """`nextstate serve` with its learner on, before it binds its port: a learner elsewhere
+    (`nextstate learn`) holding the adapters folder is said as a reason, not as a failed
+    start-up. Not part of `preflight`: judge processes run that beside the learner."""
     if settings.learner.learn:
-        try:  # said before serving, not as a failed start-up: `nextstate learn` may run elsewhere
+        try:
             AdapterVersions(settings.adapters_dir).hold_learner().close()
         except LearnerRunning as exc:
             raise ConfigError(f"{exc}. Serve with NEXTSTATE_LEARN=false beside it.") from exc
-    return model_dir
 
 
 def resolve_model_dir(settings: Settings) -> Path:

@@ -62,7 +62,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from nextstate.engine.default_model import DefaultModelUnavailable
-    from nextstate.app import ConfigError, create_app, preflight
+    from nextstate.app import ConfigError, check_no_other_learner, create_app, preflight
 
     overrides = {k: v for k, v in (("host", args.host), ("port", args.port)) if v is not None}
     settings = _settings().with_overrides(**overrides)
@@ -73,6 +73,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     try:
         # Fail before binding the port, and convert the default model (once) in plain view.
         preflight(settings)
+        check_no_other_learner(settings)
     except (ConfigError, DefaultModelUnavailable) as exc:
         sys.exit(f"nextstate: {exc}")
     text, warning = banner(settings)

@@ -709,8 +709,9 @@ def test_a_refused_step_keeps_its_samples_and_says_what_it_waits_for(server_fact
 
 def test_a_second_learner_on_one_adapters_folder_is_refused_before_serving(tmp_path, tiny_model_dir):
     """Two learners would train the same samples into two version N+1s: `nextstate serve`
-    (learning) or `nextstate learn` on a folder another learner holds stops with the reason."""
-    from nextstate.app import ConfigError, preflight
+    (learning) or `nextstate learn` on a folder another learner holds stops with the reason;
+    a judge process (whose settings leave learning on) starts beside it."""
+    from nextstate.app import ConfigError, check_no_other_learner, preflight
     from nextstate.learner.versions import AdapterVersions
     from tests.conftest import make_settings
 
@@ -718,8 +719,9 @@ def test_a_second_learner_on_one_adapters_folder_is_refused_before_serving(tmp_p
     held = AdapterVersions(settings.adapters_dir).hold_learner()
     try:
         with pytest.raises(ConfigError, match="another learner .* NEXTSTATE_LEARN=false"):
-            preflight(settings)
-        preflight(settings.with_overrides(learn=False))  # serving beside it is fine
+            check_no_other_learner(settings)
+        check_no_other_learner(settings.with_overrides(learn=False))  # serving beside it is fine
+        preflight(settings)  # what `nextstate judge` checks before it starts
     finally:
         held.close()
-    preflight(settings)
+    check_no_other_learner(settings)
