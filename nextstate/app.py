@@ -170,11 +170,11 @@ def create_app(settings: Settings | None = None, *, engine_factory: EngineFactor
         renderer = await asyncio.to_thread(ChatRenderer.from_dir, model_dir)
         model_name = settings.engine.served_model_name or model_dir.name
         prompts = PromptLibrary(settings.judge.prompts_dir)
-        keys = KeyStore(settings.keys_db, settings.server.database_url)
+        url = settings.server.database_url  # several processes share what is kept there
+        keys = KeyStore(settings.keys_db, url)
         worker = f"{socket.gethostname()}:{settings.server.port}"  # this process, in claims on shared work
         # a process that leaves judging to `nextstate judge` writes the inbox unclaimed
-        samples = SampleStore(settings.samples_db, settings.server.database_url,
-                              worker=worker if settings.judge.judge_in_process else "")
+        samples = SampleStore(settings.samples_db, url, worker=worker if settings.judge.judge_in_process else "")
         records = RecordWriter(settings.records_dir)
         await records.start()
         metrics = Metrics()
@@ -211,7 +211,7 @@ def create_app(settings: Settings | None = None, *, engine_factory: EngineFactor
                 settings.learner, model_dir, settings.adapters_dir, engine, samples, policies, records,
                 prepare_batch=functools.partial(prepare_batch, settings=settings.judge), registry=registry,
             )
-        session_db = SessionDB(settings.sessions_db, settings.server.database_url)
+        session_db = SessionDB(settings.sessions_db, url)
         sessions = SessionStore(
             emit,
             idle_s=settings.server.session_idle_s,
@@ -224,7 +224,6 @@ def create_app(settings: Settings | None = None, *, engine_factory: EngineFactor
             rehand=lambda transition: inbox.submit(transition, again=True),  # counted when first handed over
         )
         # several serving processes on one database count each key's requests together
-        url = settings.server.database_url
         windows = SharedWindows(settings.data_dir / "rates.sqlite3", url) if url else MemoryWindows()
         slots = SharedSlots(settings.data_dir / "running.sqlite3", url, worker) if url else LocalSlots()
         turns = TurnService(
@@ -243,7 +242,7 @@ def create_app(settings: Settings | None = None, *, engine_factory: EngineFactor
             max_parallel_per_user=settings.server.max_parallel_per_user,
             max_memory_bytes=settings.server.max_memory_mb << 20 or int(total_bytes() * 0.9),
         )
-        stored_responses = ResponseStore(settings.responses_db, settings.server.database_url)
+        stored_responses = ResponseStore(settings.responses_db, url)
         services = Services(
             settings=settings, keys=keys, records=records, metrics=metrics, sessions=sessions, policies=policies,
             samples=samples, turns=turns, chat=ChatCompletionServing(turns), messages=MessagesServing(turns),
@@ -254,7 +253,7 @@ def create_app(settings: Settings | None = None, *, engine_factory: EngineFactor
             registry=registry,
             forget_user=lambda user: forget_online(services, user),
             engine=engine, inbox=inbox, session_db=session_db, stored_responses=stored_responses,
-            dashboard_sessions=DashboardSessions(database_url=url),
+            dashboard_sessions=DashboardSessions(database_url=url, attempts=windows),
         )
         app.state.services = services
         background = [asyncio.create_task(_sweep(sessions, metrics), name="session-sweeper")]

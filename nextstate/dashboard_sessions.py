@@ -23,7 +23,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from nextstate.core.database import Database
-from nextstate.proxy.rate_windows import MemoryWindows, SharedWindows, Windows
+from nextstate.proxy.rate_windows import MemoryWindows, Windows
 
 SESSION_S = 8 * 3600.0
 SIGN_IN_PER_MINUTE = 10
@@ -39,13 +39,15 @@ CREATE TABLE IF NOT EXISTS dashboard_sessions (
 
 class DashboardSessions:
     def __init__(self, lifetime_s: float = SESSION_S, clock: Callable[[], float] = time.time,
-                 database_url: str | None = None, path: Path | None = None) -> None:
+                 database_url: str | None = None, attempts: Windows | None = None) -> None:
+        """`attempts`: the rate windows the sign-in throttle counts on (the server's own, shared
+        with a database); this process's memory if not given."""
         self.lifetime_s = lifetime_s
         self._clock = clock
-        self._db = Database.open(path or Path("unused"), _SCHEMA, url=database_url) if database_url else None
+        self._db = Database.open(Path("unused"), _SCHEMA, url=database_url) if database_url else None
         self._lock = threading.Lock()
         self._tokens: dict[str, tuple[str, float]] = {}  # token hash → (the admin key's id, when it ends)
-        self._attempts: Windows = SharedWindows(Path("unused"), database_url) if database_url else MemoryWindows()
+        self._attempts = attempts or MemoryWindows()
 
     async def may_try(self, client: str) -> bool:
         """Count one sign-in attempt from `client`; False once it is over the limit."""
@@ -90,8 +92,6 @@ class DashboardSessions:
     def close(self) -> None:
         if self._db is not None:
             self._db.close()
-        if isinstance(self._attempts, SharedWindows):
-            self._attempts.close()
 
 
 def _hash(token: str) -> str:
