@@ -61,12 +61,12 @@ def new_messages(body: dict) -> list[dict]:
 class Replay:
     """A nextstate server with a scripted engine, that can be restarted on the same data."""
 
-    def __init__(self, server_factory) -> None:
+    def __init__(self, server_factory, **settings) -> None:
         self.judge = ScriptedJudge()
         self.engine_factory, self._engines = scripted_factory(max_context=65536)
         self.server = server_factory(
             engine_factory=self.engine_factory, served_model_name="SmolLM2-135M-Instruct",
-            judge_base_url=self.judge.base_url, prm_votes=1, learn=False,
+            judge_base_url=self.judge.base_url, prm_votes=1, learn=False, **settings,
         )
         self.key = self.server.key("sam")
 
@@ -142,6 +142,35 @@ def test_an_openclaw_conversation_is_one_session_with_the_users_next_states(repl
             assert "format failure" in sample.reason and sample.reward == -1 and sample.votes == []
         else:
             assert "format failure" not in sample.reason and sample.votes, f"turn {index} was judged as user feedback"
+
+
+@pytest.mark.distributed
+def test_an_openclaw_conversation_alternating_between_two_processes_is_one_session(server_factory, postgres):
+    """The same traffic, each request sent to the other of two nextstate processes sharing one
+    PostgreSQL (as a round-robin load balancer would): still one session, its turns numbered in
+    order across both, and each confirmed turn's next state exactly the messages OpenClaw added."""
+    import uuid
+
+    url = postgres.fresh_database(f"o{uuid.uuid4().hex[:12]}")
+    pair = [Replay(server_factory, database_url=url) for _ in range(2)]
+    try:
+        captured = rows()
+        answered = [pair[n % 2].send(captured[i]) for n, i in enumerate(CONVERSATION)]
+        assert [status for status, _, _ in answered] == [200] * len(answered), answered
+        assert len({session for _, session, _ in answered}) == 1, "one conversation, one session"
+        for replay in pair:
+            replay.server.drain_judge()
+        records = [r for replay in pair for r in replay.server.records()]
+    finally:
+        for replay in pair:
+            replay.judge.stop()
+    requests = sorted(r["turn_index"] for r in records if r["kind"] == "request")
+    assert requests == list(range(1, len(CONVERSATION) + 1))
+    transitions = sorted((r for r in records if r["kind"] == "transition"), key=lambda r: r["turn_index"])
+    # the last turn is pending and the one before provisional: the session is still open
+    expected = [new_messages(captured[i]["req_body"]) for i in list(CONVERSATION)[1:-1]]
+    assert [t["turn_index"] for t in transitions] == list(range(1, len(CONVERSATION) - 1))
+    assert [t["next_state"] for t in transitions] == expected
 
 
 QUEUED = ("[Queued user message from a previous active turn; preserved as context only. "
