@@ -50,7 +50,8 @@ CREATE TABLE IF NOT EXISTS samples (
     reason TEXT NOT NULL,
     reward {float} NOT NULL,
     data TEXT NOT NULL,
-    response_id TEXT
+    response_id TEXT,
+    tries INTEGER NOT NULL DEFAULT 0
 );
 CREATE INDEX IF NOT EXISTS samples_status ON samples (status, id);
 CREATE INDEX IF NOT EXISTS samples_session ON samples ("user", session_id);
@@ -86,7 +87,7 @@ def _turn_key(turn: Turn) -> str:
 
 
 _COLUMNS = ("id", "created_at", "user", "session_id", "turn_index", "policy_version", "mode", "track", "status", "reason",
-            "reward", "response_id")
+            "reward", "response_id", "tries")
 _SELECTED = ", ".join(f'"{c}"' for c in _COLUMNS)  # "user" is a reserved word in PostgreSQL
 _DATA_FIELDS = ("adapter", "prompt_ids", "response_ids", "old_logprobs", "logprob_temperature", "advantages",
                 "loss_mask", "votes", "hint", "teacher_logprobs", "outcome", "feedback")
@@ -119,7 +120,8 @@ class SampleStore:
         # Since 0.4: claims, so that several processes share the inbox.
         added = self._conn.add_missing_columns("transitions", {"turn_key": "TEXT", "response_id": "TEXT", '"user"': "TEXT",
                                                                "claimed_by": "TEXT", "claimed_until": "{float}"})
-        self._conn.add_missing_columns("samples", {"response_id": "TEXT"})
+        # Since 0.5: how many updates trained a sample without being published (it waits again).
+        self._conn.add_missing_columns("samples", {"response_id": "TEXT", "tries": "INTEGER NOT NULL DEFAULT 0"})
         self._conn.execute("CREATE UNIQUE INDEX IF NOT EXISTS transitions_turn ON transitions (turn_key)")
         self._conn.execute("CREATE INDEX IF NOT EXISTS transitions_response ON transitions (response_id)")
         self._conn.execute("CREATE INDEX IF NOT EXISTS samples_response ON samples (response_id)")
@@ -363,6 +365,22 @@ class SampleStore:
     def mark_consumed(self, ids: list[int]) -> None:
         with self._lock:
             self._conn.executemany("UPDATE samples SET status = 'consumed' WHERE id = ?", [(i,) for i in ids])
+
+    def mark_returned(self, ids: list[int], reason: str) -> None:
+        """Samples an update trained on that was not published: they stay ready, one try more,
+        with the reason (the learner tries them again; a person's rating is never lost to it)."""
+        with self._lock:
+            self._conn.executemany(
+                "UPDATE samples SET reason = ?, tries = tries + 1 WHERE id = ? AND status = 'ready'", [(reason, i) for i in ids]
+            )
+
+    def returned_counts(self) -> dict[str, int]:
+        """Ready samples that came back from an unpublished update, by the reason they came back."""
+        with self._lock:
+            rows = self._conn.execute(
+                "SELECT reason, COUNT(*) FROM samples WHERE status = 'ready' AND tries > 0 GROUP BY reason"
+            ).fetchall()
+        return {reason: count for reason, count in rows}
 
     def mark_dropped(self, ids: list[int], reason: str) -> None:
         """Samples the learner will not train on (not finite, no signal), with the reason."""

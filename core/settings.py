@@ -247,8 +247,13 @@ class JudgeSettings(BaseSettings):
             transitions from the shared inbox, core/sample_store.py): the serving process
             only writes the inbox. They share it through NEXTSTATE_DATABASE_URL, or one data dir.
         judge_calibration: at start, the judge must get the bundled cases of
-            `prompts/calibration.json` right before it scores implicit feedback; a judge that
-            fails (the embedded SmolLM2 does) leaves only explicit feedback training.
+            `prompts/calibration.json` right before it votes on implicit feedback.
+        judge_fallback: what next states teach when the judge fails that check (the embedded
+            SmolLM2 does: a laptop with no second model). `hindsight` (default, in opd and
+            combined mode): each next state is itself the OPD hint, "the user answered this
+            reply with: ...", scored by the served base model — no votes, no reward, the
+            teacher's token-level view only (judge/hindsight.py); `ratings` leaves the next
+            states unjudged and only explicit feedback trains.
         outcome_min, outcome_max: the range of verifiable outcomes an environment may post;
             anything outside is refused (an outcome is a reward: unbounded, one post could
             outweigh every other sample of a batch).
@@ -265,6 +270,9 @@ class JudgeSettings(BaseSettings):
     )
     mode: Literal["binary", "opd", "combined"] = Field(
         "combined", description="binary = judged scalar reward, opd = hindsight distillation, combined = both."
+    )
+    judge_fallback: Literal["hindsight", "ratings"] = Field(
+        "hindsight", description="A judge that fails its check: next states teach as OPD hints (hindsight), or only ratings train."
     )
     judge_base_url: str | None = Field(
         None, description="OpenAI-compatible judge endpoint; unset = the served base model, in-process."
@@ -325,7 +333,11 @@ class LearnerSettings(BaseSettings):
             SmolLM2-135M, ~5e-4 for Qwen3-4B to 32B. A number wins (the paper's is 1e-5).
         kl_coef: β of the KL(π ‖ π_base) anchor to the base model (the adapter switched off; no
             second copy); its loss term has the reverse KL's gradient, not k3's (learner/ppo.py).
-        max_kl: an update that moves the policy further than this on its own batch is undone.
+        max_kl, kl_backtracks: an update that moves the policy further than this on its own
+            batch is shortened along its direction and measured again, up to `kl_backtracks`
+            times (a backtracking line search, TRPO's; each length from a quadratic model of the
+            KL, learner/step_sizes.py); one that still does not fit is undone and its samples
+            wait, ready, with the reason and a try count: a rating is never lost to the brake.
         max_advantage: per-token advantages are clipped to ± this when training, so no sample
             (an outcome standardised over a tiny spread, a bug upstream) dominates an update.
         max_staleness: a sample served by a version more than this many versions behind its
@@ -386,7 +398,12 @@ class LearnerSettings(BaseSettings):
         "auto", description="AdamW learning rate, or auto: fitted to the model's size (learner/learning_rate.py)."
     )
     kl_coef: float = Field(0.0, ge=0, description="β of the reverse KL to the base model (adapter off).")
-    max_kl: float = Field(1.0, gt=0, description="An update moving the policy further than this is skipped.")
+    max_kl: float = Field(
+        1.0, gt=0, description="An update moving the policy further than this is shortened until it fits (kl_backtracks)."
+    )
+    kl_backtracks: int = Field(
+        4, ge=0, description="Shortenings an update over max_kl may try before it is not published (its samples wait)."
+    )
     max_advantage: float = Field(5.0, gt=0, description="Per-token advantages are clipped to ± this in training.")
     max_staleness: int = Field(8, ge=0, description="Samples served more than this many versions ago are dropped; 0 = any.")
     max_user_share: float = Field(

@@ -108,6 +108,7 @@ class Sample(BaseModel):
     response_id: str | None = None
     feedback: dict[str, Any] | None = Field(None, description="The explicit rating and correction it was built from.")
     created_at: float
+    tries: int = Field(0, description="Updates that trained on it and were not published (it waited again each time).")
 
 
 FeedbackStatus = Literal["applied", "already_trained", "not_found", "queued"]

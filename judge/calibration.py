@@ -7,8 +7,9 @@ the judge gets implicit feedback (next states) to score, it answers the bundled 
 follow-up) with the personal-agent PRM prompt and its usual number of votes, one case after
 the other. A judge that gets one wrong by majority fails at once (no further case is asked:
 on the embedded model each vote costs seconds of the same CPU that serves): the server says so in its log, in `/v1/admin/stats` and on the
-dashboard, keeps the turns unjudged (explicit feedback can still rate them) and trains from
-explicit feedback only. Restarting with a better `NEXTSTATE_JUDGE_BASE_URL` is the remedy.
+dashboard, asks it nothing more, and trains from explicit feedback and, unless
+`NEXTSTATE_JUDGE_FALLBACK=ratings`, from each next state read as a hint of its own
+(judge/hindsight.py). Restarting with a better `NEXTSTATE_JUDGE_BASE_URL` brings rewards back.
 """
 
 from __future__ import annotations
@@ -111,8 +112,9 @@ def conclude(results: list[CaseResult], seconds: float, asked_of: int | None = N
         detail = (
             f"the judge got calibration case '{failed[0].name}' wrong ({len(results) - 1} of {total_cases} right "
             f"before it; {invalid} of {total} votes had no valid verdict): "
-            "implicit feedback is not judged, only explicit feedback (POST /v1/feedback) trains. "
-            "Point NEXTSTATE_JUDGE_BASE_URL at a capable model (README, Judging)."
+            "no vote of it is used; explicit feedback (POST /v1/feedback) trains, and with NEXTSTATE_JUDGE_FALLBACK="
+            "hindsight (the default) each next state teaches as an OPD hint of its own. For rewards too, point "
+            "NEXTSTATE_JUDGE_BASE_URL at a capable model (README, Judging)."
         )
         state = "failed"
     return Calibration(state, detail, results, round(seconds, 2), time.time())

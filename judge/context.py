@@ -22,7 +22,7 @@ from nextstate.core.types import NextState, Turn
 from nextstate.modelio.chat_template import tool_call_text
 
 
-def _clip(text: str, limit: int) -> str:
+def clip_text(text: str, limit: int) -> str:
     if len(text) <= limit:
         return text
     half = max(1, limit // 2 - 10)
@@ -84,10 +84,10 @@ def prompt_values(
     history_msgs = [m for m in messages if m["role"] != "system" and m is not last_request]
     history = "\n".join(f"[{m['role']}] {text(m)}" for m in history_msgs)
     return {
-        "task": fence(_clip(text(first_user) if first_user else "", max_chars), key),
-        "history": fence(_clip(history, max_chars) or "(none)", key),
-        "request": fence(_clip(text(last_request) if last_request else "", max_chars), key),
-        "response": fence(_clip(message_text(turn.response_message), max_chars), key),
+        "task": fence(clip_text(text(first_user) if first_user else "", max_chars), key),
+        "history": fence(clip_text(history, max_chars) or "(none)", key),
+        "request": fence(clip_text(text(last_request) if last_request else "", max_chars), key),
+        "response": fence(clip_text(message_text(turn.response_message), max_chars), key),
         "next_state_role": next_state.role,
-        "next_state": fence(_clip("\n\n".join(text(m) for m in next_state.messages), max_chars), key),
+        "next_state": fence(clip_text("\n\n".join(text(m) for m in next_state.messages), max_chars), key),
     }

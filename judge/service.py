@@ -33,6 +33,7 @@ from nextstate.judge.advantages import opd_delta, step_reward, token_advantages,
 from nextstate.judge.client import JudgeClient
 from nextstate.judge.calibration import Calibration
 from nextstate.judge.context import FENCE_NOTE, Unwrap, prompt_values
+from nextstate.judge.hindsight import hindsight_hint
 from nextstate.judge.parsing import majority_vote, parse_hint, parse_score, select_hint
 from nextstate.judge.prompts import PromptLibrary
 from nextstate.judge.stats import JudgeStats, Vote
@@ -94,8 +95,12 @@ class Judge:
         self.tasks = BackgroundTasks()
         self.guarantee = AtLeastOne()
         # Whether transitions are judged from their next state (implicit feedback); off when
-        # judging is disabled or the judge failed its calibration. Explicit feedback always works.
+        # judging is disabled, or the judge failed its calibration and no fallback teaches in
+        # its place. Explicit feedback always works.
         self.implicit = settings.judge_enabled
+        # The judge failed its calibration and next states teach as hints of their own
+        # (judge/hindsight.py): no votes are asked, the teacher reads the next state.
+        self.hindsight = False
         self._turn_locks: weakref.WeakValueDictionary[str, asyncio.Lock] = weakref.WeakValueDictionary()
         self.calibration = Calibration()
         # set once the calibration's verdict is in: implicit judging waits for it
@@ -108,8 +113,12 @@ class Judge:
         implicit work, and implicit judging waits no longer."""
         self.calibration = calibration
         if calibration.state == "failed":
-            self.implicit = False
+            self.hindsight = self.settings.judge_fallback == "hindsight" and self.settings.uses_opd
+            self.implicit = self.hindsight
             log.warning("judge: %s", calibration.detail)
+            if self.hindsight:
+                log.warning("judge: next states teach all the same: each is the OPD hint of the reply before it, "
+                            "scored by the served model (NEXTSTATE_JUDGE_FALLBACK=hindsight)")
         self.calibrated.set()
 
     async def drain(self, timeout: float | None = None) -> None:
@@ -123,7 +132,8 @@ class Judge:
 
     def report(self) -> dict[str, Any]:
         """What the judge did and whether it judges implicit feedback (admin stats, progress)."""
-        return {**self.stats.snapshot(), "implicit_feedback": self.implicit, "calibration": self.calibration.to_dict()}
+        return {**self.stats.snapshot(), "implicit_feedback": self.implicit, "calibration": self.calibration.to_dict(),
+                "fallback": "hindsight" if self.hindsight else None}
 
     async def quiet(self) -> None:
         """Wait (up to `QUIET_WAIT_S`) for no user request to be in flight: each step of a
@@ -217,8 +227,10 @@ class Judge:
                 turn, "ready", "format failure (the agent's own notice)", -1.0,
                 token_advantages(n, -1.0, None, w_binary, 0.0),
             )
-        values = prompt_values(turn, next_state, cfg.judge_max_chars, unwrap=self._unwrap)
         outcome_track = turn.track == "outcome" or outcome is not None
+        if self.hindsight:
+            return await self._hindsight(transition, outcome_track, detail)
+        values = prompt_values(turn, next_state, cfg.judge_max_chars, unwrap=self._unwrap)
         want_prm = cfg.uses_prm or outcome_track
 
         prm_task = self.votes(cfg.prm_prompt, values, (1, 0, -1)) if want_prm else _nothing()
@@ -264,6 +276,24 @@ class Judge:
             # (zero advantage: only the KL term acts on it, as in the paper's pipeline).
             return self.sample(transition.turn, "ready", "at-least-one guarantee (neutral)", 0.0, advantages, **common)
         return self.sample(transition.turn, "dropped", "neutral: reward 0 and no hint", 0.0, **common)
+
+    async def _hindsight(self, transition: Transition, outcome_track: bool, detail: dict[str, Any]) -> Sample:
+        """A benched judge's sample: the next state is the hint, the teacher's token-level gap
+        the only signal (judge/hindsight.py). No vote is asked, so there is no reward."""
+        turn, cfg = transition.turn, self.settings
+        if outcome_track:  # o + mean(votes) needs votes: such a step waits for a rating instead
+            return self.sample(turn, "dropped", "the judge is benched: an outcome step needs its votes")
+        hint = hindsight_hint(transition.next_state, MAX_HINT_CHARS, self._unwrap)
+        if hint is None:
+            return self.sample(turn, "dropped", "hindsight: the next state has no words to learn from")
+        await self.quiet()
+        teacher = await self.teacher(turn, hint, detail)
+        delta = opd_delta(teacher, turn.response_logprobs, cfg.opd_clip)
+        w_opd = 1.0 if cfg.mode == "opd" else cfg.w_opd
+        self.guarantee.accepted((turn.user, turn.session_id))
+        return self.sample(turn, "ready", "hindsight: the next state as the hint (the judge is benched)", 0.0,
+                           token_advantages(len(turn.response_ids), None, delta, 0.0, w_opd),
+                           hint=hint, teacher_logprobs=teacher)
 
     async def teacher(self, turn: Turn, hint: str, detail: dict[str, Any] | None = None) -> list[float]:
         """The OPD teacher's logprobs: the base model, or (`opd_teacher=policy`) the adapter

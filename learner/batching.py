@@ -30,7 +30,7 @@ RECENT_USER_S = 3600.0
 @dataclass(frozen=True)
 class Waiting:
     scope: str
-    reason: str  # batch_wait, min_batch, partial_off, user_share; memory (the learner's, after a step did not fit)
+    reason: str  # batch_wait, min_batch, partial_off, user_share; the learner's own: memory (a step did not fit), unpublished (an update was not published)
     detail: str  # what it waits for, and what would release it
     ready: int  # ready samples of the scope
 

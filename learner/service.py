@@ -44,6 +44,13 @@ log = logging.getLogger(__name__)
 # A step that did not fit in memory is tried again after this long (memory may have freed up:
 # serving's KV cache shrinks, another process ends); its samples wait, ready, meanwhile.
 MEMORY_RETRY_S = 300.0
+# An update that was trained and not published (its KL did not fit at the line search's floor,
+# or the publish gate refused every length) leaves its samples ready; the scope tries again
+# after this long, doubled with each try of its oldest sample, at most UNPUBLISHED_RETRY_MAX_S.
+# The next try starts shorter than anything the last one tried (learner/step_sizes.py), so it
+# is not refused the same way again.
+UNPUBLISHED_RETRY_S = 60.0
+UNPUBLISHED_RETRY_MAX_S = 1800.0
 
 # Gives a training batch its final advantages (the judge's `prepare_batch`: outcome rewards
 # are standardised per batch); the learner applies it without knowing the reward math.
@@ -77,7 +84,8 @@ class Learner:
         self.steps: list[dict[str, Any]] = []
         self.waiting: dict[str, Waiting] = {}  # per scope with ready samples and no batch: why
         self._step_index: dict[str, int] = {}  # updates tried per scope, published or skipped
-        self._refused: dict[str, tuple[float, str]] = {}  # per scope: retry time and why its last step did not fit
+        self._refused: dict[str, tuple[float, str, str]] = {}  # per scope: retry time, waiting reason, why
+        self.training: dict[str, Any] | None = None  # the update running now: scope, samples, since, phase
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
         self._lock = asyncio.Lock()  # one update or rollback at a time
@@ -167,10 +175,10 @@ class Learner:
         now = time.monotonic()
         for scope, samples, training in ready_by_scope(self.store, self.settings, self.policies.per_user):
             choice = choose_batch(scope, samples, self.settings, training)
-            retry_at, why = self._refused.get(scope, (0.0, ""))
+            retry_at, reason, why = self._refused.get(scope, (0.0, "", ""))
             if choice and not isinstance(choice, Waiting) and now < retry_at:
                 detail = f"{why}; tried again in {retry_at - now:.0f} s"
-                choice = Waiting(scope, "memory", detail, len(samples))
+                choice = Waiting(scope, reason, detail, len(samples))
             if isinstance(choice, Waiting):
                 waiting[scope] = choice
             elif choice and not found[1]:
@@ -204,46 +212,78 @@ class Learner:
         return [x for x in ready if x.id not in dropped]
 
     async def update(self, scope: str, samples: list[Sample]) -> StepResult | None:
-        """One update of `scope` on `samples`: screen → step → gate → publish."""
+        """One update of `scope` on `samples`: screen → step (its KL line search) → gate →
+        publish, or, when no length of the step may serve, its samples back to ready."""
         async with self._lock:
-            current = self.policies.current_scope(scope)
-            step_index = self._step_index[scope] = self._step_index.get(scope, 0) + 1
-            record: dict[str, Any] = {"step": step_index, "scope": scope, "sample_ids": [x.id for x in samples]}
-            batch = await self._screen_batch(scope, samples, record)
-            if batch is None:
-                self._finish(record, current.version)
-                return None
-            plan = await asyncio.to_thread(self.trainer.memory_plan, batch)
-            if isinstance(plan, Refusal):  # before the gate's passes: they cost memory too
-                return self._not_started(record, StepResult.not_started(scope, batch, plan), current.version)
-            held = await asyncio.to_thread(self.gate.hold_out, scope, {x.id for x in batch}) if self.gate else None
-            result = await asyncio.to_thread(self.trainer.step, scope, batch)
-            if result.refused:
-                return self._not_started(record, result, current.version)
-            self._refused.pop(scope, None)
-            ids = [x.id for x in batch if x.id is not None and x.id not in result.dropped]
-            if result.dropped:
-                await asyncio.to_thread(self.store.mark_dropped, result.dropped, "loss not finite: dropped by the learner")
-            record.update({**result.to_dict(), "sample_ids": ids, "dropped": record["dropped"] + result.dropped})
-            if not result.skipped and held:
-                verdict = await asyncio.to_thread(self.gate.review, scope, held, step_index)
-                record["gate"] = verdict.to_dict()
-                if not verdict.passed:
-                    result.skipped = record["skipped"] = "gate: " + "; ".join(verdict.reasons)
-            if result.skipped:
-                await asyncio.to_thread(self.store.mark_consumed, ids)
-                record.update(version=None, published=False)
-                log.warning("learner step %d (%s) skipped, not published: %s", step_index, scope, result.skipped)
-            else:
-                await self._publish(scope, step_index, ids, result, record)
-            self._finish(record, record["version"] or current.version)
-            return result
+            try:
+                return await self._update(scope, samples)
+            finally:
+                self.training = None
+
+    def _phase(self, scope: str, samples: int, phase: str) -> None:
+        since = self.training["since"] if self.training else time.time()
+        self.training = {"scope": scope, "samples": samples, "since": since, "phase": phase}
+
+    async def _update(self, scope: str, samples: list[Sample]) -> StepResult | None:
+        current = self.policies.current_scope(scope)
+        step_index = self._step_index[scope] = self._step_index.get(scope, 0) + 1
+        record: dict[str, Any] = {"step": step_index, "scope": scope, "sample_ids": [x.id for x in samples],
+                                  "tries_before": max((x.tries for x in samples), default=0)}
+        self._phase(scope, len(samples), "preparing")
+        batch = await self._screen_batch(scope, samples, record)
+        if batch is None:
+            self._finish(record, current.version)
+            return None
+        plan = await asyncio.to_thread(self.trainer.memory_plan, batch)
+        if isinstance(plan, Refusal):  # before the gate's passes: they cost memory too
+            return self._not_started(record, StepResult.not_started(scope, batch, plan), current.version)
+        held = await asyncio.to_thread(self.gate.hold_out, scope, {x.id for x in batch}) if self.gate else None
+        self._phase(scope, len(batch), "training")
+        result = await asyncio.to_thread(self.trainer.step, scope, batch)
+        if result.refused:
+            return self._not_started(record, result, current.version)
+        self._refused.pop(scope, None)
+        ids = [x.id for x in batch if x.id is not None and x.id not in result.dropped]
+        if result.dropped:
+            await asyncio.to_thread(self.store.mark_dropped, result.dropped, "loss not finite: dropped by the learner")
+        record.update({**result.to_dict(), "sample_ids": ids, "dropped": record["dropped"] + result.dropped})
+        scale = result.step_scale
+        if not result.skipped and held:
+            self._phase(scope, len(batch), "gate")
+            verdict = await asyncio.to_thread(self.gate.review, scope, held, step_index)
+            record["gate"] = verdict.to_dict()
+            scale *= verdict.step_scale
+            if not verdict.passed:
+                result.skipped = record["skipped"] = "gate: " + "; ".join(verdict.reasons)
+        result.step_scale = record["step_scale"] = round(scale, 6)  # what serves, if it does: in the manifest too
+        self.trainer.step_sizes.settle(scope, scale, published=not result.skipped)
+        if result.skipped:
+            await self._return(scope, ids, record, result.skipped)
+        else:
+            self._phase(scope, len(batch), "publishing")
+            await self._publish(scope, step_index, ids, result, record)
+        self._finish(record, record["version"] or current.version)
+        return result
+
+    async def _return(self, scope: str, ids: list[int], record: dict[str, Any], why: str) -> None:
+        """An update that may not serve at any length: undone (the trainer or the gate did), its
+        samples ready again with the reason and one try more, the scope waiting a while."""
+        tries = record["tries_before"] + 1
+        await asyncio.to_thread(self.store.mark_returned, ids, f"not published (try {tries}): {why}")
+        delay = min(UNPUBLISHED_RETRY_MAX_S, UNPUBLISHED_RETRY_S * 2 ** (tries - 1))
+        start = self.trainer.step_sizes.start(scope)
+        self._refused[scope] = (time.monotonic() + delay, "unpublished",
+                                f"update {record['step']} was not published ({why}); its {len(ids)} samples wait, "
+                                f"ready, and the next try starts at {start:.3g} of a step")
+        record.update(version=None, published=False, returned=len(ids))
+        log.warning("learner step %d (%s) not published, its %d samples ready again (try %d): %s",
+                    record["step"], scope, len(ids), tries, why)
 
     def _not_started(self, record: dict[str, Any], result: StepResult, version: int) -> StepResult:
         """A step that would not fit in memory: recorded, nothing trained, its samples left
         ready; the scope waits MEMORY_RETRY_S before it is tried again."""
         record.update(result.to_dict(), version=None, published=False)
-        self._refused[result.scope] = (time.monotonic() + MEMORY_RETRY_S, result.skipped or "")
+        self._refused[result.scope] = (time.monotonic() + MEMORY_RETRY_S, "memory", result.skipped or "")
         log.warning("learner step %d (%s) not started: %s", record["step"], result.scope, result.skipped)
         self._finish(record, version)
         return result
@@ -260,9 +300,11 @@ class Learner:
             batch = [x for x in batch if x.id not in bad]
         if self.settings.kl_coef == 0 and not any(a for x in batch for a in x.advantages):
             # nothing to learn: a step would only move the weights by momentum and weight decay
+            # (outcome samples whose batch rewards were all equal: standardised, they say nothing)
             ids = [x.id for x in batch]
-            await asyncio.to_thread(self.store.mark_consumed, ids)
-            record.update(version=None, published=False, skipped="every advantage is zero (and no KL term)")
+            why = "no signal: every advantage of its batch is zero and there is no KL term"
+            await asyncio.to_thread(self.store.mark_dropped, ids, why)
+            record.update(version=None, published=False, skipped=why)
             log.info("learner step %d (%s): no signal in %d samples, nothing published", record["step"], scope, len(ids))
             return None
         return batch

@@ -2,9 +2,11 @@
 
 One peft model holds one adapter per scope ("shared", or one per user), each with its own
 AdamW state, so per-user adapters train on per-user samples only. A step that produces a
-non-finite loss or gradient, or moves the policy further than `max_kl` from the policy that
-sampled the batch, is rolled back (weights and optimizer state) and reported as skipped.
-Calls are blocking and meant for a worker thread.
+non-finite loss or gradient is rolled back (weights and optimizer state) and reported as
+skipped. A step that moves the policy further than `max_kl` from the policy that sampled the
+batch is not thrown away but shortened along its own direction until it fits (a backtracking
+line search, as TRPO's; `step_sizes.py` says how the lengths are chosen), and undone only when
+it still does not fit at the floor. Calls are blocking and meant for a worker thread.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from nextstate.learner.host_memory import release_freed_memory
 from nextstate.learner.memory_budget import MemoryBudget, Refusal
 from nextstate.learner.micro_batches import micro_batches
 from nextstate.learner.ppo import k3_kl, ppo_token_losses
+from nextstate.learner.step_sizes import KlTry, StepSizes
 from nextstate.modelio.logprobs import token_logprobs
 
 log = logging.getLogger(__name__)
@@ -66,6 +69,9 @@ class StepResult:
     skipped: str | None = None
     dropped: list[int] = field(default_factory=list)  # ids of samples left out: their loss was not finite
     refused: bool = False  # not started: it would not fit in memory (the samples stay ready)
+    step_scale: float = 1.0  # the share of the trained step kept (KL backtracking; the gate may shorten it further)
+    max_kl: float | None = None  # the limit the step's KL was held to
+    kl_tries: list[dict] = field(default_factory=list)  # each length tried: {"scale", "kl"}, the kept one last
     pass_tokens: int = 0  # padded tokens a forward pass could hold (the step's memory plan)
     peak_added_mb: float = 0.0  # the most a training pass added to memory, measured
 
@@ -132,6 +138,7 @@ class LoraTrainer:
         self.model = None  # peft.PeftModel once the first scope exists
         self._optimizers: dict[str, torch.optim.Optimizer] = {}
         self._before: dict[str, tuple[list[torch.Tensor], dict]] = {}  # per scope: state before its last step
+        self.step_sizes = StepSizes(settings.max_kl, settings.kl_backtracks)  # per scope: where a step starts
         # the gate's base-model repetition per prompt, the most recently used BASE_REPLIES_KEPT
         self._base_replies: OrderedDict[tuple, float | None] = OrderedDict()
 
@@ -165,6 +172,7 @@ class LoraTrainer:
         name = adapter_name(scope)
         self._optimizers.pop(scope, None)
         self._before.pop(scope, None)
+        self.step_sizes.forget(scope)
         if self.model is not None and name in self.model.peft_config and len(self.model.peft_config) > 1:
             self.model.delete_adapter(name)
         elif self.model is not None and name in self.model.peft_config:
@@ -362,6 +370,34 @@ class LoraTrainer:
                 p.copy_(before)
         self._optimizers[scope].load_state_dict(optimizer_state)
 
+    def _policy_kl(self, samples: list[Sample]) -> float:
+        """Mean per-token k3 estimate of KL(π_old ‖ π_now) over the samples' response tokens:
+        samples come from π_old, so k3 with ratio π_now/π_old estimates it without bias."""
+        total, tokens = 0.0, 0
+        with torch.no_grad():
+            for sample, new in zip(samples, self._logprobs_each(samples)):
+                old = torch.tensor(sample.old_logprobs, device=self.device)
+                mask = torch.tensor(sample.loss_mask, device=self.device, dtype=torch.float32)
+                total += float((k3_kl(old, new) * mask).sum())
+                tokens += sum(sample.loss_mask)
+        return total / max(1, tokens)
+
+    def _fit_kl(self, scope: str, samples: list[Sample]) -> tuple[float, list[KlTry]]:
+        """Shorten the scope's trained step until its policy KL fits `max_kl`, or the floor is
+        reached. Returns the KL of the length kept and every length tried, the kept one last.
+
+        The step starts at the scope's own starting length (smaller after a scope's steps
+        overshot, `StepSizes`); each shortening is one forward pass over the batch without
+        gradients, a third of what training it cost."""
+        scale = self.step_sizes.start(scope)
+        if scale < 1:
+            self.shorten_step(scope, scale)
+        tries = [KlTry(scale, self._policy_kl(samples))]
+        while (shorter := self.step_sizes.next_scale(tries)) is not None:
+            self.shorten_step(scope, shorter / tries[-1].scale)
+            tries.append(KlTry(shorter, self._policy_kl(samples)))
+        return tries[-1].kl, tries
+
     def memory_plan(self, samples: list[Sample]) -> int | Refusal:
         """The padded tokens a forward pass of a step on `samples` may hold, or why the step
         would not fit in memory now (learner/memory_budget.py)."""
@@ -440,17 +476,15 @@ class LoraTrainer:
                     break
             self.model.eval()
             policy_kl = 0.0
+            kl_tries: list[KlTry] = []
             if not skipped:
-                with torch.no_grad():
-                    kept = [i for i in range(len(samples)) if i not in dropped]
-                    for i, new in zip(kept, self._logprobs_each([samples[i] for i in kept])):
-                        old = torch.tensor(samples[i].old_logprobs, device=self.device)
-                        mask = torch.tensor(samples[i].loss_mask, device=self.device, dtype=torch.float32)
-                        # samples come from π_old, so k3 with ratio π_new/π_old estimates KL(π_old ‖ π_new)
-                        policy_kl += float((k3_kl(old, new) * mask).sum())
-                policy_kl /= max(1, tokens - sum(sum(samples[i].loss_mask) for i in dropped))
-                if not math.isfinite(policy_kl) or policy_kl > c.max_kl:
-                    skipped = f"policy KL {policy_kl:.4g} exceeds the limit {c.max_kl:g}"
+                kept = [samples[i] for i in range(len(samples)) if i not in dropped]
+                policy_kl, kl_tries = self._fit_kl(scope, kept)
+                if not math.isfinite(policy_kl):
+                    skipped = "policy KL not finite"
+                elif policy_kl > c.max_kl:
+                    skipped = (f"policy KL {policy_kl:.4g} exceeds the limit {c.max_kl:g} even at "
+                               f"{kl_tries[-1].scale:g} of the step (tried {len(kl_tries)} lengths)")
         finally:
             self.model.eval()
             optimizer.zero_grad(set_to_none=True)
@@ -466,6 +500,9 @@ class LoraTrainer:
             clip_fraction=totals["clipped"] / denom,
             kl_to_base=totals["kl"] / denom,
             policy_kl=policy_kl if not skipped or "KL" in (skipped or "") else float("nan"),
+            step_scale=kl_tries[-1].scale if kl_tries else 1.0,
+            max_kl=c.max_kl,
+            kl_tries=[t.to_dict() for t in kl_tries],
             mismatch=totals["mismatch"] / max(tokens, 1),
             mean_advantage=mean_adv,
             grad_norm=totals["grad_norm"],

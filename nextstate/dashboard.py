@@ -146,6 +146,8 @@ def _y(value: float, lo: float, hi: float) -> float:
 
 PALETTE = ("#2563eb", "#17803d", "#ea580c", "#7c3aed", "#db2777", "#0891b2")
 MAX_SCOPES_DRAWN = len(PALETTE)
+# The newest updates the dashboard tells the story of (shortened by the KL line search or the gate, or not published).
+MAX_STEPS_TOLD = 15
 
 
 def _color(label: str, index: int) -> str:
@@ -195,7 +197,10 @@ def _calibration_html(judge: dict[str, Any]) -> str:
     )
     table = f"<table><tr><th>case</th><th>expected</th><th>verdict</th><th></th></tr>{rows}</table>" if rows else ""
     implicit = judge.get("implicit_feedback")
-    note = "implicit feedback (next states) is judged" if implicit else "only explicit feedback trains"
+    if judge.get("fallback") == "hindsight":
+        note = "next states teach as hints of their own (hindsight, no reward); ratings train too"
+    else:
+        note = "implicit feedback (next states) is judged" if implicit else "only explicit feedback trains"
     return (f'<div class="card"><h2>Judge</h2><div class="{css}">calibration {_e(state)}</div>'
             f'<div class="muted">{_e(calibration.get("detail", ""))}</div><div class="muted">{_e(note)}</div>{table}</div>')
 
@@ -235,12 +240,18 @@ def render_page(report: dict[str, Any]) -> str:
                      for x in report["scopes"]) or '<tr><td colspan="3">none yet: the base model serves</td></tr>'
     reasons = "".join(f"<tr><td>{_e(r)}</td><td>{n}</td></tr>" for r, n in
                       sorted(samples["dropped_reasons"].items(), key=lambda kv: -kv[1]))
-    gate = "".join(f"<tr><td>{_e(s.get('step'))}</td><td>{_e(s.get('scope'))}</td><td>{_e(s.get('skipped'))}</td></tr>"
-                   for s in report["steps"] if s.get("skipped"))
+    # every update that was not published, and every one whose KL line search or gate shortened it
+    told = [s for s in report["steps"] if s.get("skipped") or len(s.get("kl_tries") or []) > 1
+            or (s.get("step_scale") or 1) < 1]
+    gate = "".join(f"<tr><td>{_e(s.get('version') if s.get('version') is not None else '-')}</td><td>{_e(s.get('scope'))}</td>"
+                   f"<td>{_e(s.get('summary') or s.get('skipped'))}</td></tr>" for s in told[-MAX_STEPS_TOLD:])
+    training = report.get("training")
+    now = (f'<div>training now ({_e(training["scope"])}): an update on {training["samples"]} samples, '
+           f'{_e(training["phase"])}</div>' if training else "")
     waits = "".join(f"<tr><td>{_e(w['scope'])}</td><td>{_e(w['reason'])}</td><td>{_e(w['detail'])}</td></tr>"
                     for w in report.get("waiting") or [])
     cards = [
-        f'<div class="card"><h2>Training waits for</h2><table><tr><th>scope</th><th>reason</th><th>what releases it</th></tr>'
+        f'<div class="card"><h2>Training waits for</h2>{now}<table><tr><th>scope</th><th>reason</th><th>what releases it</th></tr>'
         f'{waits or "<tr><td colspan=3>nothing: every ready batch trains</td></tr>"}</table></div>',
         f'<div class="card"><h2>Serving</h2><table><tr><th>scope</th><th>serving</th><th>versions</th></tr>{scopes}</table>'
         f'<div class="muted">mode {_e(report["mode"])}, learning rate {_num(report.get("learning_rate"))}</div></div>',
@@ -250,7 +261,7 @@ def render_page(report: dict[str, Any]) -> str:
         f'{samples["dropped"]} dropped · {samples["transitions_pending"]} waiting</div>'
         + (f"<table><tr><th>dropped because</th><th></th></tr>{reasons}</table>" if reasons else "") + "</div>",
         _calibration_html(report["judge"] or {}),
-        f'<div class="card"><h2>Updates the gate held back</h2><table><tr><th>step</th><th>scope</th><th>why</th></tr>'
+        f'<div class="card"><h2>Updates shortened or held back</h2><table><tr><th>version</th><th>scope</th><th>what happened</th></tr>'
         f'{gate or "<tr><td colspan=3>none</td></tr>"}</table></div>',
     ]
     return (f'<!doctype html><html><head><meta charset="utf-8"><title>nextstate: learning</title>'

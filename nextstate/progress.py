@@ -20,7 +20,8 @@ from nextstate.learner.versions import AdapterVersions
 if TYPE_CHECKING:  # the running server's objects; offline use (status, forget) loads no model code
     from nextstate.services import Services
 
-STEP_FIELDS = ("loss", "policy_kl", "kl_to_base", "clip_fraction", "mean_advantage", "grad_norm", "samples", "seconds")
+STEP_FIELDS = ("loss", "policy_kl", "kl_to_base", "clip_fraction", "mean_advantage", "grad_norm", "samples", "seconds",
+               "step_scale", "kl_tries", "max_kl")
 
 
 def _published_steps(versions: AdapterVersions, scope: str) -> list[dict[str, Any]]:
@@ -47,6 +48,7 @@ def progress_report(
     live_steps: list[dict[str, Any]] | None = None,
     waiting: list[dict[str, Any]] | None = None,
     learner_settings: LearnerSettings | None = None,
+    training: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The figures; `judge`, `live_steps` and `waiting` (why scopes with ready samples are not
     training, learner/batching.py) come from a running server, else from the disk (`waiting`
@@ -64,7 +66,11 @@ def progress_report(
         steps = [s for s in steps if (s["scope"], s["version"]) not in published]
         steps += [{**{k: s.get(k) for k in STEP_FIELDS}, "scope": s.get("scope"), "version": s.get("version"),
                    "published": s.get("published"), "skipped": s.get("skipped"), "swap_s": s.get("swap_s"),
-                   "publish_to_serving_s": s.get("publish_to_serving_s"), "step": s.get("step")} for s in live_steps]
+                   "publish_to_serving_s": s.get("publish_to_serving_s"), "step": s.get("step"),
+                   "gate": s.get("gate"), "returned": s.get("returned"), "tries_before": s.get("tries_before")}
+                  for s in live_steps]
+    for step in steps:
+        step["summary"] = describe_step(step)
     stats = samples.stats()
     totals = {"judged": 0, "accepted": 0, "dropped": 0, "awaiting_outcome": 0}
     for entry in stats["modes"].values():
@@ -80,12 +86,46 @@ def progress_report(
         "judge": judge,
         "feedback": samples.feedback_counts(),
         "samples": {**totals, "dropped_reasons": stats["dropped_reasons"],
-                    "transitions_pending": stats["transitions_pending"]},
+                    "transitions_pending": stats["transitions_pending"], "returned": samples.returned_counts()},
         "by_version": samples.by_version(per_user),
         "scopes": scopes,
         "steps": steps,
         "waiting": _waiting(waiting, judge),
+        "training": training,
     }
+
+
+def _scale(value: float) -> str:
+    return "half" if value == 0.5 else f"{value:.2g}"
+
+
+def describe_step(step: dict[str, Any]) -> str:
+    """One update's story in a sentence: each length its KL line search tried, what the gate
+    made of it, and whether it serves — "first try KL 1.28 > 1, retried at 0.63 of the step:
+    KL 0.61, published"."""
+    parts = []
+    tries = step.get("kl_tries") or []
+    limit = step.get("max_kl")
+    over = f" > {limit:g}" if limit is not None else ""
+    if tries:
+        first = tries[0]
+        start = "" if first["scale"] >= 1 else f" at {_scale(first['scale'])} of the step"
+        if len(tries) == 1:
+            parts.append(f"KL {first['kl']:.3g}{start}")
+        else:
+            parts.append(f"first try{start} KL {first['kl']:.3g}{over}")
+            parts += [f"retried at {_scale(t['scale'])} of the step: KL {t['kl']:.3g}" for t in tries[1:]]
+    gate = step.get("gate") or {}
+    if gate.get("refused") and gate.get("passed"):
+        parts.append(f"the gate passed it at {_scale(gate['step_scale'])} of that")
+    if step.get("published"):
+        parts.append("published" + (f" as v{step['version']}" if step.get("version") is not None else ""))
+    elif step.get("skipped"):
+        parts.append(f"not published: {step['skipped']}")
+        if step.get("returned"):
+            tries_now = (step.get("tries_before") or 0) + 1
+            parts.append(f"its {step['returned']} samples are ready again (try {tries_now})")
+    return ", ".join(parts)
 
 
 def _waiting(waiting: list[dict[str, Any]] | None, judge: dict[str, Any] | None) -> list[dict[str, Any]] | None:
@@ -95,7 +135,13 @@ def _waiting(waiting: list[dict[str, Any]] | None, judge: dict[str, Any] | None)
         return None
     out = list(waiting)
     calibration = (judge or {}).get("calibration") or {}
-    if calibration.get("state") == "failed":
+    if calibration.get("state") == "failed" and (judge or {}).get("fallback") == "hindsight":
+        out.append({"scope": "*", "reason": "judge_benched", "ready": None,
+                    "detail": "the judge failed its start-up check: next states teach as hints of their own (the "
+                              "served model reads each reply again knowing what followed it), with no reward; "
+                              "ratings (POST /v1/feedback) train too. Rewards need a capable judge: "
+                              "NEXTSTATE_JUDGE_BASE_URL."})
+    elif calibration.get("state") == "failed":
         out.append({"scope": "*", "reason": "judge_benched", "ready": None,
                     "detail": "the judge failed its start-up check: next states are kept, not judged; explicit "
                               "ratings (POST /v1/feedback) train. A capable judge: NEXTSTATE_JUDGE_BASE_URL."})
@@ -112,9 +158,10 @@ def live_report(services: Services) -> dict[str, Any]:
         mode=judge.settings.mode,
         per_user=services.settings.learner.adapter_scope == "user",
         learning_rate=learner.trainer.lr if learner is not None and learner.trainer is not None else None,
-        judge={key: report[key] for key in ("implicit_feedback", "calibration", "feedback_applied")},
+        judge={key: report[key] for key in ("implicit_feedback", "calibration", "feedback_applied", "fallback")},
         live_steps=list(learner.steps) if learner is not None else [],
         waiting=[w.to_dict() for w in learner.waiting.values()] if learner is not None else [],
+        training=dict(learner.training) if learner is not None and learner.training else None,
     )
 
 
@@ -145,11 +192,16 @@ def render_text(report: dict[str, Any], where: str) -> str:
         lines.append("adapters: " + ", ".join(f"{x['scope']} serves v{x['serving']} of {x['versions']}" for x in report["scopes"]))
     else:
         lines.append("adapters: none yet (the base model serves)")
+    if training := report.get("training"):
+        lines.append(f"training now ({training['scope']}): an update on {training['samples']} samples, "
+                     f"{training['phase']}, started {max(0, time.time() - training['since']):.0f} s ago")
     if report.get("waiting"):
         for w in report["waiting"]:
             lines.append(f"training waits ({w['scope']}, {w['reason']}): {w['detail']}")
     elif report.get("waiting") is None:
         lines.append("training: what it waits for is not known here")
+    for reason, n in sorted((s.get("returned") or {}).items(), key=lambda kv: -kv[1]):
+        lines.append(f"{n} sample(s) ready again after an update was not published: {reason}")
     if report["by_version"]:
         lines.append("")
         lines.append(f"{'scope':<10} {'served by':>9}  {'samples':>7}  {'accepted':>8}  {'mean reward':>11}  {'rated +/-':>9}")
@@ -160,7 +212,7 @@ def render_text(report: dict[str, Any], where: str) -> str:
         lines.append("")
         lines.append(f"{'update':>8}  {'scope':<10} {'samples':>7}  {'loss':>8}  {'KL':>8}  {'clip':>6}  outcome")
         for st in report["steps"][-15:]:
-            outcome = "published" if st.get("published") else f"skipped: {st.get('skipped')}"
+            outcome = st.get("summary") or ("published" if st.get("published") else f"skipped: {st.get('skipped')}")
             lines.append(f"{'v' + _fmt(st.get('version')):>8}  {str(st.get('scope'))[:10]:<10} {_fmt(st.get('samples')):>7}  "
                          f"{_fmt(st.get('loss')):>8}  {_fmt(st.get('policy_kl')):>8}  {_fmt(st.get('clip_fraction'), 2):>6}  {outcome}")
     return "\n".join(lines)

@@ -39,7 +39,7 @@ def test_a_judge_that_judges_passes_and_scores_next_states(server_factory, judge
 @pytest.mark.parametrize("mode", ["garbage", "error"])
 def test_a_judge_that_cannot_judge_is_benched_and_feedback_still_trains(server_factory, judge, mode, caplog):
     judge.mode = mode
-    server = calibrated_server(server_factory, judge, judge_timeout_s=2)
+    server = calibrated_server(server_factory, judge, judge_timeout_s=2, judge_fallback="ratings")
     stats = admin_stats(server)["judge"]
     assert stats["calibration"]["state"] == "failed" and stats["implicit_feedback"] is False
     assert "POST /v1/feedback" in stats["calibration"]["detail"]
@@ -64,11 +64,41 @@ def test_a_judge_that_cannot_judge_is_benched_and_feedback_still_trains(server_f
 
 
 def test_the_embedded_default_judge_is_checked_too(server_factory):
-    """No NEXTSTATE_JUDGE_BASE_URL: the served model judges itself, and the tiny one cannot."""
+    """No NEXTSTATE_JUDGE_BASE_URL: the served model judges itself, and the tiny one cannot;
+    its next states teach as hints of their own (the default fallback)."""
     server = server_factory(judge_calibration=True, prm_votes=1, judge_max_tokens=16)
     wait_for(lambda: server.app.state.services.judge.calibration.state != "pending", timeout=120)
-    assert server.app.state.services.judge.calibration.state == "failed"
-    assert server.app.state.services.judge.implicit is False
+    judge = server.app.state.services.judge
+    assert judge.calibration.state == "failed" and judge.hindsight and judge.implicit
+
+
+def test_a_benched_judges_next_states_teach_as_hints_of_their_own(server_factory, judge):
+    """Issue 38: on a laptop the judge is benched, and next states taught nothing. Now each next
+    state is the OPD hint of the reply before it, scored by the served model; the judge is
+    asked nothing, and the samples train a version with no rating at all."""
+    judge.mode = "garbage"
+    server = calibrated_server(server_factory, judge, judge_timeout_s=2, mode="combined")
+    stats = admin_stats(server)["judge"]
+    assert stats["calibration"]["state"] == "failed" and stats["fallback"] == "hindsight" and stats["implicit_feedback"]
+    calls = len(judge.calls)
+    alice = server.key("alice")
+    converse(server.client(alice), SCRIPT[:3], max_tokens=3)
+    server.end_conversations()
+    server.drain_judge()
+    assert len(judge.calls) == calls, "a benched judge is asked nothing"
+    samples = sorted(server.app.state.services.samples.samples(), key=lambda s: s.turn_index)
+    taught = [s for s in samples if s.reason.startswith("hindsight: the next state as the hint")]
+    assert len(taught) >= 2, [(s.status, s.reason) for s in samples]
+    for sample in taught:
+        assert sample.reward == 0 and sample.votes == []
+        assert sample.hint.startswith(("The user answered this reply with: ", "The tool call returned: "))
+        assert len(sample.teacher_logprobs) == len(sample.response_ids) and any(sample.advantages)
+    assert taught[0].hint == "The user answered this reply with: " + SCRIPT[1]["content"], "the person's own words"
+    wait_for(lambda: server.app.state.services.policies.current("alice").version >= 1, timeout=90)
+    admin = server.key("root", admin=True)
+    report = httpx.get(f"{server.base_url}/admin/progress", headers={"Authorization": f"Bearer {admin}"}).json()
+    benched = [w for w in report["waiting"] if w["reason"] == "judge_benched"]
+    assert benched and "hints of their own" in benched[0]["detail"]
 
 
 def test_a_case_passes_only_when_most_votes_have_a_verdict():

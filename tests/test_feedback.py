@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import math
+import os
+import re
+import subprocess
+import sys
 
 import anthropic
 import httpx
@@ -207,3 +211,69 @@ def test_the_policy_teacher_scores_with_the_serving_version_once_the_turns_is_go
     assert resp.status_code == 200 and resp.json()["status"] == "applied", resp.text
     sample = sample_of(server, late.parse().id)
     assert sample.adapter == v1 and len(sample.teacher_logprobs) == len(sample.response_ids)
+
+
+def nextstate_status(server) -> str:
+    """`nextstate status` on the server's data dir, as a person runs it beside the server."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("NEXTSTATE_")}
+    env["NEXTSTATE_DATA_DIR"] = str(server.settings.data_dir)
+    done = subprocess.run([sys.executable, "-m", "nextstate.cli", "status"], env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
+def rate_four(server, alice: str) -> list[str]:
+    client = server.client(alice)
+    ids = []
+    for i in range(4):
+        reply = client.chat.completions.create(model="tiny", messages=ASK, max_tokens=6, seed=i)
+        assert rate(server, alice, reply.id, 1 if i % 2 else -1, "Answer in one short sentence.").json()["status"] == "applied"
+        ids.append(reply.id)
+    return ids
+
+
+def test_four_ratings_whose_first_step_overshoots_the_kl_limit_still_publish(server_factory):
+    """Issue 38: on SmolLM2 at the defaults the first update of four ratings moved the policy
+    KL 1.28 against a limit of 1; it was undone and the four ratings were thrown away. Here the
+    tiny model's first step overshoots a limit set below it: the step is shortened along its
+    direction until it fits, and the version serves, trained on all four ratings."""
+    server = server_factory(judge_enabled=False, batch_wait_s=1.0, adapter_scope="user", lr=5e-2, max_kl=0.005)
+    alice = server.key("alice")
+    server.key("root", admin=True)
+    rate_four(server, alice)
+    services = server.app.state.services
+    wait_for(lambda: services.policies.current("alice").version == 1, timeout=90)
+    step = services.learner.steps[-1]
+    tries = step["kl_tries"]
+    assert step["published"] and step["samples"] == 4 and len(tries) >= 2, step
+    assert tries[0]["scale"] == 1 and tries[0]["kl"] > 0.005 >= tries[-1]["kl"]
+    assert step["step_scale"] == pytest.approx(tries[-1]["scale"]) and 0 < step["step_scale"] < 1
+    assert len(services.samples.samples("consumed")) == 4
+    out = nextstate_status(server)
+    assert re.search(r"v1\s+\S+\s+4 .*first try KL \S+ > 0.005, retried at \S+ of the step: KL \S+.*published", out), out
+
+
+def test_an_update_over_the_kl_limit_even_at_the_floor_leaves_its_samples_ready_with_the_reason(server_factory):
+    """The line search's floor still overshoots: nothing is published, the four ratings wait,
+    ready, one try each, and `nextstate status` and the progress report say why."""
+    server = server_factory(judge_enabled=False, batch_wait_s=1.0, adapter_scope="user", max_kl=1e-9, kl_backtracks=2)
+    alice = server.key("alice")
+    admin = server.key("root", admin=True)
+    rate_four(server, alice)
+    services = server.app.state.services
+    wait_for(lambda: services.learner.steps, timeout=90)
+    step = services.learner.steps[-1]
+    assert not step["published"] and step["returned"] == 4 and len(step["kl_tries"]) == 3, step
+    assert services.policies.current("alice").version == 0 and not services.samples.samples("consumed")
+    ready = services.samples.samples("ready")
+    assert len(ready) == 4 and all(s.tries == 1 for s in ready)
+    assert all(s.reason.startswith("not published (try 1): policy KL") and "exceeds the limit 1e-09" in s.reason
+               for s in ready), [s.reason for s in ready]
+    out = nextstate_status(server)
+    assert "4 sample(s) ready again after an update was not published: not published (try 1): policy KL" in out, out
+    report = httpx.get(f"{server.base_url}/admin/progress", headers={"Authorization": f"Bearer {admin}"}).json()
+    waits = [w for w in report["waiting"] if w["scope"] == "alice"]
+    assert waits and waits[0]["reason"] == "unpublished" and "4 samples wait" in waits[0]["detail"], report["waiting"]
+    assert "its 4 samples are ready again (try 1)" in report["steps"][-1]["summary"]
+    assert report["samples"]["returned"] == {ready[0].reason: 4}

@@ -135,6 +135,48 @@ async def test_bad_steps_are_skipped_and_rolled_back(trainer, engine):
     assert result.skipped and "policy KL" in result.skipped
 
 
+def test_the_line_search_shortens_by_a_quadratic_model_of_the_kl_and_remembers_where_to_start():
+    from nextstate.learner.step_sizes import KlTry, StepSizes
+
+    sizes = StepSizes(max_kl=1.0, backtracks=2)
+    assert sizes.next_scale([KlTry(1.0, 0.9)]) is None, "a step that fits is kept whole"
+    # KL ~ length²: 4.0 at full length fits 0.8 of the limit at √(0.8 / 4) ≈ 0.447 of it
+    assert sizes.next_scale([KlTry(1.0, 4.0)]) == pytest.approx(0.8 ** 0.5 / 2)
+    assert sizes.next_scale([KlTry(1.0, 1.05)]) == pytest.approx(0.7), "never less than a 30% cut"
+    assert sizes.next_scale([KlTry(1.0, 400.0)]) == pytest.approx(0.25), "nor more than a 75% one at once"
+    assert sizes.next_scale([KlTry(1.0, float("nan"))]) is None
+    assert sizes.next_scale([KlTry(1.0, 4.0), KlTry(0.5, 2.0), KlTry(0.25, 1.5)]) is None, "the floor: 2 shortenings"
+    assert StepSizes(1.0, 4, shrink=0.5).next_scale([KlTry(0.5, 3.0)]) == 0.25
+    sizes.settle("a", 0.3, published=True)
+    assert sizes.start("a") == pytest.approx(0.6), "the next step starts at twice the length that served"
+    sizes.settle("a", 0.1, published=False)
+    assert sizes.start("a") == pytest.approx(0.025), "below everything an unpublished step tried"
+    sizes.settle("a", 0.6, published=True)
+    assert sizes.start("a") == 1.0 and sizes.starts() == {}
+
+
+async def test_an_overshooting_step_is_shortened_along_its_direction_until_it_fits(tiny_model_dir, engine):
+    samples = [make_sample(toks, advantage=1.0) for toks in await generate(engine, 3)]
+    torch.manual_seed(0)
+    loose = LoraTrainer(tiny_model_dir, LearnerSettings(lr=5e-2, lora_r=4, lora_alpha=8, max_kl=1e9))
+    name, params = loose._activate("shared")
+    before = [p.detach().clone() for p in params]
+    full = loose.step("shared", samples)
+    whole = [p.detach().clone() for p in loose._params(name)]
+    assert full.skipped is None and full.kl_tries == [{"scale": 1.0, "kl": round(full.policy_kl, 6)}]
+    loose.undo("shared")
+    limit = full.policy_kl / 3
+    loose.settings = LearnerSettings(lr=5e-2, lora_r=4, lora_alpha=8, max_kl=limit)
+    loose.step_sizes.max_kl = limit
+    short = loose.step("shared", samples)  # the same step again (weights and moments were put back)
+    assert short.skipped is None and len(short.kl_tries) >= 2 and short.policy_kl <= limit < short.kl_tries[0]["kl"]
+    assert short.kl_tries[0]["kl"] == pytest.approx(full.policy_kl, rel=1e-4)
+    assert 0 < short.step_scale < 1 and short.max_kl == limit
+    for p, a, b in zip(loose._params(name), whole, before):
+        assert torch.allclose(p, b + short.step_scale * (a - b), atol=1e-6), "a shorter step in the same direction"
+    assert loose.step_sizes.start("shared") == 1.0, "the trainer leaves the next start to the learner (settle)"
+
+
 async def test_a_shortened_step_lies_halfway_and_undo_still_goes_back_whole(trainer, engine):
     samples = [make_sample(toks, advantage=1.0) for toks in await generate(engine, 2)]
     name, params = trainer._activate("shared")
