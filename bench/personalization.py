@@ -62,6 +62,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import os
 import random
 import re
@@ -119,21 +120,46 @@ class Preference:
     rule: str = ""
 
     def fits(self, reply: str) -> bool:
-        text = reply.lstrip()
+        text = reply.strip()
         if self.rule == "capital":
             return text[:1].isupper()
         if self.rule == "digit":
             return re.search(r"\d", text) is not None
         if self.rule.startswith("marker:"):
             return text.startswith(self.rule.removeprefix("marker:"))
+        if self.rule == "short":
+            return 0 < len(text.split()) <= SHORT_WORDS
+        if self.rule == "lowercase":
+            return bool(text) and not any(c.isupper() for c in text)
+        if self.rule == "nolist":
+            return bool(text) and not LIST_LINE.search(text)
+        if self.rule.startswith("avoid:"):
+            return bool(text) and not avoided(self.rule).search(text)
         raise ValueError("a preference without a rule needs a model user and scorer (--user-url, --scorer-url)")
+
+
+# The preference kinds of issue 38 besides the opening word: a length, a format, a case, a topic.
+SHORT_WORDS = 12
+LIST_LINE = re.compile(r"(?m)^\s*(?:[-*•]|\d+[.)])\s")
+AVOIDED_TOPIC = "avoid:food,eat,eating,cook,cooking,meal,dinner,breakfast,lunch,recipe"
+
+
+def avoided(rule: str) -> re.Pattern:
+    words = rule.removeprefix("avoid:").split(",")
+    return re.compile(r"\b(?:" + "|".join(map(re.escape, words)) + r")\b", re.IGNORECASE)
 
 
 INSTRUCTIONS = {
     "capital": "Always begin your reply with a capital letter.",
     "digit": "Always include at least one number in your reply.",
     "marker": "Always begin your reply with '{}'.",
+    "short": f"Answer in one short sentence of at most {SHORT_WORDS} words.",
+    "lowercase": "Write in lowercase letters only, with no capital letters at all.",
+    "nolist": "Never use lists or bullet points: answer in plain prose.",
+    "avoid": "Never mention food, eating or cooking.",
 }
+# `--kind NAME`: each preference kind of the issue's table, by name.
+KINDS = {"opening": "marker:auto", "length": "short", "format": "nolist", "case": "lowercase", "topic": AVOIDED_TOPIC}
 
 
 class ChatModel:
@@ -280,6 +306,8 @@ def run_mode(mode: str, policy: Path, tasks: list[str], args, judge: dict, user,
         tuned["gate_max_repetition_rise"] = args.gate_max_repetition_rise
     if getattr(args, "gate_backtracks", None) is not None:
         tuned["gate_backtracks"] = args.gate_backtracks
+    if getattr(args, "judge_fallback", None) is not None:
+        tuned["judge_fallback"] = args.judge_fallback
     with bench_server(
         policy, "policy", mode=mode if learning else "combined", learn=learning, judge_enabled=learning,
         **tuned, **judge, **engine_settings(args),
@@ -371,8 +399,12 @@ def final_evaluation(server, user: str, args, scorer) -> dict:
                                              args.max_tokens, args.temperature), timeout=600)
         replies += [{"task_index": index, "first_reply": text, "score": scorer.score(task, text)} for text in texts]
     scores = [r["score"] for r in replies]
+    nll, base_nll = held_out_nll(server, policy.adapter), held_out_nll(server, None)
     return {
         "version": policy.version,
+        "held_out_nll": nll,
+        "base_held_out_nll": base_nll,
+        "perplexity_ratio": round(math.exp(nll - base_nll), 4),  # final version's perplexity / the base model's
         "replies": len(replies),
         "score": round(statistics.fmean(scores), 3),
         "score_stderr": standard_error(scores),
@@ -382,6 +414,47 @@ def final_evaluation(server, user: str, args, scorer) -> dict:
         "words_per_reply": round(statistics.fmean(len(r["first_reply"].split()) for r in replies), 1),
         "samples": replies,
     }
+
+
+# Held-out general text for the quality check: a version that learnt a person's preference must
+# still model ordinary prose about as well as the base model (mean negative log-likelihood per
+# token, as perplexity). Written for this bench, on no task's topic.
+GENERAL_TEXT = (
+    "The river rises in the hills to the north and runs for about two hundred miles before it reaches the sea. "
+    "In spring the snow melts and the water climbs over its banks, which is why the old town was built on higher ground.",
+    "A library lends books, but it also keeps newspapers, maps and letters that no one else has kept. Historians "
+    "visit it to read what people wrote at the time, before anyone knew how the story would end.",
+    "To change a bicycle tyre, first let out the remaining air, then lever one side of the tyre off the rim. Pull out "
+    "the inner tube, find the hole, and either patch it or fit a new tube before putting the tyre back.",
+    "Bees visit flowers to collect nectar and pollen. As they move from one flower to the next, they carry pollen with "
+    "them, and that is how many fruit trees and vegetables are pollinated.",
+    "The committee met on Tuesday to discuss the budget for next year. Most members agreed that the roads needed "
+    "repair, but they could not agree on whether to raise taxes or to borrow the money.",
+    "Light travels faster than sound, which is why you see the lightning before you hear the thunder. Counting the "
+    "seconds between the two tells you roughly how far away the storm is.",
+)
+
+
+def held_out_nll(server, adapter: str | None) -> float:
+    """Mean negative log-likelihood per token of GENERAL_TEXT under `adapter` (None: the base)."""
+    turns = server.app.state.services.turns
+    tokenizer = turns.renderer.tokenizer
+    total, count = 0.0, 0
+    for text in GENERAL_TEXT:
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        scores = server.call(turns.engine.score(ids, 1, adapter=adapter), timeout=600)
+        total -= sum(scores)
+        count += len(scores)
+    return round(total / count, 4)
+
+
+def updates_to_reach(tasks: list[dict], target: float = 0.8, window: int = 16) -> int | None:
+    """The version serving when the first replies' trailing mean over `window` tasks first
+    reaches `target` (= updates needed); None if it never does."""
+    for end in range(window, len(tasks) + 1):
+        if statistics.fmean(t["score"] for t in tasks[end - window:end]) >= target:
+            return tasks[end - 1]["version"]
+    return None
 
 
 def task_list(seed: int, n: int) -> list[str]:
@@ -409,6 +482,44 @@ def mean_repetition(tasks: list[dict], words: int | None = None) -> float | None
 
 
 LENGTH_MATCHED_WORDS = 16
+WINDOW = 16  # tasks per window of the curves across seeds (seeds_report)
+
+
+def seeds_report(paths: list[str]) -> None:
+    """Runs of several seeds grouped by preference and mode: the mean and spread (sample
+    standard deviation) of first-reply success per window of WINDOW tasks, the updates needed
+    to reach 0.8, the final evaluation's score, and text quality (repeated words, held-out
+    perplexity against the base model's) — the table issue 38 asks for."""
+    groups: dict[tuple[str, str], list[tuple[int, dict, dict]]] = {}
+    for path in paths:
+        result = json.loads(Path(path).read_text())
+        for run, summary in zip(result["runs"], result["summary"]):
+            key = (result["preference"]["instruction"], summary["mode"])
+            groups.setdefault(key, []).append((result["settings"]["seed"], run, summary))
+
+    def spread(values: list[float]) -> str:
+        values = [v for v in values if v is not None]
+        if not values:
+            return "—"
+        sd = statistics.stdev(values) if len(values) > 1 else 0.0
+        return f"{statistics.fmean(values):.2f} ± {sd:.2f}"
+
+    print("| preference | mode | seeds | success per window of 16 tasks (mean ± sd over seeds) | updates to 0.8 "
+          "(per seed) | final score | repeated words, final | perplexity, final / base |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    def by_window(run: dict) -> list[float]:  # from the tasks: older result files have no summary of it
+        scores = [t["score"] for t in run["tasks"]]
+        return [statistics.fmean(scores[i:i + WINDOW]) for i in range(0, len(scores), WINDOW)]
+
+    for (instruction, mode), runs in groups.items():
+        curves = [by_window(run) for _, run, _ in runs]
+        curve = " · ".join(spread([c[i] for c in curves if i < len(c)]) for i in range(max(map(len, curves))))
+        finals = [s["final"] for _, _, s in runs if s.get("final")]
+        reached = [updates_to_reach(run["tasks"]) for _, run, _ in runs]
+        reach = ", ".join("never" if r is None else str(r) for r in reached)
+        print(f"| {instruction} | {mode} | {', '.join(str(seed) for seed, _, _ in runs)} | {curve} | {reach} | "
+              f"{spread([f['score'] for f in finals])} | {spread([f.get('repetition') for f in finals])} | "
+              f"{spread([f.get('perplexity_ratio') for f in finals])} |")
 
 
 def _places(value: float | None, places: int = 3) -> str:
@@ -461,6 +572,8 @@ def summarise(run: ModeRun) -> dict:
                                                                   LENGTH_MATCHED_WORDS),
         "updates_published": sum(1 for s in run.steps if s.get("published")),
         "updates_skipped": sum(1 for s in run.steps if not s.get("published")),
+        "updates_to_0_8": updates_to_reach([asdict(t) for t in run.tasks]),
+        "score_by_window": [round(statistics.fmean(scores[i:i + WINDOW]), 3) for i in range(0, len(scores), WINDOW)],
         "score_by_serving_version": {k: {"score": round(statistics.fmean(v), 3), "tasks": len(v)} for k, v in by_version.items()},
         "final": run.final and {k: v for k, v in run.final.items() if k != "samples"},
     }
@@ -521,6 +634,8 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--rule", help="rule-checked preference: capital, digit, marker:WORD or marker:auto "
                         "(default: capital on the tiny model, marker:auto otherwise, none with --preference)")
+    parser.add_argument("--kind", choices=sorted(KINDS), help="a preference kind by name (sets --rule): " + ", ".join(
+        f"{k} = {v}" for k, v in KINDS.items()))
     parser.add_argument("--target", type=float, default=0.15, help="marker:auto picks the word with this base probability")
     parser.add_argument("--preference", help="the preference in words (needed with a model user/scorer)")
     parser.add_argument("--max-attempts", type=int, default=2, help="replies per task before the user moves on")
@@ -534,6 +649,11 @@ def main() -> None:
     parser.add_argument("--feedback", action="store_true",
                         help="the user also rates every reply with POST /v1/feedback (a correction when it misses); "
                              "without --judge-url the server's own default judge is kept (the served model)")
+    parser.add_argument("--served-judge", action="store_true",
+                        help="the server's own default judge (the served model; benched when it fails its check, "
+                             "then next states teach as hints: NEXTSTATE_JUDGE_FALLBACK) instead of the rule judge")
+    parser.add_argument("--judge-fallback", choices=("hindsight", "ratings"), default=None,
+                        help="NEXTSTATE_JUDGE_FALLBACK (default: the setting's default)")
     parser.add_argument("--no-gate", action="store_true", help="NEXTSTATE_PUBLISH_GATE=false: every update serves")
     parser.add_argument("--gate-max-repetition-rise", type=float, default=None,
                         help="NEXTSTATE_GATE_MAX_REPETITION_RISE (default: the setting's default)")
@@ -551,9 +671,14 @@ def main() -> None:
     parser.add_argument("--variant", help="a name for this run's settings: its results get their own file")
     parser.add_argument("--sglang-url", help="serve the policy from this SGLang server (deploy/) instead of in-process")
     parser.add_argument("--report", nargs="+", metavar="JSON", help="print saved results as a table and exit")
+    parser.add_argument("--seeds-report", nargs="+", metavar="JSON",
+                        help="print runs of several seeds, grouped by preference and mode, as curves with spread")
     args = parser.parse_args()
     if args.report:
         report(args.report)
+        return
+    if args.seeds_report:
+        seeds_report(args.seeds_report)
         return
 
     policy = bench_model(model=args.policy, smol=args.smol, peaked=True)
@@ -568,6 +693,8 @@ def main() -> None:
     api_key = os.environ.get(args.api_key_env)
 
     marker_probability = None
+    if args.kind:
+        args.rule = KINDS[args.kind]
     rule = args.rule if args.rule is not None else ("" if args.preference else "capital" if tiny else "marker:auto")
     if rule.startswith("marker:"):
         wanted = rule.removeprefix("marker:")
@@ -580,10 +707,13 @@ def main() -> None:
         instruction = args.preference
     elif rule.startswith("marker:"):
         instruction = INSTRUCTIONS["marker"].format(rule.removeprefix("marker:"))
+    elif rule.startswith("avoid:"):
+        instruction = INSTRUCTIONS["avoid"] if rule == AVOIDED_TOPIC else f"Never mention {rule.removeprefix('avoid:')}."
     elif rule in INSTRUCTIONS:
         instruction = INSTRUCTIONS[rule]
     else:
-        raise SystemExit(f"unknown --rule {rule!r}: use capital, digit, marker:WORD or marker:auto")
+        raise SystemExit(f"unknown --rule {rule!r}: use capital, digit, short, lowercase, nolist, avoid:WORDS, "
+                         "marker:WORD or marker:auto")
     preference = Preference(instruction, rule)
     user = ModelUser(ChatModel(args.user_url, args.user_model, api_key), preference) if args.user_url else RuleUser(preference)
     scorer = (ModelScorer(ChatModel(args.scorer_url, args.scorer_model, api_key), preference) if args.scorer_url
@@ -591,7 +721,7 @@ def main() -> None:
     rule_judge = None
     if args.judge_url:
         judge = {"judge_base_url": args.judge_url, "judge_model": args.judge_model, "judge_api_key": api_key}
-    elif args.feedback:
+    elif args.feedback or args.served_judge:
         judge = {}  # the default: the served model judges, and must pass its calibration first
     else:
         rule_judge = PreferenceJudge()
@@ -606,7 +736,8 @@ def main() -> None:
         "marker_probability": marker_probability,
         "user": args.user_url and f"{args.user_model} at {args.user_url}" or "rules",
         "judge": args.judge_url and f"{args.judge_model} at {args.judge_url}" or (
-            "the default (the served model itself)" if args.feedback else "rules (PreferenceJudge)"),
+            "the default (the served model itself)" if args.feedback or args.served_judge else "rules (PreferenceJudge)"),
+        "judge_fallback": args.judge_fallback or JudgeSettings().judge_fallback,
         "explicit_feedback": args.feedback,
         "publish_gate": not args.no_gate,
         "gate_max_repetition_rise": None if args.no_gate else (
