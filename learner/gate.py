@@ -20,7 +20,8 @@ A version that fails is tried again at half its step (`gate_backtracks` times, a
 backtracks): an update in a good direction that went too far keeps part of what it learned
 instead of none, and the held-back samples are not wasted whole. One that still fails is
 recorded with its figures, does not serve, and the learner's weights go back to the serving
-version (training goes on from the last good one). With too few held-out samples a check is
+version (training goes on from the last good one); its samples wait, ready, and are tried again
+later from a shorter step (learner/service.py, learner/step_sizes.py). With too few held-out samples a check is
 skipped and says so.
 """
 

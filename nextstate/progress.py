@@ -111,7 +111,8 @@ def describe_step(step: dict[str, Any]) -> str:
         first = tries[0]
         start = "" if first["scale"] >= 1 else f" at {_scale(first['scale'])} of the step"
         if len(tries) == 1:
-            parts.append(f"KL {first['kl']:.3g}{start}")
+            if start:  # a whole step's KL is the table's own column
+                parts.append(f"KL {first['kl']:.3g}{start}")
         else:
             parts.append(f"first try{start} KL {first['kl']:.3g}{over}")
             parts += [f"retried at {_scale(t['scale'])} of the step: KL {t['kl']:.3g}" for t in tries[1:]]

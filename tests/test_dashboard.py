@@ -219,3 +219,21 @@ def test_a_dashboard_sign_in_holds_on_every_serving_process_of_one_database(serv
     codes = [httpx.post(f"{(a, b)[i % 2].root}/dashboard/login", data={"key": f"ns-guess-{i}"}).status_code
              for i in range(10)]
     assert codes == [401] * 9 + [429], "ten tries a minute from one address, counted across processes"
+
+
+def test_each_update_tells_its_story_in_a_sentence():
+    from nextstate.progress import describe_step
+
+    retried = {"published": True, "version": 1, "max_kl": 1.0,
+               "kl_tries": [{"scale": 1.0, "kl": 1.277}, {"scale": 0.7, "kl": 0.61}]}
+    assert describe_step(retried) == "first try KL 1.28 > 1, retried at 0.7 of the step: KL 0.61, published as v1"
+    halved = {**retried, "kl_tries": [{"scale": 1.0, "kl": 1.2}, {"scale": 0.5, "kl": 0.3}]}
+    assert "retried at half of the step: KL 0.3" in describe_step(halved)
+    assert describe_step({"published": True, "version": 2, "kl_tries": [{"scale": 1.0, "kl": 0.2}]}) == "published as v2"
+    gated = {"published": True, "version": 3, "kl_tries": [{"scale": 0.5, "kl": 0.2}],
+             "gate": {"passed": True, "refused": [["repeats"]], "step_scale": 0.5}}
+    assert describe_step(gated) == "KL 0.2 at half of the step, the gate passed it at half of that, published as v3"
+    lost = {"published": False, "skipped": "policy KL 3 exceeds the limit 1 even at 0.06 of the step", "returned": 4,
+            "tries_before": 1, "kl_tries": [{"scale": 1.0, "kl": 9.0}, {"scale": 0.25, "kl": 3.0}], "max_kl": 1.0}
+    assert describe_step(lost).endswith("not published: policy KL 3 exceeds the limit 1 even at 0.06 of the step, "
+                                        "its 4 samples are ready again (try 2)")
