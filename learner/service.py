@@ -219,10 +219,16 @@ class Learner:
                 return await self._update(scope, samples)
             finally:
                 self.training = None
+                await asyncio.to_thread(self.versions.write_training, None)
 
     def _phase(self, scope: str, samples: int, phase: str) -> None:
+        """What the update does now, for the progress report (live, and `nextstate status`)."""
         since = self.training["since"] if self.training else time.time()
         self.training = {"scope": scope, "samples": samples, "since": since, "phase": phase}
+        try:
+            self.versions.write_training(self.training)  # a few hundred bytes, once per phase
+        except OSError:
+            log.warning("learner: could not write TRAINING.json (status will not show the update running)")
 
     async def _update(self, scope: str, samples: list[Sample]) -> StepResult | None:
         current = self.policies.current_scope(scope)

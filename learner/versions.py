@@ -58,6 +58,34 @@ class AdapterVersions:
         handle.flush()
         return handle
 
+    def write_training(self, state: dict[str, Any] | None) -> None:
+        """Say which update runs now (`TRAINING.json`, replaced atomically), or that none does:
+        `nextstate status` reads the data dir, not the server, and would otherwise show only
+        what the update waited for before it started."""
+        path = self.root / "TRAINING.json"
+        if state is None:
+            path.unlink(missing_ok=True)
+            return
+        self.root.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=self.root, prefix=".TRAINING-")
+        with os.fdopen(fd, "w") as handle:
+            json.dump({**state, "pid": os.getpid(), "host": socket.gethostname()}, handle)
+        os.replace(tmp, path)
+
+    def read_training(self) -> dict[str, Any] | None:
+        """The update running now, if the learner that wrote it still lives (on this host)."""
+        try:
+            state = json.loads((self.root / "TRAINING.json").read_text())
+        except (OSError, ValueError):
+            return None
+        if state.get("host") != socket.gethostname():
+            return state  # another machine's learner: nothing here can check it
+        try:
+            os.kill(int(state.get("pid", 0)), 0)
+        except (OSError, ValueError):
+            return None  # a learner that died mid-update left it
+        return state
+
     def scope_root(self, scope: str) -> Path:
         return self.root / scope_dir_name(scope)
 

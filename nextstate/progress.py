@@ -91,7 +91,7 @@ def progress_report(
         "scopes": scopes,
         "steps": steps,
         "waiting": _waiting(waiting, judge),
-        "training": training,
+        "training": training if live_steps is not None else versions.read_training(),
     }
 
 

@@ -237,3 +237,26 @@ def test_each_update_tells_its_story_in_a_sentence():
             "tries_before": 1, "kl_tries": [{"scale": 1.0, "kl": 9.0}, {"scale": 0.25, "kl": 3.0}], "max_kl": 1.0}
     assert describe_step(lost).endswith("not published: policy KL 3 exceeds the limit 1 even at 0.06 of the step, "
                                         "its 4 samples are ready again (try 2)")
+
+
+def test_nextstate_status_says_which_update_runs_now(tmp_path):
+    """`nextstate status` reads the data dir: the learner leaves TRAINING.json there while an
+    update runs, and a learner that died mid-update is not taken for a running one."""
+    import json as _json
+
+    from nextstate.core.sample_store import SampleStore
+    from nextstate.learner.versions import AdapterVersions
+    from nextstate.progress import progress_report, render_text
+
+    store, versions = SampleStore(tmp_path / "samples.sqlite3"), AdapterVersions(tmp_path / "adapters")
+    try:
+        versions.write_training({"scope": "alice", "samples": 4, "since": 0.0, "phase": "training"})
+        text = render_text(progress_report(store, versions, mode="combined"), "here")
+        assert "training now (alice): an update on 4 samples, training" in text, text
+        state = _json.loads((versions.root / "TRAINING.json").read_text())
+        (versions.root / "TRAINING.json").write_text(_json.dumps({**state, "pid": 2**22 + 12345}))
+        assert progress_report(store, versions, mode="combined")["training"] is None, "a dead learner's file"
+        versions.write_training(None)
+        assert not (versions.root / "TRAINING.json").exists()
+    finally:
+        store.close()
