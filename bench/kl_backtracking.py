@@ -109,7 +109,6 @@ def compare_rules(model_dir, samples, max_kl: float) -> dict:
     limits = sorted({max_kl, round(curve[0]["kl"] / 4, 4)}, reverse=True)
     rules: dict[str, dict] = {}
     for limit in limits:
-        settings.max_kl = limit
         for name, shrink in (("quadratic", None), ("halving", 0.5)):
             back_to_trained()
             rules.setdefault(name, {})[f"{limit:g}"] = line_search(trainer, scope, samples, shrink, limit)

@@ -319,6 +319,11 @@ class JudgeSettings(BaseSettings):
     def uses_opd(self) -> bool:
         return self.mode in ("opd", "combined")
 
+    @property
+    def hindsight_fallback(self) -> bool:
+        """A benched judge's next states teach as OPD hints of their own (judge/hindsight.py)."""
+        return self.judge_fallback == "hindsight" and self.uses_opd
+
 
 class LearnerSettings(BaseSettings):
     """Samples → PPO-clipped LoRA updates → hot-swapped adapter versions (§4.4, appendix A).

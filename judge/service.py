@@ -113,7 +113,7 @@ class Judge:
         implicit work, and implicit judging waits no longer."""
         self.calibration = calibration
         if calibration.state == "failed":
-            self.hindsight = self.settings.judge_fallback == "hindsight" and self.settings.uses_opd
+            self.hindsight = self.settings.hindsight_fallback
             self.implicit = self.hindsight
             log.warning("judge: %s", calibration.detail)
             if self.hindsight:

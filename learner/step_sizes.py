@@ -84,7 +84,3 @@ class StepSizes:
 
     def forget(self, scope: str) -> None:
         self._start.pop(scope, None)
-
-    def starts(self) -> dict[str, float]:
-        """Scopes whose next step starts shorter than full length (for the progress report)."""
-        return dict(self._start)

@@ -482,8 +482,8 @@ class LoraTrainer:
                 policy_kl, kl_tries = self._fit_kl(scope, kept)
                 if not math.isfinite(policy_kl):
                     skipped = "policy KL not finite"
-                elif policy_kl > c.max_kl:
-                    skipped = (f"policy KL {policy_kl:.4g} exceeds the limit {c.max_kl:g} even at "
+                elif policy_kl > self.step_sizes.max_kl:
+                    skipped = (f"policy KL {policy_kl:.4g} exceeds the limit {self.step_sizes.max_kl:g} even at "
                                f"{kl_tries[-1].scale:g} of the step (tried {len(kl_tries)} lengths)")
         finally:
             self.model.eval()
@@ -501,7 +501,7 @@ class LoraTrainer:
             kl_to_base=totals["kl"] / denom,
             policy_kl=policy_kl if not skipped or "KL" in (skipped or "") else float("nan"),
             step_scale=kl_tries[-1].scale if kl_tries else 1.0,
-            max_kl=c.max_kl,
+            max_kl=self.step_sizes.max_kl,
             kl_tries=[t.to_dict() for t in kl_tries],
             mismatch=totals["mismatch"] / max(tokens, 1),
             mean_advantage=mean_adv,

@@ -175,8 +175,8 @@ def cmd_status(args: argparse.Namespace) -> int:
     store = SampleStore(settings.samples_db, settings.server.database_url)
     try:
         report = progress_report(store, AdapterVersions(settings.adapters_dir), mode=settings.judge.mode,
-                                 per_user=settings.learner.adapter_scope == "user",
-                                 learner_settings=settings.learner)
+                                 per_user=settings.learner.adapter_scope == "user", learner_settings=settings.learner,
+                                 fallback="hindsight" if settings.judge.hindsight_fallback else None)
     finally:
         store.close()
     print(json.dumps(report, indent=1) if args.json else render_text(report, where))

@@ -49,10 +49,12 @@ def progress_report(
     waiting: list[dict[str, Any]] | None = None,
     learner_settings: LearnerSettings | None = None,
     training: dict[str, Any] | None = None,
+    fallback: str | None = None,
 ) -> dict[str, Any]:
     """The figures; `judge`, `live_steps` and `waiting` (why scopes with ready samples are not
     training, learner/batching.py) come from a running server, else from the disk (`waiting`
-    from the sample store as it stands, given `learner_settings`)."""
+    from the sample store as it stands, given `learner_settings`; `fallback`: "hindsight" when a
+    benched judge's next states teach as hints, as a running judge reports it)."""
     if waiting is None and learner_settings is not None:
         waiting = [w.to_dict() for w in waiting_in_store(samples, learner_settings, per_user)]
     scopes = []
@@ -76,8 +78,8 @@ def progress_report(
     for entry in stats["modes"].values():
         for k in totals:
             totals[k] += entry.get(k, 0)
-    if judge is None:
-        judge = {"implicit_feedback": None, "calibration": samples.get_meta("judge_calibration")}
+    if judge is None:  # read from the disk: what a benched judge falls back to is the settings' word
+        judge = {"implicit_feedback": None, "calibration": samples.get_meta("judge_calibration"), "fallback": fallback}
     return {
         "object": "nextstate.progress",
         "generated_at": time.time(),

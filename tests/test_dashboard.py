@@ -260,3 +260,26 @@ def test_nextstate_status_says_which_update_runs_now(tmp_path):
         assert not (versions.root / "TRAINING.json").exists()
     finally:
         store.close()
+
+
+def test_nextstate_status_tells_what_a_benched_judges_next_states_do(tmp_path):
+    """Read from the disk (no server to ask), the judge's fallback comes from the settings."""
+    import os
+    import subprocess
+    import sys
+
+    from nextstate.core.sample_store import SampleStore
+
+    data = tmp_path / "data"
+    data.mkdir()
+    store = SampleStore(data / "samples.sqlite3")
+    store.set_meta("judge_calibration", {"state": "failed", "detail": "the judge got 'clear thanks' wrong"})
+    store.close()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("NEXTSTATE_")}
+    env["NEXTSTATE_DATA_DIR"] = str(data)
+    for fallback, said in (("hindsight", "next states teach as hints of their own"),
+                           ("ratings", "next states are kept, not judged")):
+        done = subprocess.run([sys.executable, "-m", "nextstate.cli", "status"], capture_output=True, text=True,
+                              env={**env, "NEXTSTATE_JUDGE_FALLBACK": fallback}, timeout=120)
+        assert done.returncode == 0 and f"training waits (*, judge_benched): the judge failed its start-up check: {said}" \
+            in done.stdout, done.stdout + done.stderr

@@ -152,7 +152,7 @@ def test_the_line_search_shortens_by_a_quadratic_model_of_the_kl_and_remembers_w
     sizes.settle("a", 0.1, published=False)
     assert sizes.start("a") == pytest.approx(0.025), "below everything an unpublished step tried"
     sizes.settle("a", 0.6, published=True)
-    assert sizes.start("a") == 1.0 and sizes.starts() == {}
+    assert sizes.start("a") == 1.0
 
 
 async def test_an_overshooting_step_is_shortened_along_its_direction_until_it_fits(tiny_model_dir, engine):
@@ -166,7 +166,6 @@ async def test_an_overshooting_step_is_shortened_along_its_direction_until_it_fi
     assert full.skipped is None and full.kl_tries == [{"scale": 1.0, "kl": round(full.policy_kl, 6)}]
     loose.undo("shared")
     limit = full.policy_kl / 3
-    loose.settings = LearnerSettings(lr=5e-2, lora_r=4, lora_alpha=8, max_kl=limit)
     loose.step_sizes.max_kl = limit
     short = loose.step("shared", samples)  # the same step again (weights and moments were put back)
     assert short.skipped is None and len(short.kl_tries) >= 2 and short.policy_kl <= limit < short.kl_tries[0]["kl"]
