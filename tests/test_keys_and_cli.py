@@ -106,7 +106,9 @@ def test_serve_command_starts_and_answers(cli_env):
         wait_for_health(f"http://127.0.0.1:{port}", proc)
         client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=secret, max_retries=0)
         reply = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=4)
-        assert reply.usage.completion_tokens == 4
+        # The tiny model samples at random and may draw its end-of-text token early.
+        tokens, finish = reply.usage.completion_tokens, reply.choices[0].finish_reason
+        assert 1 <= tokens <= 4 and finish == ("length" if tokens == 4 else "stop"), (tokens, finish)
     finally:
         proc.terminate()
         output, _ = proc.communicate(timeout=30)
