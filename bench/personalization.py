@@ -308,6 +308,8 @@ def run_mode(mode: str, policy: Path, tasks: list[str], args, judge: dict, user,
         tuned["gate_backtracks"] = args.gate_backtracks
     if getattr(args, "judge_fallback", None) is not None:
         tuned["judge_fallback"] = args.judge_fallback
+    if getattr(args, "accepted_after_correction", None) is not None:
+        tuned["accepted_after_correction"] = args.accepted_after_correction == "on"
     with bench_server(
         policy, "policy", mode=mode if learning else "combined", learn=learning, judge_enabled=learning,
         **tuned, **judge, **engine_settings(args),
@@ -654,6 +656,8 @@ def main() -> None:
                              "then next states teach as hints: NEXTSTATE_JUDGE_FALLBACK) instead of the rule judge")
     parser.add_argument("--judge-fallback", choices=("hindsight", "ratings"), default=None,
                         help="NEXTSTATE_JUDGE_FALLBACK (default: the setting's default)")
+    parser.add_argument("--accepted-after-correction", choices=("on", "off"), default=None,
+                        help="NEXTSTATE_ACCEPTED_AFTER_CORRECTION (default: the server's, on): the ablation's switch")
     parser.add_argument("--no-gate", action="store_true", help="NEXTSTATE_PUBLISH_GATE=false: every update serves")
     parser.add_argument("--gate-max-repetition-rise", type=float, default=None,
                         help="NEXTSTATE_GATE_MAX_REPETITION_RISE (default: the setting's default)")
@@ -738,6 +742,8 @@ def main() -> None:
         "judge": args.judge_url and f"{args.judge_model} at {args.judge_url}" or (
             "the default (the served model itself)" if args.feedback or args.served_judge else "rules (PreferenceJudge)"),
         "judge_fallback": args.judge_fallback or JudgeSettings().judge_fallback,
+        "accepted_after_correction": (args.accepted_after_correction == "on" if args.accepted_after_correction
+                                      else JudgeSettings().accepted_after_correction),
         "explicit_feedback": args.feedback,
         "publish_gate": not args.no_gate,
         "gate_max_repetition_rise": None if args.no_gate else (

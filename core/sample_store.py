@@ -51,7 +51,8 @@ CREATE TABLE IF NOT EXISTS samples (
     reward {float} NOT NULL,
     data TEXT NOT NULL,
     response_id TEXT,
-    tries INTEGER NOT NULL DEFAULT 0
+    tries INTEGER NOT NULL DEFAULT 0,
+    accepted_from INTEGER
 );
 CREATE INDEX IF NOT EXISTS samples_status ON samples (status, id);
 CREATE INDEX IF NOT EXISTS samples_session ON samples ("user", session_id);
@@ -87,7 +88,7 @@ def _turn_key(turn: Turn) -> str:
 
 
 _COLUMNS = ("id", "created_at", "user", "session_id", "turn_index", "policy_version", "mode", "track", "status", "reason",
-            "reward", "response_id", "tries")
+            "reward", "response_id", "tries", "accepted_from")
 _SELECTED = ", ".join(f'"{c}"' for c in _COLUMNS)  # "user" is a reserved word in PostgreSQL
 _DATA_FIELDS = ("adapter", "prompt_ids", "response_ids", "old_logprobs", "logprob_temperature", "advantages",
                 "loss_mask", "votes", "hint", "teacher_logprobs", "outcome", "feedback")
@@ -121,7 +122,12 @@ class SampleStore:
         added = self._conn.add_missing_columns("transitions", {"turn_key": "TEXT", "response_id": "TEXT", '"user"': "TEXT",
                                                                "claimed_by": "TEXT", "claimed_until": "{float}"})
         # Since 0.5: how many updates trained a sample without being published (it waits again).
-        self._conn.add_missing_columns("samples", {"response_id": "TEXT", "tries": "INTEGER NOT NULL DEFAULT 0"})
+        # Since 0.6: a sample built from a reply accepted after a correction names that reply's turn.
+        self._conn.add_missing_columns("samples", {"response_id": "TEXT", "tries": "INTEGER NOT NULL DEFAULT 0",
+                                                   "accepted_from": "INTEGER"})
+        # One such sample per corrected turn, whichever worker judged which of the two turns first.
+        self._conn.execute('CREATE UNIQUE INDEX IF NOT EXISTS samples_accepted ON samples ("user", session_id, turn_index) '
+                           "WHERE accepted_from IS NOT NULL")
         self._conn.execute("CREATE UNIQUE INDEX IF NOT EXISTS transitions_turn ON transitions (turn_key)")
         self._conn.execute("CREATE INDEX IF NOT EXISTS transitions_response ON transitions (response_id)")
         self._conn.execute("CREATE INDEX IF NOT EXISTS samples_response ON samples (response_id)")
@@ -262,15 +268,26 @@ class SampleStore:
                 ).fetchone()
                 if row is not None:
                     sample = rescore(sample, float(row[0])) or sample
-            sample_id = self._conn.insert(
-                "INSERT INTO samples (created_at, \"user\", session_id, turn_index, policy_version, mode, track, "
-                "status, reason, reward, response_id, data) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                (sample.created_at, sample.user, sample.session_id, sample.turn_index, sample.policy_version,
-                 sample.mode, sample.track, sample.status, sample.reason, sample.reward, sample.response_id, _data(sample)),
-            )
+            sample_id = self._insert_sample(sample)
             if transition_id is not None:
                 self._conn.execute("UPDATE transitions SET status = 'done' WHERE id = ?", (transition_id,))
         return sample.model_copy(update={"id": sample_id})
+
+    def _insert_sample(self, sample: Sample, conflict: str = "") -> int | None:
+        return self._conn.insert(
+            "INSERT INTO samples (created_at, \"user\", session_id, turn_index, policy_version, mode, track, "
+            "status, reason, reward, response_id, accepted_from, data) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)" + conflict,
+            (sample.created_at, sample.user, sample.session_id, sample.turn_index, sample.policy_version, sample.mode,
+             sample.track, sample.status, sample.reason, sample.reward, sample.response_id, sample.accepted_from,
+             _data(sample)),
+        )
+
+    def add_accepted_sample(self, sample: Sample) -> Sample | None:
+        """Store a sample built from a reply accepted after a correction (judge/accepted.py);
+        None if its corrected turn has one already."""
+        with self._lock, self._conn.transaction():
+            sample_id = self._insert_sample(sample, " ON CONFLICT DO NOTHING")
+        return None if sample_id is None else sample.model_copy(update={"id": sample_id})
 
     def _rows(self, where: str, params: tuple = (), limit: int | None = None) -> list[Sample]:
         sql = f"SELECT {_SELECTED}, data FROM samples WHERE {where} ORDER BY id"
@@ -330,6 +347,11 @@ class SampleStore:
 
     def session_samples(self, user: str, session_id: str) -> list[Sample]:
         return self._rows('"user" = ? AND session_id = ?', (user, session_id))
+
+    def turn_samples(self, user: str, session_id: str, first: int, last: int) -> list[Sample]:
+        """The samples of a session's turns `first` to `last`: their own, and any built for one of
+        them from a later turn."""
+        return self._rows('"user" = ? AND session_id = ? AND turn_index BETWEEN ? AND ?', (user, session_id, first, last))
 
     def ready_samples(self, limit: int, user: str | None = None) -> list[Sample]:
         """The oldest samples ready to train, of one user or of everyone."""
@@ -494,7 +516,8 @@ class SampleStore:
                 "COUNT(*) FILTER (WHERE status != 'dropped'), COUNT(*) FILTER (WHERE status = 'dropped'), "
                 "AVG(CASE WHEN status != 'dropped' THEN reward END), "
                 f"COUNT(*) FILTER (WHERE {rating} = 1), COUNT(*) FILTER (WHERE {rating} = -1) "
-                f"FROM samples GROUP BY {group} ORDER BY {group}"
+                # a sample built from an accepted reply repeats that reply's reward: counted once
+                f"FROM samples WHERE accepted_from IS NULL GROUP BY {group} ORDER BY {group}"
             ).fetchall()
         return [
             {"scope": sc, "policy_version": v, "samples": n, "accepted": int(acc or 0), "dropped": int(drop or 0),
@@ -513,10 +536,11 @@ class SampleStore:
     def stats(self) -> dict[str, Any]:
         with self._lock:
             by_mode = self._conn.execute(
-                "SELECT mode, status, COUNT(*) FROM samples GROUP BY mode, status"
+                "SELECT mode, status, accepted_from IS NOT NULL, COUNT(*) FROM samples "
+                "GROUP BY mode, status, accepted_from IS NOT NULL"
             ).fetchall()
             by_version = self._conn.execute(
-                "SELECT policy_version, COUNT(*), AVG(reward) FROM samples WHERE status != 'dropped' "
+                "SELECT policy_version, COUNT(*), AVG(reward) FROM samples WHERE status != 'dropped' AND accepted_from IS NULL "
                 "GROUP BY policy_version ORDER BY policy_version"
             ).fetchall()
             reasons = self._conn.execute(
@@ -524,8 +548,12 @@ class SampleStore:
             ).fetchall()
             pending = self._conn.execute("SELECT COUNT(*) FROM transitions WHERE status = 'pending'").fetchone()[0]
         modes: dict[str, dict[str, int]] = {}
-        for mode, status, count in by_mode:
-            entry = modes.setdefault(mode, {"judged": 0, "accepted": 0, "dropped": 0, "awaiting_outcome": 0})
+        for mode, status, built, count in by_mode:
+            entry = modes.setdefault(mode, {"judged": 0, "accepted": 0, "dropped": 0, "awaiting_outcome": 0,
+                                            "from_accepted_replies": 0})
+            if built:  # no judgement of its own: a reply accepted after a correction, on the corrected turn
+                entry["from_accepted_replies"] += count
+                continue
             entry["judged"] += count
             if status == "dropped":
                 entry["dropped"] += count

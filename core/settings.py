@@ -254,6 +254,10 @@ class JudgeSettings(BaseSettings):
             reply with: ...", scored by the served base model — no votes, no reward, the
             teacher's token-level view only (judge/hindsight.py); `ratings` leaves the next
             states unjudged and only explicit feedback trains.
+        accepted_after_correction: a reply the person accepted right after correcting the one
+            before it is also trained on the corrected turn's prompt, with its reward: what
+            they wanted, shown where they first asked (judge/accepted.py; BENCHMARKS.md,
+            "What each change to the learner earns").
         outcome_min, outcome_max: the range of verifiable outcomes an environment may post;
             anything outside is refused (an outcome is a reward: unbounded, one post could
             outweigh every other sample of a batch).
@@ -290,6 +294,9 @@ class JudgeSettings(BaseSettings):
     w_binary: float = 1.0
     w_opd: float = 1.0
     opd_clip: float = Field(2.0, gt=0, description="Per-token |teacher - old| is clipped to this.")
+    accepted_after_correction: bool = Field(
+        True, description="A reply accepted right after a correction also trains on the corrected turn's prompt."
+    )
     opd_teacher: Literal["base", "policy"] = Field(
         "base", description="Teacher = the base model, or the adapter that served the turn."
     )

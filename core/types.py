@@ -109,6 +109,9 @@ class Sample(BaseModel):
     feedback: dict[str, Any] | None = Field(None, description="The explicit rating and correction it was built from.")
     created_at: float
     tries: int = Field(0, description="Updates that trained on it and were not published (it waited again each time).")
+    accepted_from: int | None = Field(
+        None, description="Built from the reply of this later turn, accepted after a correction of this one (judge/accepted.py)."
+    )
 
 
 FeedbackStatus = Literal["applied", "already_trained", "not_found", "queued"]

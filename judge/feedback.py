@@ -21,6 +21,7 @@ import asyncio
 from nextstate.core.records import RecordWriter
 from nextstate.core.sample_store import SampleStore
 from nextstate.core.types import FeedbackResult, FeedbackStatus, Sample, Turn
+from nextstate.judge.accepted import learn_from_accepted
 from nextstate.judge.advantages import opd_delta, token_advantages, with_outcome
 from nextstate.judge.inbox import JudgeInbox
 from nextstate.judge.service import Judge
@@ -94,6 +95,7 @@ class ExplicitFeedback:
             else:
                 found = await asyncio.to_thread(self.store.find_turn, turn.user, turn.response_id)
                 sample = await self.judge.store_sample(sample, found[0] if found else None)
+            await learn_from_accepted(self.judge, sample)
         self.judge.stats.feedback += 1
         return self._recorded(turn.user, turn.response_id, rating, correction, sample, "applied")
 

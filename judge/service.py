@@ -23,11 +23,12 @@ import re
 import statistics
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import asdict
 from typing import Any, TypeVar
 
 from nextstate.engine.base import Engine, UnknownAdapterError
+from nextstate.judge.accepted import learn_from_accepted
 from nextstate.judge.at_least_one import AtLeastOne
 from nextstate.judge.advantages import opd_delta, step_reward, token_advantages, with_outcome
 from nextstate.judge.client import JudgeClient
@@ -188,6 +189,7 @@ class Judge:
             version=turn.policy_version,
         )
         self.notify(sample)
+        await learn_from_accepted(self, sample)
 
     async def store_sample(self, sample: Sample, transition_id: int | None = None) -> Sample:
         """Store a sample made outside a judgement (a rating, an episode's last step), closing
@@ -297,25 +299,44 @@ class Judge:
 
     async def teacher(self, turn: Turn, hint: str, detail: dict[str, Any] | None = None) -> list[float]:
         """The OPD teacher's logprobs: the base model, or (`opd_teacher=policy`) the adapter
-        that served the turn. That adapter is unloaded once a newer version serves and its
-        requests are done, so a turn judged later is scored by the version serving its scope
-        now, and the judgement says which."""
+        that served the turn (or the scope's current one, `on_policy_adapter`)."""
         if self.settings.opd_teacher != "policy":
             return await teacher_logprobs(self.engine, self.renderer, turn, hint, None)
-        adapter = turn.adapter
+        return await self.on_policy_adapter(turn.user, turn.adapter, lambda adapter: teacher_logprobs(
+            self.engine, self.renderer, turn, hint, adapter), detail)
+
+    async def score_under_policy(self, user: str, adapter: str | None, prompt_ids: list[int], response_ids: list[int],
+                                 temperature: float) -> list[float]:
+        """The logprobs of `response_ids` after `prompt_ids` under `adapter`, the policy that
+        wrote them (or the scope's current one, `on_policy_adapter`)."""
+        async def score(loaded: str | None) -> list[float]:
+            scores = await self.engine.score(prompt_ids + response_ids, len(prompt_ids), adapter=loaded,
+                                             temperature=temperature, background=True)
+            if len(scores) != len(response_ids):
+                raise RuntimeError(f"scored {len(scores)} logprobs for {len(response_ids)} response tokens")
+            return scores
+
+        return await self.on_policy_adapter(user, adapter, score)
+
+    async def on_policy_adapter(self, user: str, adapter: str | None, score: Callable[[str | None], Awaitable[list[float]]],
+                                detail: dict[str, Any] | None = None) -> list[float]:
+        """`score` under `adapter`, the one that served a turn of `user`. It is unloaded once a
+        newer version serves and its requests are done, so a turn judged later is scored by
+        the version serving its scope now, and the judgement says which."""
+        served = adapter
         for _ in range(3):  # a swap may land between looking the version up and scoring with it
             try:
-                scores = await teacher_logprobs(self.engine, self.renderer, turn, hint, adapter)
+                scores = await score(adapter)
             except UnknownAdapterError:
-                current = self.current_adapter(turn.user) if self.current_adapter is not None else None
+                current = self.current_adapter(user) if self.current_adapter is not None else None
                 if current == adapter:
                     raise
                 adapter = current
                 continue
-            if detail is not None and adapter != turn.adapter:
+            if detail is not None and adapter != served:
                 detail["teacher_adapter"] = adapter  # not the one that served: that one is gone
             return scores
-        raise UnknownAdapterError(f"no adapter of {turn.user}'s scope stayed loaded long enough to score a teacher pass")
+        raise UnknownAdapterError(f"no adapter of {user}'s scope stayed loaded long enough to score its reply")
 
     def _harness_notice(self, next_state: NextState) -> str | None:
         """The first next-state message the agent wrote itself (a harness pattern matches)."""

@@ -259,6 +259,8 @@ def render_page(report: dict[str, Any]) -> str:
         f'{fb["with_correction"]} with a correction</div><div class="muted">POST /v1/feedback</div></div>',
         f'<div class="card"><h2>Samples</h2><div>{samples["judged"]} judged · {samples["accepted"]} accepted · '
         f'{samples["dropped"]} dropped · {samples["transitions_pending"]} waiting</div>'
+        + (f'<div class="muted">and {samples["from_accepted_replies"]} from replies accepted after a correction, '
+           "on the prompt they corrected</div>" if samples.get("from_accepted_replies") else "")
         + (f"<table><tr><th>dropped because</th><th></th></tr>{reasons}</table>" if reasons else "") + "</div>",
         _calibration_html(report["judge"] or {}),
         f'<div class="card"><h2>Updates shortened or held back</h2><table><tr><th>version</th><th>scope</th><th>what happened</th></tr>'

@@ -74,7 +74,7 @@ def progress_report(
     for step in steps:
         step["summary"] = describe_step(step)
     stats = samples.stats()
-    totals = {"judged": 0, "accepted": 0, "dropped": 0, "awaiting_outcome": 0}
+    totals = {"judged": 0, "accepted": 0, "dropped": 0, "awaiting_outcome": 0, "from_accepted_replies": 0}
     for entry in stats["modes"].values():
         for k in totals:
             totals[k] += entry.get(k, 0)
@@ -189,8 +189,11 @@ def render_text(report: dict[str, Any], where: str) -> str:
     lines.append(f"explicit feedback: {fb['up']} good, {fb['down']} bad ({fb['with_correction']} with a correction)")
     s = report["samples"]
     reasons = ", ".join(f"{reason}: {n}" for reason, n in sorted(s["dropped_reasons"].items(), key=lambda kv: -kv[1]))
+    built = s.get("from_accepted_replies", 0)
     lines.append(f"samples: {s['judged']} judged, {s['accepted']} accepted, {s['dropped']} dropped"
-                 + (f" ({reasons})" if reasons else "") + f"; {s['transitions_pending']} waiting for the judge")
+                 + (f" ({reasons})" if reasons else "")
+                 + (f", {built} more from replies accepted after a correction" if built else "")
+                 + f"; {s['transitions_pending']} waiting for the judge")
     if report["scopes"]:
         lines.append("adapters: " + ", ".join(f"{x['scope']} serves v{x['serving']} of {x['versions']}" for x in report["scopes"]))
     else:

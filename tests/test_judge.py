@@ -45,7 +45,8 @@ SCRIPT = [
 def samples_by_turn(server) -> dict[int, object]:
     server.end_conversations()
     server.drain_judge()
-    return {s.turn_index: s for s in server.app.state.services.samples.samples()}
+    # a turn's own sample (tests/test_accepted.py checks those built from an accepted successor)
+    return {s.turn_index: s for s in server.app.state.services.samples.samples() if s.accepted_from is None}
 
 
 def test_combined_mode_rewards_hints_and_advantages(server_factory, judge):
@@ -321,7 +322,9 @@ def test_admin_stats(server_factory, judge):
     assert httpx.get(f"{server.base_url}/admin/stats", headers={"Authorization": f"Bearer {user_key}"}).status_code == 403
     stats = httpx.get(f"{server.base_url}/admin/stats", headers={"Authorization": f"Bearer {admin_key}"}).json()
     assert stats["mode"] == "combined"
-    assert stats["samples"]["modes"]["combined"] == {"judged": 3, "accepted": 3, "dropped": 0, "awaiting_outcome": 0}
+    # the tool's error corrected turn 2, and turn 3's reply was praised: it also trains on turn 2's prompt
+    assert stats["samples"]["modes"]["combined"] == {"judged": 3, "accepted": 3, "dropped": 0, "awaiting_outcome": 0,
+                                                     "from_accepted_replies": 1}
     (version,) = stats["samples"]["policy_versions"]
     assert version == {"policy_version": 0, "samples": 3, "mean_reward": pytest.approx(-1 / 3, abs=1e-3)}
     assert stats["judge"]["votes"] == 18 and stats["judge"]["per_sample"]["p50_s"] > 0

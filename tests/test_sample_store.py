@@ -100,7 +100,8 @@ def test_feedback_outcomes_and_stats(open_store):
     [row] = store.by_version()
     assert (row["samples"], row["accepted"], row["dropped"], row["feedback_up"]) == (3, 2, 1, 1)
     stats = store.stats()
-    assert stats["modes"]["binary"] == {"judged": 3, "accepted": 2, "dropped": 1, "awaiting_outcome": 0}
+    assert stats["modes"]["binary"] == {"judged": 3, "accepted": 2, "dropped": 1, "awaiting_outcome": 0,
+                                      "from_accepted_replies": 0}
     store.set_meta("calibration", {"passed": True})
     assert store.get_meta("calibration") == {"passed": True}
 
@@ -247,3 +248,17 @@ def test_judges_polling_an_unclaimed_inbox_take_a_bounded_batch_each_and_keep_it
     assert [i for i, _ in b.claim_pending(now=later, own=False)] == [ids[4]], "a's claims hold while renewed"
     assert set(ids[:2]) <= {i for i, _ in b.claim_pending(now=time.time() + lease + 1, own=False)}, \
         "not renewed (a died), they return"
+
+
+def test_a_corrected_turn_gets_one_sample_from_its_accepted_successor(open_store):
+    """Two workers may judge the corrected and the accepted turn at once; one sample is built."""
+    first, second = open_store("w1"), open_store("w2")
+    own = first.add_sample(sample(index=1, reward=-1.0))
+    built = sample(index=1).model_copy(update={"response_id": None, "accepted_from": 2, "reason": "accepted"})
+    added = first.add_accepted_sample(built)
+    assert added is not None and added.accepted_from == 2
+    assert second.add_accepted_sample(built) is None, "the corrected turn has one already"
+    assert second.add_accepted_sample(built.model_copy(update={"turn_index": 3, "accepted_from": 4})) is not None
+    found = first.turn_samples("alice", "s1", 1, 2)
+    assert [(s.id, s.accepted_from) for s in found] == [(own.id, None), (added.id, 2)]
+    assert first.sample_for_response("alice", own.response_id).id == own.id
