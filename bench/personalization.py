@@ -293,6 +293,18 @@ def probe_marker(policy: Path, engine: dict, marker: str | None, target: float) 
     return marker, plain[token], hinted[token]
 
 
+def overrides(pairs: list[str] | None) -> dict[str, str]:
+    """`--set NAME=VALUE` pairs: any server setting, by its field name (the NEXTSTATE_ variable
+    without the prefix, lower case), for an ablation of a setting with no flag of its own."""
+    out = {}
+    for pair in pairs or []:
+        name, sep, value = pair.partition("=")
+        if not sep or not name:
+            raise SystemExit(f"--set takes NAME=VALUE, not {pair!r}")
+        out[name.strip().lower().removeprefix("nextstate_")] = value
+    return out
+
+
 def run_mode(mode: str, policy: Path, tasks: list[str], args, judge: dict, user, scorer) -> ModeRun:
     run = ModeRun(mode)
     learning = mode != "none"
@@ -310,6 +322,7 @@ def run_mode(mode: str, policy: Path, tasks: list[str], args, judge: dict, user,
         tuned["judge_fallback"] = args.judge_fallback
     if getattr(args, "accepted_after_correction", None) is not None:
         tuned["accepted_after_correction"] = args.accepted_after_correction == "on"
+    tuned.update(overrides(getattr(args, "set", None)))
     with bench_server(
         policy, "policy", mode=mode if learning else "combined", learn=learning, judge_enabled=learning,
         **tuned, **judge, **engine_settings(args),
@@ -658,6 +671,8 @@ def main() -> None:
                         help="NEXTSTATE_JUDGE_FALLBACK (default: the setting's default)")
     parser.add_argument("--accepted-after-correction", choices=("on", "off"), default=None,
                         help="NEXTSTATE_ACCEPTED_AFTER_CORRECTION (default: the server's, on): the ablation's switch")
+    parser.add_argument("--set", action="append", metavar="NAME=VALUE",
+                        help="any server setting by name, e.g. --set minibatch_size=4 (repeatable)")
     parser.add_argument("--no-gate", action="store_true", help="NEXTSTATE_PUBLISH_GATE=false: every update serves")
     parser.add_argument("--gate-max-repetition-rise", type=float, default=None,
                         help="NEXTSTATE_GATE_MAX_REPETITION_RISE (default: the setting's default)")
@@ -744,6 +759,7 @@ def main() -> None:
         "judge_fallback": args.judge_fallback or JudgeSettings().judge_fallback,
         "accepted_after_correction": (args.accepted_after_correction == "on" if args.accepted_after_correction
                                       else JudgeSettings().accepted_after_correction),
+        "overrides": overrides(args.set),
         "explicit_feedback": args.feedback,
         "publish_gate": not args.no_gate,
         "gate_max_repetition_rise": None if args.no_gate else (
