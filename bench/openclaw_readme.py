@@ -1,11 +1,11 @@
-"""The README's OpenClaw setup followed word for word, from a fresh OpenClaw home.
+"""The OpenClaw setup the README links (docs/agents.md) followed word for word, from a fresh OpenClaw home.
 
     python -m bench.openclaw_readme
 
 Installs Node and OpenClaw as bench/openclaw_e2e does (a scratch folder; the npm registry, never
 in CI), starts `nextstate serve` at its defaults on 127.0.0.1:8000 (the port the README's file
 names; it must be free) with a fresh data dir, makes a key with `nextstate keys create`, and
-takes the json5 block of the README's "Use it with OpenClaw" section, key put in, as the whole
+takes the json5 block of docs/agents.md's "Use it with OpenClaw" section, key put in, as the whole
 `~/.openclaw/openclaw.json` of a fresh home. Then, as a newcomer would:
 
 1. `openclaw agent --local --message "Hello!"`: it must exit 0 with a reply that nextstate served
@@ -38,8 +38,8 @@ SEEDED = ("AGENTS.md", "BOOTSTRAP.md", "IDENTITY.md", "SOUL.md", "USER.md")
 
 
 def readme_config() -> str:
-    """The json5 block of the README's OpenClaw section, as printed there."""
-    text = (ROOT / "README.md").read_text()
+    """The json5 block of the OpenClaw section (docs/agents.md, linked from the README), as printed there."""
+    text = (ROOT / "docs" / "agents.md").read_text()
     section = text[text.index("## Use it with OpenClaw"):]
     return re.search(r"```json5\n(.*?)```", section, re.S).group(1)
 

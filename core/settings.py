@@ -8,7 +8,7 @@ in every group, so `NEXTSTATE_LR` sets `settings.learner.lr`. Field names are un
 groups, which lets tests and scripts build a `Settings` from flat keywords.
 
 Defaults are chosen so that `nextstate serve` with nothing set runs the embedded model on the
-CPU, bound to loopback. The README's configuration table mirrors this file (a test checks it).
+CPU, bound to loopback. docs/configuration.md's table mirrors this file (a test checks it).
 """
 
 from __future__ import annotations

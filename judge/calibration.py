@@ -114,7 +114,7 @@ def conclude(results: list[CaseResult], seconds: float, asked_of: int | None = N
             f"before it; {invalid} of {total} votes had no valid verdict): "
             "no vote of it is used; explicit feedback (POST /v1/feedback) trains, and with NEXTSTATE_JUDGE_FALLBACK="
             "hindsight (the default) each next state teaches as an OPD hint of its own. For rewards too, point "
-            "NEXTSTATE_JUDGE_BASE_URL at a capable model (README, Judging)."
+            "NEXTSTATE_JUDGE_BASE_URL at a capable model (docs/guide.md, Judging)."
         )
         state = "failed"
     return Calibration(state, detail, results, round(seconds, 2), time.time())
