@@ -56,7 +56,7 @@ def four_ratings(server, seed: int) -> list[dict]:
         ]
         for response_id in ids:
             answer = http.post(f"{base}/feedback", json={"response_id": response_id, "rating": -1, "correction": CORRECTION})
-            assert answer.json()["status"] == "applied", answer.text
+            assert answer.json()["status"] == "accepted", answer.text
     deadline = time.monotonic() + 600
     learner = server.app.state.services.learner
     while not learner.steps and time.monotonic() < deadline:

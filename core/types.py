@@ -114,7 +114,9 @@ class Sample(BaseModel):
     )
 
 
-FeedbackStatus = Literal["applied", "already_trained", "not_found", "queued"]
+# accepted: the rating is on disk, its sample is being made; applied: it was made (records only);
+# already_trained: the turn was trained on before the rating came (recorded, not trained again)
+FeedbackStatus = Literal["accepted", "applied", "already_trained", "not_found"]
 
 
 @dataclass(frozen=True)

@@ -56,29 +56,28 @@ class ExplicitFeedback:
 
     async def apply(
         self, user: str, response_id: str, rating: int, correction: str | None, open_turn: Turn | None = None,
-        wait_s: float = 30.0,
     ) -> FeedbackResult:
         """A person's rating of one of their replies becomes that turn's sample. `open_turn` is
         the turn if its session still holds it.
 
-        The rating is kept on disk first; applying it waits for any judgement of the same turn
-        in progress, up to `wait_s` — past that the answer is "queued" and it lands later."""
+        The answer comes once the rating is on disk ("accepted"): the sample is made in the
+        background, after any judgement of the same turn in progress (the rating wins) and, for
+        a correction, the teacher pass, which takes its turn among the judge's calls. A person
+        rating fifteen replies waits for fifteen writes, not fifteen teacher passes."""
         turn = open_turn or self.inbox.arriving(response_id)
         if turn is None and (found := await asyncio.to_thread(self.store.find_turn, user, response_id)) is not None:
             turn = found[1].turn
+        existing = await asyncio.to_thread(self.store.sample_for_response, user, response_id)
         if turn is None or turn.user != user:
-            existing = await asyncio.to_thread(self.store.sample_for_response, user, response_id)
-            if existing is None:
-                return FeedbackResult("not_found")
-            if existing.status == "consumed":
+            if existing is not None and existing.status == "consumed":
                 return self._recorded(user, response_id, rating, correction, existing, "already_trained")
-            return FeedbackResult("not_found")  # a sample whose turn expired: nothing to rebuild it from
+            return FeedbackResult("not_found")  # unknown, another's, or a sample whose turn expired
+        if existing is not None and existing.status == "consumed":
+            await self.judge.durable_write(self.store.set_feedback, user, response_id, rating, correction)
+            return self._recorded(user, response_id, rating, correction, existing, "already_trained")
         await self.judge.durable_write(self.store.set_feedback, user, response_id, rating, correction)
-        task = self.judge.tasks.spawn(self._apply(turn, rating, correction))
-        try:
-            return await asyncio.wait_for(asyncio.shield(task), wait_s)
-        except asyncio.TimeoutError:
-            return FeedbackResult("queued", session_id=turn.session_id, turn_index=turn.turn_index)
+        self.judge.tasks.spawn(self._apply(turn, rating, correction))
+        return FeedbackResult("accepted", session_id=turn.session_id, turn_index=turn.turn_index)
 
     async def _apply(self, turn: Turn, rating: int, correction: str | None) -> FeedbackResult:
         assert turn.response_id is not None
@@ -103,7 +102,9 @@ class ExplicitFeedback:
         cfg = self.settings
         teacher = delta = None
         if correction and cfg.uses_opd:
-            teacher = await self.judge.teacher(turn, correction)
+            await self.judge.quiet()
+            async with self.judge.calls:  # one of the judge's concurrent calls, however many ratings came
+                teacher = await self.judge.teacher(turn, correction)
             delta = opd_delta(teacher, turn.response_logprobs, cfg.opd_clip)
         w_binary, w_opd = feedback_weights(cfg.mode, delta is not None, cfg.w_binary, cfg.w_opd)
         advantages = token_advantages(len(turn.response_ids), float(rating), delta, w_binary, w_opd)

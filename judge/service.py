@@ -86,7 +86,9 @@ class Judge:
         self.stats = JudgeStats()
         prompts.require(settings.prm_prompt)
         prompts.require(HINT_PROMPT)
-        self._sem = asyncio.Semaphore(settings.judge_concurrency)
+        # the judge's calls in flight at once (NEXTSTATE_JUDGE_CONCURRENCY): votes, and the
+        # teacher passes of ratings with a correction
+        self.calls = asyncio.Semaphore(settings.judge_concurrency)
         # a full or read-only disk holds samples here until it takes them again
         self._samples = Durable("the sample store (judged samples)")
         self._harness = [re.compile(p) for p in settings.harness_patterns]
@@ -352,7 +354,7 @@ class Judge:
         m = cfg.prm_votes
         messages = self.prompts.render(prompt, **values)
         messages[0] = {**messages[0], "content": f"{messages[0]['content']}\n\n{FENCE_NOTE}"}
-        async with self._sem:
+        async with self.calls:
             started = time.monotonic()
             error = None
             texts: list[str] = []

@@ -53,10 +53,10 @@ class FeedbackResponse(BaseModel):
     response_id: str
     rating: int
     correction: str | None
-    status: Literal["applied", "already_trained", "queued"] = Field(
-        description="applied: the turn will train on it. already_trained: that turn was trained on before "
-        "the rating came; it is recorded, not trained again. queued: kept, and applied once the turn's "
-        "judgement in progress finishes."
+    status: Literal["accepted", "already_trained"] = Field(
+        description="accepted: the rating is stored and its turn will train on it (the sample is made in the "
+        "background, a correction scored by the OPD teacher first). already_trained: that turn was trained on "
+        "before the rating came; it is recorded, not trained again."
     )
     session_id: str | None = None
     turn_index: int | None = None

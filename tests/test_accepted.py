@@ -64,9 +64,9 @@ def test_a_persons_ratings_make_it_without_a_judge_and_only_once(server_factory)
     messages += [{"role": "assistant", "content": first.choices[0].message.content},
                  {"role": "user", "content": "Shorter, please."}]
     second = client.chat.completions.create(model="tiny", messages=messages, max_tokens=4)
-    assert rate(server, alice, first.id, -1, "Answer in one short sentence.").json()["status"] == "applied"
+    assert rate(server, alice, first.id, -1, "Answer in one short sentence.").json()["status"] == "accepted"
     for _ in range(2):  # rating the accepted reply again replaces its sample; the extra one stays one
-        assert rate(server, alice, second.id, 1).json()["status"] == "applied"
+        assert rate(server, alice, second.id, 1).json()["status"] == "accepted"
     [extra] = derived(server.app.state.services.samples.samples())
     assert extra.turn_index == 1 and extra.reward == 1.0 and extra.status == "ready"
 

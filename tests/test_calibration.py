@@ -58,7 +58,7 @@ def test_a_judge_that_cannot_judge_is_benched_and_feedback_still_trains(server_f
     # every turn can still be rated, and the ratings train
     records = [r for r in server.records() if r["kind"] == "request"]
     for record in records[:2]:
-        assert rate(server, alice, record["id"], -1, "Answer in French.").json()["status"] == "applied"
+        assert rate(server, alice, record["id"], -1, "Answer in French.").json()["status"] == "accepted"
     wait_for(lambda: server.app.state.services.policies.current("alice").version == 1, timeout=60)
     assert messages
 

@@ -17,11 +17,16 @@ from tests.test_learner import learning_server, wait_for
 ASK = [{"role": "user", "content": "Say something."}]
 
 
-def rate(server, key: str, response_id: str, rating=1, correction: str | None = None) -> httpx.Response:
+def rate(server, key: str, response_id: str, rating=1, correction: str | None = None, settle: bool = True) -> httpx.Response:
+    """POST /v1/feedback; with `settle`, return once the rating's sample is made (it is made in
+    the background: the answer comes as soon as the rating is stored)."""
     body = {"response_id": response_id, "rating": rating}
     if correction is not None:
         body["correction"] = correction
-    return httpx.post(f"{server.base_url}/feedback", json=body, headers={"Authorization": f"Bearer {key}"}, timeout=60)
+    answer = httpx.post(f"{server.base_url}/feedback", json=body, headers={"Authorization": f"Bearer {key}"}, timeout=60)
+    if settle:
+        server.drain_judge()
+    return answer
 
 
 def sample_of(server, response_id: str):
@@ -37,7 +42,7 @@ def test_a_rating_becomes_the_turns_sample_without_any_judge(server_factory, mod
     reply = server.client(alice).chat.completions.create(model="tiny", messages=ASK, max_tokens=4)
     resp = rate(server, alice, reply.id, 1)
     assert resp.status_code == 200, resp.text
-    assert resp.json()["status"] == "applied" and resp.json()["turn_index"] == 1
+    assert resp.json()["status"] == "accepted" and resp.json()["turn_index"] == 1
     sample = sample_of(server, reply.id)
     assert (sample.status, sample.reward, sample.votes) == ("ready", 1.0, [])
     assert sample.advantages and all(a == 1.0 for a in sample.advantages), "a rating alone trains in every mode"
@@ -45,7 +50,7 @@ def test_a_rating_becomes_the_turns_sample_without_any_judge(server_factory, mod
 
     # rating again replaces the first: same sample, new reward, and the correction is the hint
     resp = rate(server, alice, reply.id, -1, "Answer in one short sentence.")
-    assert resp.status_code == 200 and resp.json()["status"] == "applied"
+    assert resp.status_code == 200 and resp.json()["status"] == "accepted"
     again = sample_of(server, reply.id)
     assert again.id == sample.id and again.reward == -1.0 and again.hint == "Answer in one short sentence."
     if mode == "binary":
@@ -57,6 +62,39 @@ def test_a_rating_becomes_the_turns_sample_without_any_judge(server_factory, mod
         assert again.advantages != [-1.0] * len(again.advantages)
     records = [r for r in server.records() if r["kind"] == "feedback"]
     assert [r["rating"] for r in records] == [1, -1] and records[-1]["status"] == "applied"
+
+
+def test_a_rating_with_a_correction_answers_at_once_while_the_teacher_scores_it(server_factory):
+    """Issue 43: 15 ratings with corrections took 6.4 minutes, each waiting for its teacher pass."""
+    import asyncio
+    import time
+
+    server = learning_server(server_factory, learn=False)
+    alice = server.key("alice")
+    judge = server.app.state.services.judge
+    release = asyncio.Event()
+    teacher = judge.teacher
+
+    async def slow_teacher(turn, hint, detail=None):
+        await release.wait()  # a teacher pass that takes as long as the test wants
+        return await teacher(turn, hint, detail)
+
+    judge.teacher = slow_teacher
+    replies = [server.client(alice).chat.completions.create(model="tiny", messages=ASK, max_tokens=3) for _ in range(3)]
+    for reply in replies:
+        started = time.perf_counter()
+        answer = rate(server, alice, reply.id, -1, "Answer in one short sentence.", settle=False)
+        assert time.perf_counter() - started < 1.0, "the answer waited for the teacher pass"
+        assert answer.json()["status"] == "accepted" and answer.json()["turn_index"] == 1
+    assert all(sample_of(server, r.id) is None for r in replies), "the samples are still being made"
+    server.call(_set(release))
+    server.drain_judge()
+    made = [sample_of(server, r.id) for r in replies]
+    assert all(s.reward == -1.0 and s.hint == "Answer in one short sentence." and s.teacher_logprobs for s in made)
+
+
+async def _set(event) -> None:
+    event.set()
 
 
 def test_only_the_user_who_got_the_reply_may_rate_it(server_factory):
@@ -87,7 +125,7 @@ def test_an_earlier_turn_can_be_rated_after_the_conversation_went_on(server_fact
     server.drain_judge()
     assert server.app.state.services.sessions.find_turn("alice", first.id) is None
     resp = rate(server, alice, first.id, -1)
-    assert resp.status_code == 200 and resp.json()["status"] == "applied"
+    assert resp.status_code == 200 and resp.json()["status"] == "accepted"
     assert sample_of(server, first.id).reward == -1.0
 
 
@@ -95,7 +133,7 @@ def test_a_trained_turn_is_recorded_not_retrained(server_factory):
     server = learning_server(server_factory, batch_size=1)
     alice = server.key("alice")
     reply = server.client(alice).chat.completions.create(model="tiny", messages=ASK, max_tokens=3)
-    assert rate(server, alice, reply.id, 1).json()["status"] == "applied"
+    assert rate(server, alice, reply.id, 1).json()["status"] == "accepted"
     wait_for(lambda: server.app.state.services.policies.current("alice").version == 1)
     resp = rate(server, alice, reply.id, -1)
     assert resp.status_code == 200 and resp.json()["status"] == "already_trained"
@@ -116,7 +154,7 @@ def test_feedback_alone_moves_the_model_toward_what_the_user_rewards(server_fact
         reply = client.chat.completions.create(model="tiny", messages=ASK, max_tokens=6, temperature=1.0, seed=i)
         liked[reply.id] = i % 2 == 0
         correction = None if liked[reply.id] else "Be brief and friendly."
-        assert rate(server, alice, reply.id, 1 if liked[reply.id] else -1, correction).json()["status"] == "applied"
+        assert rate(server, alice, reply.id, 1 if liked[reply.id] else -1, correction).json()["status"] == "accepted"
     wait_for(lambda: server.app.state.services.policies.current("alice").version == 2, timeout=120)
 
     engine, adapter = server.app.state.services.turns.engine, server.app.state.services.policies.current("alice").adapter
@@ -139,7 +177,7 @@ def test_the_readmes_openai_sdk_call_works(server_factory):
     reply = client.chat.completions.create(model="tiny", messages=ASK, max_tokens=3)
     answer = client.post("/feedback", cast_to=object,
                          body={"response_id": reply.id, "rating": -1, "correction": "Answer in French."})
-    assert answer["status"] == "applied" and answer["object"] == "feedback"
+    assert answer["status"] == "accepted" and answer["object"] == "feedback"
 
 
 def test_a_few_ratings_publish_a_version_without_filling_a_batch(server_factory):
@@ -177,7 +215,7 @@ def test_a_lone_user_beside_an_admin_key_trains_from_four_ratings_of_any_api(ser
     assert [i.split("-")[0].split("_")[0] for i in ids] == ["chatcmpl", "msg", "resp", "chatcmpl"]
     for i, response_id in enumerate(ids):
         answer = rate(server, alice, response_id, 1 if i % 2 else -1)
-        assert answer.status_code == 200 and answer.json()["status"] == "applied", answer.text
+        assert answer.status_code == 200 and answer.json()["status"] == "accepted", answer.text
         assert sample_of(server, response_id).feedback["rating"] == (1 if i % 2 else -1)
     assert server.settings.learner.max_user_share == 0.5 and server.settings.learner.batch_size == 16
     wait_for(lambda: server.app.state.services.policies.current("alice").version == 1, timeout=90)
@@ -196,7 +234,7 @@ def test_the_policy_teacher_scores_with_the_serving_version_once_the_turns_is_go
     def rated_pair(seed: int) -> None:
         for i in range(2):
             reply = client.chat.completions.create(model="tiny", messages=ASK, max_tokens=3, seed=seed + i)
-            assert rate(server, alice, reply.id, 1).json()["status"] == "applied"
+            assert rate(server, alice, reply.id, 1).json()["status"] == "accepted"
 
     rated_pair(0)
     wait_for(lambda: server.app.state.services.policies.current("alice").version == 1)
@@ -208,7 +246,7 @@ def test_the_policy_teacher_scores_with_the_serving_version_once_the_turns_is_go
     engine = server.app.state.services.turns.engine
     wait_for(lambda: v1 not in engine.adapters)
     resp = rate(server, alice, late.parse().id, -1, "Say it more kindly.")
-    assert resp.status_code == 200 and resp.json()["status"] == "applied", resp.text
+    assert resp.status_code == 200 and resp.json()["status"] == "accepted", resp.text
     sample = sample_of(server, late.parse().id)
     assert sample.adapter == v1 and len(sample.teacher_logprobs) == len(sample.response_ids)
 
@@ -228,7 +266,7 @@ def rate_four(server, alice: str) -> list[str]:
     ids = []
     for i in range(4):
         reply = client.chat.completions.create(model="tiny", messages=ASK, max_tokens=6, seed=i)
-        assert rate(server, alice, reply.id, 1 if i % 2 else -1, "Answer in one short sentence.").json()["status"] == "applied"
+        assert rate(server, alice, reply.id, 1 if i % 2 else -1, "Answer in one short sentence.").json()["status"] == "accepted"
         ids.append(reply.id)
     return ids
 
