@@ -131,20 +131,28 @@ def describe_step(step: dict[str, Any]) -> str:
     return ", ".join(parts)
 
 
+HINDSIGHT_NOTE = ("the judge failed its start-up check: next states teach as hints of their own (the served model "
+                  "reads each reply again knowing what followed it), with no reward; ratings (POST /v1/feedback) "
+                  "train too. Rewards need a capable judge: NEXTSTATE_JUDGE_BASE_URL.")
+
+
+def _benched(judge: dict[str, Any] | None) -> str | None:
+    """"hindsight" or "ratings" when the judge failed its check (what its next states do then)."""
+    calibration = (judge or {}).get("calibration") or {}
+    if calibration.get("state") != "failed":
+        return None
+    return "hindsight" if (judge or {}).get("fallback") == "hindsight" else "ratings"
+
+
 def _waiting(waiting: list[dict[str, Any]] | None, judge: dict[str, Any] | None) -> list[dict[str, Any]] | None:
-    """What training waits for: each scope's reason, and a benched judge (its next states are
-    kept, not judged). None when no server is running to say."""
+    """What training waits for while it holds: each scope's reason, and a benched judge whose
+    next states are kept, not judged. (A benched judge with the hindsight fallback holds
+    nothing back, so it is no wait: the judge line says what it does.) None when no server is
+    running to say."""
     if waiting is None:
         return None
     out = list(waiting)
-    calibration = (judge or {}).get("calibration") or {}
-    if calibration.get("state") == "failed" and (judge or {}).get("fallback") == "hindsight":
-        out.append({"scope": "*", "reason": "judge_benched", "ready": None,
-                    "detail": "the judge failed its start-up check: next states teach as hints of their own (the "
-                              "served model reads each reply again knowing what followed it), with no reward; "
-                              "ratings (POST /v1/feedback) train too. Rewards need a capable judge: "
-                              "NEXTSTATE_JUDGE_BASE_URL."})
-    elif calibration.get("state") == "failed":
+    if _benched(judge) == "ratings":
         out.append({"scope": "*", "reason": "judge_benched", "ready": None,
                     "detail": "the judge failed its start-up check: next states are kept, not judged; explicit "
                               "ratings (POST /v1/feedback) train. A capable judge: NEXTSTATE_JUDGE_BASE_URL."})
@@ -185,6 +193,8 @@ def render_text(report: dict[str, Any], where: str) -> str:
         lines.append(f"judge: calibration {calibration['state']}: {calibration['detail']}")
     else:
         lines.append("judge: not checked yet")
+    if _benched(report.get("judge")) == "hindsight":
+        lines.append(f"judge: {HINDSIGHT_NOTE}")
     fb = report["feedback"]
     lines.append(f"explicit feedback: {fb['up']} good, {fb['down']} bad ({fb['with_correction']} with a correction)")
     s = report["samples"]
@@ -209,11 +219,14 @@ def render_text(report: dict[str, Any], where: str) -> str:
     for reason, n in sorted((s.get("returned") or {}).items(), key=lambda kv: -kv[1]):
         lines.append(f"{n} sample(s) ready again after an update was not published: {reason}")
     if report["by_version"]:
+        serving = {x["scope"]: x["serving"] for x in report["scopes"]}
         lines.append("")
-        lines.append(f"{'scope':<10} {'served by':>9}  {'samples':>7}  {'accepted':>8}  {'mean reward':>11}  {'rated +/-':>9}")
+        lines.append("judged turns, by the version that answered them:")
+        lines.append(f"{'scope':<10} {'version':>9}  {'samples':>7}  {'accepted':>8}  {'mean reward':>11}  {'rated +/-':>9}")
         for v in report["by_version"]:
+            now = "  (serving now)" if serving.get(v["scope"], 0) == v["policy_version"] else ""
             lines.append(f"{str(v['scope'])[:10]:<10} {'v' + str(v['policy_version']):>9}  {v['samples']:>7}  {v['accepted']:>8}  "
-                         f"{_fmt(v['mean_reward']):>11}  {str(v['feedback_up']) + '/' + str(v['feedback_down']):>9}")
+                         f"{_fmt(v['mean_reward']):>11}  {str(v['feedback_up']) + '/' + str(v['feedback_down']):>9}{now}")
     if report["steps"]:
         lines.append("")
         lines.append(f"{'update':>8}  {'scope':<10} {'samples':>7}  {'loss':>8}  {'KL':>8}  {'clip':>6}  outcome")

@@ -49,6 +49,17 @@ def test_progress_report_has_the_figures(learned):
     assert [s["version"] for s in published] == [1, 2]
     assert all(s["loss"] is not None and s["swap_s"] is not None for s in published)
     assert report["learning_rate"] == 5e-3
+    # the table is by the version that answered the turns: v0's row is not "served by v0" now
+    from nextstate.progress import render_text
+
+    def table(report: dict) -> dict[str, bool]:  # version → marked as serving now
+        return {line.split()[1]: line.endswith("(serving now)") for line in render_text(report, "here").splitlines()
+                if line.startswith("shared ")}
+
+    assert "judged turns, by the version that answered them:" in render_text(report, "here")
+    assert not any(table(report).values()), "v2 serves, and answered no judged turn yet"
+    answered_by_v2 = {**report, "by_version": by_version + [{**by_version[0], "policy_version": 2}]}
+    assert table(answered_by_v2) == {**{f"v{v['policy_version']}": False for v in by_version}, "v2": True}
     user = learned.key("bob")
     assert httpx.get(f"{learned.base_url}/admin/progress", headers={"Authorization": f"Bearer {user}"}).status_code == 403
 
@@ -277,9 +288,12 @@ def test_nextstate_status_tells_what_a_benched_judges_next_states_do(tmp_path):
     store.close()
     env = {k: v for k, v in os.environ.items() if not k.startswith("NEXTSTATE_")}
     env["NEXTSTATE_DATA_DIR"] = str(data)
-    for fallback, said in (("hindsight", "next states teach as hints of their own"),
-                           ("ratings", "next states are kept, not judged")):
+    for fallback, said in (("hindsight", "judge: the judge failed its start-up check: next states teach as hints of their own"),
+                           ("ratings", "training waits (*, judge_benched): the judge failed its start-up check: "
+                                       "next states are kept, not judged")):
         done = subprocess.run([sys.executable, "-m", "nextstate.cli", "status"], capture_output=True, text=True,
                               env={**env, "NEXTSTATE_JUDGE_FALLBACK": fallback}, timeout=120)
-        assert done.returncode == 0 and f"training waits (*, judge_benched): the judge failed its start-up check: {said}" \
-            in done.stdout, done.stdout + done.stderr
+        assert done.returncode == 0 and said in done.stdout, done.stdout + done.stderr
+    # with the hindsight fallback nothing waits for the judge: next states train
+    assert "judge_benched" not in subprocess.run([sys.executable, "-m", "nextstate.cli", "status"], capture_output=True,
+                                                 text=True, env=env, timeout=120).stdout
