@@ -42,10 +42,22 @@ OPENCLAW_HARNESS_PATTERNS = (
     r"^(?:\[[^\]\n]{1,60}\]\s*)?The previous attempt did not produce a user-visible answer\.",
 )
 
-# Text an agent wraps around its user's words, removed from what the judge reads. OpenClaw 2026.9
-# sends a message typed while a reply was aborted folded into the next one under this notice.
+# Requests an agent sends for itself, served as side turns (proxy/harness_turns.py): OpenClaw
+# 2026.9's pre-compaction memory flush (the last user message) and its compaction summariser
+# (the system prompt).
+OPENCLAW_HARNESS_TURNS = (
+    r"\A(?:\[[^\]\n]{1,60}\]\s*)?Pre-compaction memory flush\.",
+    r"\AYou are a context summarization assistant\.",
+)
+
+# Text an agent wraps around its user's words, removed from what the judge reads (the records keep
+# it): OpenClaw 2026.9's timestamp envelope on every message ("[Thu 2026-11-26 11:34 UTC] "), its
+# runtime line, and its notice over a message typed while a reply was aborted, folded into the
+# next one (after the envelope, when the envelope is there).
 OPENCLAW_HARNESS_WRAPPERS = (
-    r"(?m)^\[Queued user message from a previous active turn; preserved as context only\. "
+    r"\A\[(?:Mon|Tue|Wed|Thu|Fri|Sat|Sun) \d{4}-\d{2}-\d{2} \d{2}:\d{2}(?::\d{2})?(?: [A-Za-z][\w+:/-]*)?\] ",
+    r"(?m)^Runtime: agent=.*(?:\n|\Z)",
+    r"(?m)^(?:\[[^\]\n]{1,60}\]\s*)?\[Queued user message from a previous active turn; preserved as context only\. "
     r"Continue with the active prompt below\.\]\n?",
 )
 
@@ -147,7 +159,13 @@ class ServerSettings(BaseSettings):
         description="Regexes (JSON list) of text removed before matching a request to its session.",
     )
 
-    @field_validator("session_volatile_patterns")
+    harness_turns: list[str] = Field(
+        list(OPENCLAW_HARNESS_TURNS),
+        description="Regexes (JSON list): a request whose system prompt or last user message matches one is the "
+        "agent's own (a memory flush, a compaction), served as a side turn: never a next state, a session or trained.",
+    )
+
+    @field_validator("session_volatile_patterns", "harness_turns")
     @classmethod
     def _compiles(cls, value: list[str]) -> list[str]:
         return _compiled(value)

@@ -63,6 +63,7 @@ from nextstate.proxy.feedback_routes import router as feedback_router
 from nextstate.proxy.session_routes import router as session_router
 from nextstate.proxy.session_chain import VolatileText
 from nextstate.proxy.session_db import SessionDB
+from nextstate.proxy.harness_turns import HarnessTurns
 from nextstate.proxy.sessions import SessionStore
 
 log = logging.getLogger(__name__)
@@ -219,6 +220,7 @@ def create_app(settings: Settings | None = None, *, engine_factory: EngineFactor
             max_sessions=settings.server.max_sessions,
             max_per_user=settings.server.max_sessions_per_user,
             volatile=VolatileText(settings.server.session_volatile_patterns),
+            harness=HarnessTurns(settings.server.harness_turns),
             db=session_db,
             worker=worker,
             rehand=lambda transition: inbox.submit(transition, again=True),  # counted when first handed over

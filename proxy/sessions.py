@@ -57,6 +57,7 @@ from typing import Any, Literal
 import pydantic_core
 
 from nextstate.core.types import NextState, Transition, Turn
+from nextstate.proxy.harness_turns import HarnessTurns
 from nextstate.proxy.session_chain import Chain, MessageDigests, VolatileText, chain_step
 from nextstate.proxy.session_db import SessionDB, Write
 
@@ -202,6 +203,7 @@ class SessionStore:
         db: SessionDB | None = None,
         worker: str = "",
         rehand: TransitionSink | None = None,
+        harness: HarnessTurns | None = None,
     ) -> None:
         """`rehand`: where transitions a row read back says were on their way go again (the
         judge's inbox, told it is a repeat; `emit` if not given)."""
@@ -215,6 +217,7 @@ class SessionStore:
         self.max_per_user = max_per_user or max_sessions
         self._clock = clock
         self.digests = MessageDigests(volatile if volatile is not None else VolatileText())
+        self._harness = harness or HarnessTurns()  # the agent's own requests: side turns
         self._db = db  # a SessionDB, or None to keep sessions in memory only
         self._sessions: OrderedDict[tuple[str, str], Session] = OrderedDict()  # least recent first
         self._per_user: dict[str, OrderedDict[str, Session]] = {}  # the same, by user
@@ -302,6 +305,8 @@ class SessionStore:
         """Classify a request (`request`: its chain, if made already); nothing changes until
         its reply is committed."""
         request = request if request is not None else self.chain(user, messages)
+        if turn_type is None and self._harness.matches(messages):
+            turn_type = "side"  # a memory flush or a compaction: never the person's reaction, never a session
         if session_id is not None:
             session = self._sessions.get((user, session_id)) or Session(session_id, user, True, self._clock())
             match = self._classify(session, request, messages)

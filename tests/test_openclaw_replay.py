@@ -78,8 +78,8 @@ class Replay:
         self.server.stop()
         self.server = start_server(self.server.settings, self.engine_factory)
 
-    def send(self, row: dict) -> tuple[int, str | None, str | None]:
-        body = {**row["req_body"], "max_completion_tokens": 1024}
+    def send(self, row: dict, max_tokens: int = 1024) -> tuple[int, str | None, str | None]:
+        body = {**row["req_body"], "max_completion_tokens": max_tokens}
         self.engine.script(FORCED_CALL if isinstance(body.get("tool_choice"), dict) else recorded_reply(row))
         headers = {k: v for k, v in row["req_headers"].items() if k in KEEP_HEADERS}
         with httpx.stream("POST", f"{self.server.base_url}/chat/completions", json=body, timeout=60,
@@ -134,7 +134,8 @@ def test_an_openclaw_conversation_is_one_session_with_the_users_next_states(repl
     assert all(t["reason"] == "next_state" for t in with_next)
     assert any(t["edited"] for t in with_next), "OpenClaw rewrote our replies; those turns say so"
 
-    samples = {s.turn_index: s for s in server.app.state.services.samples.samples() if s.session_id == session}
+    samples = {s.turn_index: s for s in server.app.state.services.samples.samples()
+               if s.session_id == session and s.accepted_from is None}
     retry_turns = [t["turn_index"] for t in with_next if "did not produce a user-visible answer" in json.dumps(t["next_state"])]
     assert len(retry_turns) == 1
     for index, sample in samples.items():
@@ -228,3 +229,59 @@ def test_an_aborted_reply_and_openclaws_merge_and_rewrite_keep_every_turn_and_on
     judged = [json.dumps(call) for call in replay.judge.calls]
     assert judged and not any("Queued user message" in text for text in judged), "the judge reads the user, not OpenClaw"
     assert any(u2["content"].split("] ", 1)[1][:40] in text for text in judged)
+
+
+DAY = Path(__file__).parent / "data" / "openclaw-2026.9.6-abort-flush-compaction" / "traffic.jsonl"
+HARNESS_TEXTS = ("Pre-compaction memory flush", "context summarization assistant", "<conversation>",
+                 "Queued user message", "[Thu 2026-11-26")
+
+
+def test_a_day_with_an_abort_a_memory_flush_and_a_compaction_keeps_only_the_persons_words(replay):
+    """Issue 43's capture, replayed: the person cuts a reply off (n 4) and aborts the next
+    message (n 5), OpenClaw folds it into the following one after its timestamp (n 6) and then
+    rewrites it (n 7); near the end of its context it sends its memory flush as the last user
+    message (n 8) and seven compaction requests (n 9-15, one cut off). The person's turns are one
+    session; the flush and the summaries are side turns, no one's reaction and no session; the
+    judge reads the person's words without OpenClaw's timestamps, runtime line or notice."""
+    day = [json.loads(line) for line in DAY.read_text().splitlines()]
+    answered = {}
+    for row in day:
+        if row.get("client_gone"):  # the client hung up mid-stream: abort it the same way
+            body = {**row["req_body"], "max_completion_tokens": 1024}
+            replay.engine.delay_s = 0.05
+            replay.engine.script("A long answer that the person will never see to its end. " * 4)
+            with httpx.stream("POST", f"{replay.server.base_url}/chat/completions", json=body, timeout=60,
+                              headers={"Authorization": f"Bearer {replay.key}"}) as response:
+                lines = response.iter_lines()
+                next(lines), next(lines)
+            replay.engine.delay_s = 0.0
+            continue
+        answered[row["n"]] = replay.send(row, max_tokens=4096)  # these replies are long: never cut, as they were not
+    assert all(status == 200 for status, _, _ in answered.values()), answered
+    person = {n: a for n, a in answered.items() if n <= 7}
+    harness = {n: a for n, a in answered.items() if n >= 8}
+    assert {turn_type for _, _, turn_type in person.values()} == {"main"}
+    assert len({session for _, session, _ in person.values()}) == 1, "the person's day is one session"
+    assert {turn_type for _, _, turn_type in harness.values()} == {"side"}, "the flush and the summaries are OpenClaw's"
+    (session,) = {session for _, session, _ in person.values()}
+    assert {s for n, (_, s, _) in harness.items() if n >= 9} <= {None}, "a summary opens no session"
+
+    server = replay.server
+    server.end_conversations()
+    server.drain_judge()
+    records = server.records()
+    assert {r["session_id"] for r in records if r["kind"] == "transition"} == {session}
+    transitions = sorted((r for r in records if r["kind"] == "transition"), key=lambda r: r["turn_index"])
+    # n 1, 2, 3, 6 (the merged message) and 7 are the person's five turns; the last has no next state
+    assert [(t["turn_index"], t["reason"]) for t in transitions] == [
+        (1, "next_state"), (2, "next_state"), (3, "next_state"), (4, "next_state"), (5, "session_closed")]
+    for t in transitions:
+        text = json.dumps(t["next_state"] or [])
+        assert "Pre-compaction memory flush" not in text and "<conversation>" not in text, t
+        assert not any(m["role"] == "assistant" for m in t["next_state"] or []), t
+    reaction = transitions[3]["next_state"]
+    assert [m["content"].split("] ", 1)[1][:25] for m in reaction] == ["Too long. One sentence pl"]
+    judged = [json.dumps(call) for call in replay.judge.calls]
+    assert judged and not any(text in call for call in judged for text in HARNESS_TEXTS), "the judge reads the person"
+    assert any("Sorry, I cut you off." in call for call in judged), "the person's own words are read"
+    assert not any("Runtime: agent=" in call for call in judged)
