@@ -15,6 +15,7 @@ crash at any point neither loses a sample nor trains one twice.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import math
 import shutil
@@ -49,6 +50,8 @@ MEMORY_RETRY_S = 300.0
 # after this long, doubled with each try of its oldest sample, at most UNPUBLISHED_RETRY_MAX_S.
 # The next try starts shorter than anything the last one tried (learner/step_sizes.py), so it
 # is not refused the same way again.
+# TRAINING.json is written again at most this often while training passes report progress.
+PASSES_WRITE_S = 5.0
 UNPUBLISHED_RETRY_S = 60.0
 UNPUBLISHED_RETRY_MAX_S = 1800.0
 
@@ -85,7 +88,8 @@ class Learner:
         self.waiting: dict[str, Waiting] = {}  # per scope with ready samples and no batch: why
         self._step_index: dict[str, int] = {}  # updates tried per scope, published or skipped
         self._refused: dict[str, tuple[float, str, str]] = {}  # per scope: retry time, waiting reason, why
-        self.training: dict[str, Any] | None = None  # the update running now: scope, samples, since, phase
+        self.training: dict[str, Any] | None = None  # the update running now: scope, samples, since, phase, passes
+        self._passes_written = 0.0
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
         self._lock = asyncio.Lock()  # one update or rollback at a time
@@ -230,6 +234,19 @@ class Learner:
         except OSError:
             log.warning("learner: could not write TRAINING.json (status will not show the update running)")
 
+    def _passes(self, done: int, total: int) -> None:
+        """The trainer's thread reports each training pass: the live report shows it at once,
+        TRAINING.json (for `nextstate status` from the data dir) every few seconds."""
+        training = self.training
+        if training is None:
+            return
+        training["passes"] = [done, total]
+        now = time.monotonic()
+        if done == total or now - self._passes_written >= PASSES_WRITE_S:
+            self._passes_written = now
+            with contextlib.suppress(OSError):
+                self.versions.write_training(training)
+
     async def _update(self, scope: str, samples: list[Sample]) -> StepResult | None:
         current = self.policies.current_scope(scope)
         step_index = self._step_index[scope] = self._step_index.get(scope, 0) + 1
@@ -245,7 +262,7 @@ class Learner:
             return self._not_started(record, StepResult.not_started(scope, batch, plan), current.version)
         held = await asyncio.to_thread(self.gate.hold_out, scope, {x.id for x in batch}) if self.gate else None
         self._phase(scope, len(batch), "training")
-        result = await asyncio.to_thread(self.trainer.step, scope, batch)
+        result = await asyncio.to_thread(self.trainer.step, scope, batch, self._passes)
         if result.refused:
             return self._not_started(record, result, current.version)
         self._refused.pop(scope, None)

@@ -19,6 +19,7 @@ import math
 import time
 import warnings
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -403,9 +404,11 @@ class LoraTrainer:
         would not fit in memory now (learner/memory_budget.py)."""
         return self.memory.plan([self._row_length(s) for s in samples], self.settings.micro_batch_tokens)
 
-    def step(self, scope: str, samples: list[Sample]) -> StepResult:
+    def step(self, scope: str, samples: list[Sample], progress: Callable[[int, int], None] | None = None) -> StepResult:
         """One PPO update on `samples`. A sample whose loss is not finite is left out (its id in
-        `dropped`) and the others train; a step whose gradients or policy KL go wrong is undone."""
+        `dropped`) and the others train; a step whose gradients or policy KL go wrong is undone.
+        `progress(done, total)` hears of each training pass (a forward and backward over one
+        micro-batch): on two cores an update on agent-size samples takes many minutes."""
         started = time.monotonic()
         c = self.settings
         plan = self.memory_plan(samples)
@@ -425,6 +428,9 @@ class LoraTrainer:
         mean_adv = sum(a * m for s in samples for a, m in zip(s.advantages, s.loss_mask)) / max(tokens, 1)
         skipped = None
         steps = 0
+        passes = c.ppo_epochs * sum(len(self._micro_batches(samples[start: start + c.minibatch]))
+                                    for start in range(0, len(samples), c.minibatch))
+        done = 0
         try:
             for epoch in range(c.ppo_epochs):
                 for start in range(0, len(samples), c.minibatch):
@@ -464,6 +470,9 @@ class LoraTrainer:
                         padded = len(members) * max(self._row_length(samples[i]) for i in members)
                         self.memory.record(padded, meter.added)
                         peak_added = max(peak_added, meter.added)
+                        done += 1
+                        if progress is not None:
+                            progress(min(done, passes), passes)
                     if len(dropped) == len(samples) or not math.isfinite(totals["loss"]) or any(
                         p.grad is not None and not torch.isfinite(p.grad).all() for p in params
                     ):

@@ -18,7 +18,7 @@ from urllib.parse import parse_qs
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import HTMLResponse, RedirectResponse, Response
 
-from nextstate.progress import live_report
+from nextstate.progress import describe_training, live_report
 from nextstate.services import app_services
 from nextstate.proxy.auth import authenticate_admin, bearer_secret
 from nextstate.proxy.keys import ApiKey, KeyStore
@@ -246,8 +246,7 @@ def render_page(report: dict[str, Any]) -> str:
     gate = "".join(f"<tr><td>{_e(s.get('version') if s.get('version') is not None else '-')}</td><td>{_e(s.get('scope'))}</td>"
                    f"<td>{_e(s.get('summary') or s.get('skipped'))}</td></tr>" for s in told[-MAX_STEPS_TOLD:])
     training = report.get("training")
-    now = (f'<div>training now ({_e(training["scope"])}): an update on {training["samples"]} samples, '
-           f'{_e(training["phase"])}</div>' if training else "")
+    now = f"<div>{_e(describe_training(training))}</div>" if training else ""
     waits = "".join(f"<tr><td>{_e(w['scope'])}</td><td>{_e(w['reason'])}</td><td>{_e(w['detail'])}</td></tr>"
                     for w in report.get("waiting") or [])
     cards = [

@@ -97,6 +97,15 @@ def progress_report(
     }
 
 
+def describe_training(training: dict[str, Any]) -> str:
+    """The update running now, in a line: "training now (alice): an update on 16 samples,
+    training (pass 5 of 16), started 312 s ago"."""
+    passes = training.get("passes")
+    phase = training["phase"] + (f" (pass {passes[0]} of {passes[1]})" if passes and training["phase"] == "training" else "")
+    return (f"training now ({training['scope']}): an update on {training['samples']} samples, {phase}, "
+            f"started {max(0, time.time() - training['since']):.0f} s ago")
+
+
 def _scale(value: float) -> str:
     return "half" if value == 0.5 else f"{value:.2g}"
 
@@ -209,8 +218,7 @@ def render_text(report: dict[str, Any], where: str) -> str:
     else:
         lines.append("adapters: none yet (the base model serves)")
     if training := report.get("training"):
-        lines.append(f"training now ({training['scope']}): an update on {training['samples']} samples, "
-                     f"{training['phase']}, started {max(0, time.time() - training['since']):.0f} s ago")
+        lines.append(describe_training(training))
     if report.get("waiting"):
         for w in report["waiting"]:
             lines.append(f"training waits ({w['scope']}, {w['reason']}): {w['detail']}")

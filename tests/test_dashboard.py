@@ -261,9 +261,9 @@ def test_nextstate_status_says_which_update_runs_now(tmp_path):
 
     store, versions = SampleStore(tmp_path / "samples.sqlite3"), AdapterVersions(tmp_path / "adapters")
     try:
-        versions.write_training({"scope": "alice", "samples": 4, "since": 0.0, "phase": "training"})
+        versions.write_training({"scope": "alice", "samples": 4, "since": 0.0, "phase": "training", "passes": [3, 8]})
         text = render_text(progress_report(store, versions, mode="combined"), "here")
-        assert "training now (alice): an update on 4 samples, training" in text, text
+        assert "training now (alice): an update on 4 samples, training (pass 3 of 8), started" in text, text
         state = _json.loads((versions.root / "TRAINING.json").read_text())
         (versions.root / "TRAINING.json").write_text(_json.dumps({**state, "pid": 2**22 + 12345}))
         assert progress_report(store, versions, mode="combined")["training"] is None, "a dead learner's file"
@@ -297,3 +297,47 @@ def test_nextstate_status_tells_what_a_benched_judges_next_states_do(tmp_path):
     # with the hindsight fallback nothing waits for the judge: next states train
     assert "judge_benched" not in subprocess.run([sys.executable, "-m", "nextstate.cli", "status"], capture_output=True,
                                                  text=True, env=env, timeout=120).stdout
+
+
+def test_a_running_update_shows_its_pass_progress_live_and_from_the_data_dir(server_factory):
+    """Issue 43: for 19 and then 35 minutes of training, status showed only what the scope had
+    waited for. Here the trainer is held after its first pass: the live report, `nextstate
+    status` (from the data dir) and the dashboard say which update runs, on how much, how far."""
+    import os
+    import subprocess
+    import sys
+    import threading
+
+    server = learning_server(server_factory, batch_size=2, adapter_scope="user")
+    learner = server.app.state.services.learner
+    hold = threading.Event()
+    report_pass = learner._passes
+
+    def held_pass(done: int, total: int) -> None:  # runs in the trainer's thread
+        report_pass(done, total)
+        hold.wait(60)
+
+    learner._passes = held_pass
+    alice = server.key("alice")
+    client = server.client(alice)
+    for i in range(2):
+        rate(server, alice, client.chat.completions.create(model="tiny", messages=ASK, max_tokens=4, seed=i).id, 1)
+    admin = server.key("root", admin=True)
+    headers = {"Authorization": f"Bearer {admin}"}
+    try:
+        wait_for(lambda: (httpx.get(f"{server.base_url}/admin/progress", headers=headers).json().get("training")
+                          or {}).get("passes"), timeout=60)
+        live = httpx.get(f"{server.base_url}/admin/progress", headers=headers).json()["training"]
+        assert (live["scope"], live["samples"], live["phase"], live["passes"][0]) == ("alice", 2, "training", 1)
+        env = {k: v for k, v in os.environ.items() if not k.startswith("NEXTSTATE_")}
+        env["NEXTSTATE_DATA_DIR"] = str(server.settings.data_dir)
+        status = subprocess.run([sys.executable, "-m", "nextstate.cli", "status"], capture_output=True, text=True,
+                                env=env, timeout=120).stdout
+        assert f"training now (alice): an update on 2 samples, training (pass 1 of {live['passes'][1]})" in status, status
+        login = httpx.post(f"{server.root}/dashboard/login", data={"key": admin})
+        assert "training now (alice): an update on 2 samples, training (pass 1 of" in httpx.get(
+            f"{server.root}/dashboard", cookies=login.cookies).text
+    finally:
+        hold.set()
+    wait_for(lambda: server.app.state.services.policies.current("alice").version == 1, timeout=120)
+    assert httpx.get(f"{server.base_url}/admin/progress", headers=headers).json()["training"] is None
