@@ -1,4 +1,6 @@
-"""Server-sent events as OpenAI-compatible clients read them: `data: <json>` lines, `[DONE]`."""
+"""Server-sent events as the three APIs' clients read them: `data: <json>` lines (Chat
+Completions, ending in `[DONE]`), and named events, `event: <type>` before the data (Anthropic's
+Messages and OpenAI's Responses)."""
 
 from __future__ import annotations
 
@@ -6,10 +8,11 @@ import json
 from typing import Any
 
 
-def sse_event(payload: str | dict[str, Any]) -> str:
-    """One event; a dict is serialised, a string is taken as JSON already."""
+def sse_event(payload: str | dict[str, Any], name: str | None = None) -> str:
+    """One event; a dict is serialised, a string is taken as JSON already. `name`: the event
+    type line the Messages and Responses streams put before each event."""
     text = payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False)
-    return f"data: {text}\n\n"
+    return (f"event: {name}\n" if name else "") + f"data: {text}\n\n"
 
 
 def sse_done() -> str:

@@ -20,6 +20,7 @@ from nextstate.proxy.decode import Delta as TurnDelta
 from nextstate.proxy.errors import ApiError
 from nextstate.proxy.keys import ApiKey
 from nextstate.proxy.messages.protocol import MessagesRequest, tool_input
+from nextstate.proxy.sse import sse_event
 from nextstate.proxy.turn_stream import stream_turn
 from nextstate.proxy.turns import PreparedTurn, TurnRequest, TurnService
 from nextstate.proxy.wire import TurnHints
@@ -63,7 +64,7 @@ def tool_use_block(call: ParsedToolCall) -> dict[str, Any]:
 
 
 def event(kind: str, data: dict[str, Any]) -> str:
-    return f"event: {kind}\ndata: {json.dumps({'type': kind, **data}, ensure_ascii=False)}\n\n"
+    return sse_event({"type": kind, **data}, name=kind)
 
 
 class MessageBuilder:

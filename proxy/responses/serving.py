@@ -14,7 +14,6 @@ default) the conversation is kept for a later `previous_response_id`.
 from __future__ import annotations
 
 import asyncio
-import json
 from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
@@ -27,7 +26,7 @@ from nextstate.proxy.errors import ApiError
 from nextstate.proxy.keys import ApiKey
 from nextstate.proxy.responses.protocol import ResponsesRequest
 from nextstate.proxy.responses.store import ResponseStore
-from nextstate.proxy.sse import sse_comment
+from nextstate.proxy.sse import sse_comment, sse_event
 from nextstate.proxy.turn_stream import stream_turn
 from nextstate.proxy.turns import PreparedTurn, TurnRequest, TurnService
 from nextstate.proxy.wire import TurnHints
@@ -99,7 +98,7 @@ class ResponseBuilder:
     def event(self, kind: str, **data: Any) -> str:
         self._sequence += 1
         payload = {"type": kind, "sequence_number": self._sequence, **data}
-        return f"event: {kind}\ndata: {json.dumps(payload, ensure_ascii=False)}\n\n"
+        return sse_event(payload, name=kind)
 
     # the StreamWriter of proxy/turn_stream.py
     def start(self, policy: PolicyRef) -> str:
