@@ -13,6 +13,8 @@ CPU, bound to loopback. docs/configuration.md's table mirrors this file (a test 
 
 from __future__ import annotations
 
+import logging
+import os
 import re
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,6 +24,8 @@ from pydantic import BaseModel, Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from nextstate.core.database import is_postgres_url
+
+log = logging.getLogger(__name__)
 
 _ENV = SettingsConfigDict(env_prefix="NEXTSTATE_", extra="ignore")
 
@@ -196,6 +200,10 @@ class ServerSettings(BaseSettings):
         return self
 
 
+# Engine settings renamed when vLLM joined SGLang: old variable → field.
+RENAMED_ENGINE_VARIABLES = {"NEXTSTATE_SGLANG_TIMEOUT_S": "engine_timeout_s", "NEXTSTATE_SGLANG_RETRIES": "engine_retries"}
+
+
 class EngineSettings(BaseSettings):
     """What runs the model: the embedded transformers engine, or an SGLang server.
 
@@ -231,10 +239,22 @@ class EngineSettings(BaseSettings):
         "http://127.0.0.1:8001",
         description="vLLM's OpenAI-compatible API (keep it on loopback; not vLLM's default port 8000, nextstate's own).",
     )
-    sglang_timeout_s: float = Field(300.0, gt=0, description="Longest wait for an answer of the SGLang or vLLM server.")
-    sglang_retries: int = Field(
+    engine_timeout_s: float = Field(300.0, gt=0, description="Longest wait for an answer of the SGLang or vLLM server.")
+    engine_retries: int = Field(
         2, ge=0, description="Retries of calls to the SGLang or vLLM server while safe (before any token)."
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _renamed(cls, data: Any) -> Any:
+        """The names these had when SGLang was the only server, still read (with a line in the log)."""
+        if not isinstance(data, dict):
+            return data
+        for old, field in RENAMED_ENGINE_VARIABLES.items():
+            if old in os.environ and field not in data:
+                log.warning("%s is deprecated: set NEXTSTATE_%s (it configures vLLM too)", old, field.upper())
+                data = {**data, field: os.environ[old]}
+        return data
     device: Literal["auto", "cpu", "cuda"] = "auto"
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     max_concurrent_generations: int = Field(

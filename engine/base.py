@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass
-from typing import Literal, Protocol
+from pathlib import Path
+from typing import Literal, Protocol, runtime_checkable
 
 
 class EngineError(RuntimeError):
@@ -149,4 +150,26 @@ class Engine(Protocol):
 
     async def unload_adapter(self, name: str) -> None: ...
 
+    @property
+    def adapters(self) -> list[str]:
+        """The adapters loaded now, by name: what requests may name."""
+        ...
+
     async def close(self) -> None: ...
+
+
+@runtime_checkable
+class AdapterServer(Protocol):
+    """What an engine whose server outlives nextstate and serves several processes at once
+    (SGLang, vLLM) does besides: the learner that published a version unloads it from the
+    server, so every other process only stops sending it; and a server that outlived a crashed
+    nextstate still holds the versions it loaded. Checked once, when the learner or follower
+    is built (`isinstance`): an in-process engine frees an adapter itself."""
+
+    async def release_adapter(self, name: str) -> None:
+        """Stop sending `name`, leaving it loaded on the server for its other users."""
+        ...
+
+    async def unload_leftovers(self, root: Path, keep: set[str]) -> list[str]:
+        """Unload what the server holds from under `root` that this client did not load."""
+        ...

@@ -18,7 +18,7 @@ import logging
 from pathlib import Path
 
 from nextstate.core.policy import PolicyDirectory, PolicyRef
-from nextstate.engine.base import Engine
+from nextstate.engine.base import AdapterServer, Engine
 from nextstate.learner.registry import VersionRegistry
 from nextstate.learner.versions import AdapterVersions
 
@@ -93,7 +93,7 @@ class VersionFollower:
 
     async def _move(self, scope: str, version: int, name: str, path: str) -> int:
         old = self.policies.current_scope(scope)
-        if name not in getattr(self.engine, "adapters", []):
+        if name not in self.engine.adapters:
             await load_version(self.engine, name, path)
         self.policies.publish(scope, PolicyRef(version=version, adapter=name))
         log.info("serving %s version %d, published by the learner elsewhere", scope, version)
@@ -104,10 +104,9 @@ class VersionFollower:
     async def _release(self, name: str) -> None:
         """Stop holding `name`: an engine server's client forgets it (the learner unloads it
         from the server); an in-process engine frees it."""
-        release = getattr(self.engine, "release_adapter", None)
         try:
-            if release is not None:
-                await release(name)
+            if isinstance(self.engine, AdapterServer):
+                await self.engine.release_adapter(name)
             else:
                 await self.engine.unload_adapter(name)
         except Exception:  # noqa: BLE001 - a version not freed costs memory, not service

@@ -24,7 +24,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any
 
-from nextstate.engine.base import Engine
+from nextstate.engine.base import AdapterServer, Engine
 from nextstate.engine.devices import resolve_device
 from nextstate.learner.batching import Waiting, choose_batch, ready_by_scope
 from nextstate.learner.follower import load_version
@@ -139,9 +139,8 @@ class Learner:
             await self._serve(scope, version, path)
             log.info("learner resumed scope %s at version %d", scope, version)
         # an engine that outlives nextstate (SGLang) may still hold versions it served before
-        leftovers = getattr(self.engine, "unload_leftovers", None)
-        if leftovers is not None:
-            await leftovers(self.versions.root, set(getattr(self.engine, "adapters", [])))
+        if isinstance(self.engine, AdapterServer):
+            await self.engine.unload_leftovers(self.versions.root, set(self.engine.adapters))
 
     # ---------------------------------------------------------------- the loop
 
@@ -365,7 +364,7 @@ class Learner:
         started = time.monotonic()
         name = await asyncio.to_thread(self.versions.serving_name, scope, version)
         old = self.policies.current_scope(scope)
-        if self.engine is not None and name not in getattr(self.engine, "adapters", []):
+        if self.engine is not None and name not in self.engine.adapters:
             await load_version(self.engine, name, str(path))  # a follower elsewhere may be loading it too
         self.policies.publish(scope, PolicyRef(version=version, adapter=name))
         if self.registry is not None:  # loaded on every engine worker: the followers may serve it

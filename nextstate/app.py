@@ -128,7 +128,7 @@ async def open_engine(model_dir: Path, settings: Settings) -> Engine:
         else:
             from nextstate.engine.vllm import VLLMEngine as Client
         url = es.sglang_url if es.engine == "sglang" else es.vllm_url
-        engine = Client(url, model_dir, timeout_s=es.sglang_timeout_s, retries=es.sglang_retries)
+        engine = Client(url, model_dir, timeout_s=es.engine_timeout_s, retries=es.engine_retries)
         if not await engine.healthy():
             log.warning("%s at %s is not answering yet; requests get 503 until it does (its logprob convention "
                         "is not checked: see deploy/README.md for how to start it)", engine.server, url)

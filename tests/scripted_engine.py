@@ -31,6 +31,7 @@ class ScriptedEngine:
         self.prompts: list[list[int]] = []
         self.samplings: list[SamplingParams] = []
         self.eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
+        self._adapters: set[str] = set()
 
     def script(self, *replies: str) -> None:
         self.replies.extend(replies)
@@ -67,10 +68,14 @@ class ScriptedEngine:
         return [-0.5] * (len(input_ids) - start)
 
     async def load_adapter(self, name, path):
-        pass
+        self._adapters.add(name)
 
     async def unload_adapter(self, name):
-        pass
+        self._adapters.discard(name)
+
+    @property
+    def adapters(self) -> list[str]:
+        return sorted(self._adapters)
 
     async def close(self):
         pass

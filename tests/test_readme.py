@@ -61,3 +61,16 @@ def test_every_relative_link_and_anchor_in_the_docs_resolves():
             assert path.exists(), f"{page.name}: {target} does not exist"
             if anchor and path.suffix == ".md":
                 assert anchor in anchors(path), f"{page.name}: {target}#{anchor} names no heading"
+
+
+def test_the_engine_settings_old_names_are_still_read(monkeypatch, caplog):
+    """NEXTSTATE_SGLANG_TIMEOUT_S / _RETRIES became NEXTSTATE_ENGINE_* when vLLM joined: a deploy
+    that sets the old names keeps working, and the log says what to set instead."""
+    monkeypatch.setenv("NEXTSTATE_SGLANG_RETRIES", "5")
+    monkeypatch.setenv("NEXTSTATE_SGLANG_TIMEOUT_S", "30")
+    with caplog.at_level("WARNING"):
+        engine = Settings().engine
+    assert (engine.engine_retries, engine.engine_timeout_s) == (5, 30.0)
+    assert "NEXTSTATE_SGLANG_RETRIES is deprecated: set NEXTSTATE_ENGINE_RETRIES" in caplog.text
+    monkeypatch.setenv("NEXTSTATE_ENGINE_RETRIES", "3")
+    assert Settings().engine.engine_retries == 3, "the new name wins"

@@ -201,7 +201,7 @@ async def test_unreachable_server_is_unavailable(tiny_model_dir):
 
 @pytest.mark.parametrize("sglang", [False], indirect=True, ids=["cumulative"])
 def test_nextstate_serves_through_sglang_and_maps_failures(server_factory, sglang):
-    server = server_factory(engine="sglang", sglang_url=sglang.url, sglang_retries=1, judge_enabled=False, learn=False)
+    server = server_factory(engine="sglang", sglang_url=sglang.url, engine_retries=1, judge_enabled=False, learn=False)
     client = server.client(server.key("alice"))
     ask = dict(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=5, temperature=0)
     reply = client.chat.completions.create(**ask)
