@@ -1,36 +1,27 @@
-"""The FastAPI app and its lifespan: the only place long-lived objects are created."""
+"""The FastAPI app and its lifespan, which builds the serving process's long-lived objects (its
+parts shared with `nextstate judge` and `nextstate learn` through nextstate/assembly.py)."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import logging
-import socket
-from collections.abc import AsyncIterator, Awaitable, Callable
-from pathlib import Path
+from collections.abc import AsyncIterator
 
 from fastapi import FastAPI
 
-from nextstate.engine.base import Engine
-from nextstate.engine.default_model import ensure_default_model
-from nextstate.judge.client import EngineJudgeClient, JudgeClient, OpenAIJudgeClient
-from nextstate.judge.prompts import PromptLibrary
-from nextstate.judge.advantages import prepare_batch
 from nextstate.judge.feedback import ExplicitFeedback
 from nextstate.judge.inbox import JudgeInbox
-from nextstate.judge.service import Judge
 from nextstate.judge.startup_check import StartupCheck
-from nextstate.learner.follower import VersionFollower
-from nextstate.learner.registry import VersionRegistry
-from nextstate.learner.versions import AdapterVersions, LearnerRunning
 from nextstate.learner.service import Learner
+from nextstate.assembly import (
+    EngineFactory, build_follower, build_judge, build_learner, open_engine, open_registry, policy_directory, preflight,
+    worker_name,
+)
 from nextstate.core.sample_store import SampleStore
 from nextstate import __version__
 from nextstate.core.activity import Activity
 from nextstate.core.memory import total_bytes
-from nextstate.core.policy import PolicyDirectory
-from nextstate.core.private import DataDirUnusable, prepare_data_dir
 from nextstate.core.settings import Settings
 from nextstate.forget import forget_online, keep_for
 from nextstate.dashboard_sessions import DashboardSessions
@@ -68,98 +59,6 @@ from nextstate.proxy.sessions import SessionStore
 
 log = logging.getLogger(__name__)
 
-EngineFactory = Callable[[Path, Settings], Awaitable[Engine]]
-
-
-class ConfigError(RuntimeError):
-    """A setting that cannot work; reported at start-up, before anything is served."""
-
-
-def preflight(settings: Settings) -> Path:
-    """Everything that can be checked before serving: a private, writable data dir, the model
-    folder (converting the default once) and the judge prompts. Returns the model folder."""
-    try:
-        prepare_data_dir(settings.data_dir)
-    except DataDirUnusable as exc:
-        raise ConfigError(str(exc)) from exc
-    model_dir = resolve_model_dir(settings)
-    try:
-        PromptLibrary(settings.judge.prompts_dir).require(settings.judge.prm_prompt)
-    except FileNotFoundError as exc:
-        raise ConfigError(str(exc)) from exc
-    return model_dir
-
-
-def check_no_other_learner(settings: Settings) -> None:
-    """`nextstate serve` with its learner on, before it binds its port: a learner elsewhere
-    (`nextstate learn`) holding the adapters folder is said as a reason, not as a failed
-    start-up. Not part of `preflight`: judge processes run that beside the learner."""
-    if settings.learner.learn:
-        try:
-            AdapterVersions(settings.adapters_dir).hold_learner().close()
-        except LearnerRunning as exc:
-            raise ConfigError(f"{exc}. Serve with NEXTSTATE_LEARN=false beside it.") from exc
-
-
-def resolve_model_dir(settings: Settings) -> Path:
-    if settings.engine.model:
-        path = Path(settings.engine.model).expanduser()
-        if not (path / "config.json").is_file():
-            raise ConfigError(
-                f"NEXTSTATE_MODEL={settings.engine.model!r} is not a Hugging Face model directory (no config.json). "
-                "Point it at a local folder with config.json, weights and tokenizer files."
-            )
-        return path
-    return ensure_default_model(settings.models_dir)
-
-
-# A short prompt of ordinary token ids for a server's logprob check (any ids of any vocabulary).
-LOGPROB_PROBE = list(range(10, 42))
-
-
-async def open_engine(model_dir: Path, settings: Settings) -> Engine:
-    """The engine NEXTSTATE_ENGINE names: in-process, or a client of an SGLang or vLLM server."""
-    es = settings.engine
-    if es.engine in ("sglang", "vllm"):
-        if es.engine == "sglang" and es.sglang_router:
-            from nextstate.engine.sglang_router import SGLangRouterEngine as Client
-        elif es.engine == "sglang":
-            from nextstate.engine.sglang import SGLangEngine as Client
-        else:
-            from nextstate.engine.vllm import VLLMEngine as Client
-        url = es.sglang_url if es.engine == "sglang" else es.vllm_url
-        engine = Client(url, model_dir, timeout_s=es.engine_timeout_s, retries=es.engine_retries)
-        if not await engine.healthy():
-            log.warning("%s at %s is not answering yet; requests get 503 until it does (its logprob convention "
-                        "is not checked: see deploy/README.md for how to start it)", engine.server, url)
-            return engine
-        try:
-            await engine.check_server(LOGPROB_PROBE)
-        except Exception:
-            await engine.close()
-            raise
-        return engine
-    from nextstate.engine.local import LocalEngine
-
-    return await LocalEngine.open(
-        model_dir, device=es.device, dtype=es.dtype, max_active=es.max_concurrent_generations, kv_cache_mb=es.kv_cache_mb
-    )
-
-
-def open_registry(settings: Settings) -> VersionRegistry | None:
-    """Several processes on one database: each scope's serving version is published there
-    (learner/registry.py); one process alone reads the adapters folder's files."""
-    url = settings.server.database_url
-    return VersionRegistry(settings.data_dir / "versions.sqlite3", url) if url else None
-
-
-def make_judge_client(settings: Settings, engine: Engine, renderer: ChatRenderer, model_name: str) -> JudgeClient:
-    js = settings.judge
-    if js.judge_base_url:
-        return OpenAIJudgeClient(js.judge_base_url, js.judge_model or model_name, js.judge_api_key, js.judge_timeout_s)
-    return EngineJudgeClient(engine, renderer)
-
-
 def create_app(settings: Settings | None = None, *, engine_factory: EngineFactory = open_engine) -> FastAPI:
     settings = settings or Settings()
 
@@ -170,17 +69,16 @@ def create_app(settings: Settings | None = None, *, engine_factory: EngineFactor
         engine = await engine_factory(model_dir, settings)
         renderer = await asyncio.to_thread(ChatRenderer.from_dir, model_dir)
         model_name = settings.engine.served_model_name or model_dir.name
-        prompts = PromptLibrary(settings.judge.prompts_dir)
         url = settings.server.database_url  # several processes share what is kept there
         keys = KeyStore(settings.keys_db, url)
-        worker = f"{socket.gethostname()}:{settings.server.port}"  # this process, in claims on shared work
+        worker = worker_name("serve", settings.server.port)  # this process, in claims on shared work
         # a process that leaves judging to `nextstate judge` writes the inbox unclaimed
         samples = SampleStore(settings.samples_db, url, worker=worker if settings.judge.judge_in_process else "")
         records = RecordWriter(settings.records_dir)
         await records.start()
         metrics = Metrics()
         activity = Activity()
-        policies = PolicyDirectory(per_user=settings.learner.adapter_scope == "user")
+        policies = policy_directory(settings)
         learner: Learner | None = None
 
         def on_sample(sample: Sample) -> None:
@@ -188,18 +86,7 @@ def create_app(settings: Settings | None = None, *, engine_factory: EngineFactor
             if learner is not None:
                 learner.notify(sample)
 
-        judge = Judge(
-            settings.judge,
-            make_judge_client(settings, engine, renderer, model_name),
-            prompts,
-            engine,
-            renderer,
-            samples,
-            records,
-            on_sample=on_sample,
-            activity=activity,
-            current_adapter=lambda user: policies.current(user).adapter,
-        )
+        judge = build_judge(settings, engine, renderer, model_name, samples, records, policies, activity, on_sample)
         inbox = JudgeInbox(judge, samples, here=settings.judge.judge_in_process)
 
         def emit(transition: Transition) -> asyncio.Future[None]:
@@ -208,10 +95,7 @@ def create_app(settings: Settings | None = None, *, engine_factory: EngineFactor
 
         registry = open_registry(settings)
         if settings.learner.learn:
-            learner = Learner(
-                settings.learner, model_dir, settings.adapters_dir, engine, samples, policies, records,
-                prepare_batch=functools.partial(prepare_batch, settings=settings.judge), registry=registry,
-            )
+            learner = build_learner(settings, model_dir, engine, samples, policies, records, registry)
         session_db = SessionDB(settings.sessions_db, url)
         sessions = SessionStore(
             emit,
@@ -251,7 +135,7 @@ def create_app(settings: Settings | None = None, *, engine_factory: EngineFactor
             responses=ResponsesServing(turns, stored_responses), judge=judge,
             feedback=ExplicitFeedback(judge, inbox, samples, records), learner=learner,
             # a process that does not learn serves what the learner elsewhere publishes
-            follower=None if learner is not None else VersionFollower(settings.adapters_dir, engine, policies, registry),
+            follower=None if learner is not None else build_follower(settings, engine, policies, registry),
             registry=registry,
             forget_user=lambda user: forget_online(services, user),
             engine=engine, inbox=inbox, session_db=session_db, stored_responses=stored_responses,

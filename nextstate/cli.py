@@ -62,7 +62,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from nextstate.engine.default_model import DefaultModelUnavailable
-    from nextstate.app import ConfigError, check_no_other_learner, create_app, preflight
+    from nextstate.app import create_app
+    from nextstate.assembly import ConfigError, check_no_other_learner, preflight
 
     overrides = {k: v for k, v in (("host", args.host), ("port", args.port)) if v is not None}
     settings = _settings().with_overrides(**overrides)
@@ -87,7 +88,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 def _worker(kind: str) -> int:
     """`nextstate judge` / `nextstate learn`: nextstate/workers.py."""
-    from nextstate.app import ConfigError
+    from nextstate.assembly import ConfigError
     from nextstate.engine.default_model import DefaultModelUnavailable
     from nextstate.learner.versions import LearnerRunning
     from nextstate.workers import run_judge, run_learner, run_until_signalled

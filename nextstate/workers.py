@@ -19,36 +19,24 @@ move to it; with the embedded engine each serving process loads it from the fold
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
-import os
 import signal
-import socket
 
-from nextstate.app import EngineFactory, make_judge_client, open_engine, open_registry, preflight
-from nextstate.core.activity import Activity
-from nextstate.core.policy import PolicyDirectory
+from nextstate.assembly import (
+    EngineFactory, build_follower, build_judge, build_learner, open_engine, open_registry, policy_directory, preflight,
+    worker_name,
+)
 from nextstate.core.records import RecordWriter
 from nextstate.core.sample_store import SampleStore
 from nextstate.core.settings import Settings
-from nextstate.judge.advantages import prepare_batch
 from nextstate.judge.inbox import JudgeInbox
-from nextstate.judge.prompts import PromptLibrary
-from nextstate.judge.service import Judge
 from nextstate.judge.startup_check import StartupCheck
-from nextstate.learner.follower import VersionFollower
-from nextstate.learner.service import Learner
 from nextstate.modelio.chat_template import ChatRenderer
 
 log = logging.getLogger(__name__)
 
 # How often a judge process looks for transitions when it has room for more.
 POLL_S = 1.0
-
-
-def worker_name(kind: str) -> str:
-    """This process among those sharing the inbox: its claims carry the name."""
-    return f"{socket.gethostname()}:{kind}:{os.getpid()}"
 
 
 async def run_judge(settings: Settings, stop: asyncio.Event, engine_factory: EngineFactory = open_engine) -> None:
@@ -60,14 +48,10 @@ async def run_judge(settings: Settings, stop: asyncio.Event, engine_factory: Eng
     samples = SampleStore(settings.samples_db, settings.server.database_url, worker=worker_name("judge"))
     records = RecordWriter(settings.records_dir)
     await records.start()
-    policies = PolicyDirectory(per_user=settings.learner.adapter_scope == "user")
+    policies = policy_directory(settings)
     registry = open_registry(settings)
-    follower = VersionFollower(settings.adapters_dir, engine, policies, registry)
-    judge = Judge(
-        settings.judge, make_judge_client(settings, engine, renderer, model_name), PromptLibrary(settings.judge.prompts_dir),
-        engine, renderer, samples, records, activity=Activity(),
-        current_adapter=lambda user: policies.current(user).adapter,
-    )
+    follower = build_follower(settings, engine, policies, registry)
+    judge = build_judge(settings, engine, renderer, model_name, samples, records, policies)
     inbox = JudgeInbox(judge, samples)
     try:
         await follower.start()
@@ -104,11 +88,7 @@ async def run_learner(settings: Settings, stop: asyncio.Event, engine_factory: E
     records = RecordWriter(settings.records_dir)
     await records.start()
     registry = open_registry(settings)
-    learner = Learner(
-        settings.learner, model_dir, settings.adapters_dir, engine, samples,
-        PolicyDirectory(per_user=settings.learner.adapter_scope == "user"), records,
-        prepare_batch=functools.partial(prepare_batch, settings=settings.judge), registry=registry,
-    )
+    learner = build_learner(settings, model_dir, engine, samples, policy_directory(settings), records, registry)
     try:
         await learner.start()
         log.info("learning from the ready samples into %s", settings.adapters_dir)

@@ -18,7 +18,8 @@ import httpx
 import uvicorn
 from openai import OpenAI
 
-from nextstate.app import EngineFactory, create_app, open_engine
+from nextstate.app import create_app
+from nextstate.assembly import EngineFactory, open_engine
 from nextstate.core.settings import Settings
 from nextstate.proxy.keys import KeyStore
 

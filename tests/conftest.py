@@ -12,7 +12,7 @@ import pytest
 from openai import OpenAI
 
 from tests.tiny_model import build_tiny_model
-from nextstate.app import open_engine
+from nextstate.assembly import open_engine
 from tests.background_server import RunningServer, free_port, start_server
 from nextstate.core.settings import Settings
 from tests.judge_server import ScriptedJudge

@@ -752,7 +752,7 @@ def test_a_second_learner_on_one_adapters_folder_is_refused_before_serving(tmp_p
     """Two learners would train the same samples into two version N+1s: `nextstate serve`
     (learning) or `nextstate learn` on a folder another learner holds stops with the reason;
     a judge process (whose settings leave learning on) starts beside it."""
-    from nextstate.app import ConfigError, check_no_other_learner, preflight
+    from nextstate.assembly import ConfigError, check_no_other_learner, preflight
     from nextstate.learner.versions import AdapterVersions
     from tests.conftest import make_settings
 
