@@ -18,13 +18,18 @@ The rating is on disk before anything else happens with it, and one lock per rep
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable, Coroutine
+from contextlib import AbstractAsyncContextManager
+from typing import Any, Protocol, TypeVar
 from nextstate.core.records import RecordWriter
 from nextstate.core.sample_store import SampleStore
+from nextstate.core.settings import JudgeSettings
 from nextstate.core.types import FeedbackResult, FeedbackStatus, Sample, Turn
-from nextstate.judge.accepted import learn_from_accepted
 from nextstate.judge.advantages import opd_delta, token_advantages, with_outcome
 from nextstate.judge.inbox import JudgeInbox
-from nextstate.judge.service import Judge
+
+T = TypeVar("T")
+
 
 def feedback_weights(mode: str, has_correction: bool, w_binary: float, w_opd: float) -> tuple[float, float]:
     """(binary, OPD) weights of a rated turn's advantages in each mode."""
@@ -35,10 +40,37 @@ def feedback_weights(mode: str, has_correction: bool, w_binary: float, w_opd: fl
     return w_binary, w_opd
 
 
+class RatingJudge(Protocol):
+    """The few things explicit feedback asks of the judge (judge/service.py's `Judge` does them)."""
+
+    settings: JudgeSettings
+
+    def spawn(self, work: Coroutine[Any, Any, Any]) -> Any:
+        """Run `work` in the background, among the judge's own work (drained on shutdown)."""
+
+    def turn_lock(self, response_id: str | None) -> AbstractAsyncContextManager[Any]: ...
+
+    async def durable_write(self, fn: Callable[..., T], *args: Any) -> T: ...
+
+    async def score_correction(self, turn: Turn, correction: str) -> list[float]:
+        """The OPD teacher's logprobs of the turn's reply under the correction."""
+
+    def sample(self, turn: Turn, status: str, reason: str, reward: float = 0.0, advantages: list[float] | None = None,
+               track: str | None = None, **extra: Any) -> Sample: ...
+
+    async def store_sample(self, sample: Sample, transition_id: int | None = None) -> Sample: ...
+
+    def notify(self, sample: Sample) -> None: ...
+
+    async def learn_from_accepted(self, verdict: Sample) -> list[Sample]: ...
+
+    def count_rating(self) -> None: ...
+
+
 class ExplicitFeedback:
     """Ratings of replies and outcomes of episodes, turned into samples without votes."""
 
-    def __init__(self, judge: Judge, inbox: JudgeInbox, store: SampleStore, records: RecordWriter) -> None:
+    def __init__(self, judge: RatingJudge, inbox: JudgeInbox, store: SampleStore, records: RecordWriter) -> None:
         self.judge = judge
         self.inbox = inbox
         self.store = store
@@ -76,7 +108,7 @@ class ExplicitFeedback:
             await self.judge.durable_write(self.store.set_feedback, user, response_id, rating, correction)
             return self._recorded(user, response_id, rating, correction, existing, "already_trained")
         await self.judge.durable_write(self.store.set_feedback, user, response_id, rating, correction)
-        self.judge.tasks.spawn(self._apply(turn, rating, correction))
+        self.judge.spawn(self._apply(turn, rating, correction))
         return FeedbackResult("accepted", session_id=turn.session_id, turn_index=turn.turn_index)
 
     async def _apply(self, turn: Turn, rating: int, correction: str | None) -> FeedbackResult:
@@ -94,17 +126,15 @@ class ExplicitFeedback:
             else:
                 found = await asyncio.to_thread(self.store.find_turn, turn.user, turn.response_id)
                 sample = await self.judge.store_sample(sample, found[0] if found else None)
-            await learn_from_accepted(self.judge, sample)
-        self.judge.stats.feedback += 1
+            await self.judge.learn_from_accepted(sample)
+        self.judge.count_rating()
         return self._recorded(turn.user, turn.response_id, rating, correction, sample, "applied")
 
     async def _sample(self, turn: Turn, rating: int, correction: str | None) -> Sample:
         cfg = self.settings
         teacher = delta = None
         if correction and cfg.uses_opd:
-            await self.judge.quiet()
-            async with self.judge.calls:  # one of the judge's concurrent calls, however many ratings came
-                teacher = await self.judge.teacher(turn, correction)
+            teacher = await self.judge.score_correction(turn, correction)
             delta = opd_delta(teacher, turn.response_logprobs, cfg.opd_clip)
         w_binary, w_opd = feedback_weights(cfg.mode, delta is not None, cfg.w_binary, cfg.w_opd)
         advantages = token_advantages(len(turn.response_ids), float(rating), delta, w_binary, w_opd)

@@ -23,7 +23,7 @@ import re
 import statistics
 import time
 import weakref
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import asdict
 from typing import Any, TypeVar
 
@@ -191,7 +191,7 @@ class Judge:
             version=turn.policy_version,
         )
         self.notify(sample)
-        await learn_from_accepted(self, sample)
+        await self.learn_from_accepted(sample)
 
     async def store_sample(self, sample: Sample, transition_id: int | None = None) -> Sample:
         """Store a sample made outside a judgement (a rating, an episode's last step), closing
@@ -210,6 +210,24 @@ class Judge:
         """A sample was stored or replaced: the learner may have a batch now."""
         if self.on_sample is not None:
             self.on_sample(sample)
+
+    def spawn(self, work: Coroutine[Any, Any, T]) -> asyncio.Task[T]:
+        """Background work of the judge's (a rating being applied): drained and cancelled with it."""
+        return self.tasks.spawn(work)
+
+    async def score_correction(self, turn: Turn, correction: str) -> list[float]:
+        """A person's correction read by the OPD teacher, as one of the judge's calls (however
+        many ratings come at once) in a quiet moment."""
+        await self.quiet()
+        async with self.calls:
+            return await self.teacher(turn, correction)
+
+    async def learn_from_accepted(self, verdict: Sample) -> list[Sample]:
+        """A stored verdict may complete a corrected-then-accepted pair (judge/accepted.py)."""
+        return await learn_from_accepted(self, verdict)
+
+    def count_rating(self) -> None:
+        self.stats.feedback += 1
 
     def record_transition(self, transition: Transition) -> None:
         self.records.write("transition", transition.record(), version=transition.turn.policy_version)
