@@ -293,6 +293,11 @@ class JudgeSettings(BaseSettings):
             reply with: ...", scored by the served base model — no votes, no reward, the
             teacher's token-level view only (judge/hindsight.py); `ratings` leaves the next
             states unjudged and only explicit feedback trains.
+        reward_baseline: `batch` centres each personal sample's reward on the mean reward of the
+            other samples with a verdict in its batch (leave-one-out, RLOO's baseline; the batch
+            is one scope's), so that a step raises what was better than the rest instead of
+            lowering everything a person rejected (judge/advantages.py); `none` trains on the
+            raw rewards, as the paper does.
         accepted_after_correction: a reply the person accepted right after correcting the one
             before it is also trained on the corrected turn's prompt, with its reward: what
             they wanted, shown where they first asked (judge/accepted.py; BENCHMARKS.md,
@@ -333,6 +338,9 @@ class JudgeSettings(BaseSettings):
     w_binary: float = 1.0
     w_opd: float = 1.0
     opd_clip: float = Field(2.0, gt=0, description="Per-token |teacher - old| is clipped to this.")
+    reward_baseline: Literal["none", "batch"] = Field(
+        "none", description="batch: each personal reward is centred on the mean of its batch's other verdicts."
+    )
     accepted_after_correction: bool = Field(
         True, description="A reply accepted right after a correction also trains on the corrected turn's prompt."
     )

@@ -109,6 +109,10 @@ class Sample(BaseModel):
     feedback: dict[str, Any] | None = Field(None, description="The explicit rating and correction it was built from.")
     created_at: float
     tries: int = Field(0, description="Updates that trained on it and were not published (it waited again each time).")
+    reward_weight: float | None = Field(
+        None, description="The weight its reward entered its advantages with (None: no verdict, a hindsight hint's "
+        "sample, or one stored before 0.7): what a batch's reward baseline is taken off at (judge/advantages.py)."
+    )
     accepted_from: int | None = Field(
         None, description="Built from the reply of this later turn, accepted after a correction of this one (judge/accepted.py)."
     )

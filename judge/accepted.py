@@ -85,6 +85,7 @@ async def learn_from_accepted(judge: Judge, verdict: Sample) -> list[Sample]:
                 "prompt_ids": corrected.prompt_ids, "old_logprobs": scores, "votes": [], "hint": None,
                 "teacher_logprobs": None, "outcome": None,
                 "advantages": token_advantages(n, accepted.reward, None, weight, 0.0), "loss_mask": [1] * n,
+                "reward_weight": weight,
                 "created_at": time.time(),
             })
             added = await judge.durable_write(judge.store.add_accepted_sample, sample)

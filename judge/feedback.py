@@ -141,7 +141,7 @@ class ExplicitFeedback:
         return self.judge.sample(
             turn, "ready", "explicit feedback" + (" with a correction" if delta is not None else ""), float(rating),
             advantages, track="personal", hint=correction, teacher_logprobs=teacher,
-            feedback={"rating": rating, "correction": correction},
+            feedback={"rating": rating, "correction": correction}, reward_weight=w_binary,
         )
 
     def _recorded(

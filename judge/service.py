@@ -247,7 +247,7 @@ class Judge:
             self.guarantee.accepted((turn.user, turn.session_id))
             return self.sample(
                 turn, "ready", "format failure (the agent's own notice)", -1.0,
-                token_advantages(n, -1.0, None, w_binary, 0.0),
+                token_advantages(n, -1.0, None, w_binary, 0.0), reward_weight=w_binary,
             )
         outcome_track = turn.track == "outcome" or outcome is not None
         if self.hindsight:
@@ -270,7 +270,7 @@ class Judge:
             teacher = await self.teacher(turn, hint, detail)
             delta = opd_delta(teacher, turn.response_logprobs, cfg.opd_clip)
 
-        common = {"votes": scores, "hint": hint, "teacher_logprobs": teacher}
+        common: dict[str, Any] = {"votes": scores, "hint": hint, "teacher_logprobs": teacher}
         if outcome_track:
             total = step_reward(outcome, scores) if outcome is not None else float(reward or 0)
             advantages = token_advantages(len(turn.response_ids), total, delta, cfg.w_binary, cfg.w_opd)
@@ -288,6 +288,8 @@ class Judge:
             return self.sample(transition.turn, "dropped", "no valid hint", 0.0, **common)
         signal = (reward not in (None, 0)) or delta is not None
         advantages = token_advantages(len(turn.response_ids), reward, delta, w_binary, w_opd)
+        if reward is not None:
+            common["reward_weight"] = w_binary
         key = (turn.user, turn.session_id)
         if signal:
             self.guarantee.accepted(key)

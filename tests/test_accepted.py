@@ -38,6 +38,7 @@ def test_the_accepted_reply_becomes_a_sample_of_the_corrected_turn(server_factor
     assert (extra.turn_index, extra.accepted_from, extra.status, extra.reward, extra.response_id) == (1, 2, "ready", 1.0, None)
     assert extra.prompt_ids == own[1].prompt_ids and extra.response_ids == own[2].response_ids
     assert extra.advantages == [1.0] * len(extra.response_ids) and extra.loss_mask == [1] * len(extra.response_ids)
+    assert own[1].reward_weight == own[2].reward_weight == extra.reward_weight == 1.0, "what a baseline is taken off at"
     # old logprobs: the serving policy's own scores of that reply on that prompt (PPO's ratio starts at 1)
     engine = server.app.state.services.turns.engine
     rescored = server.call(engine.score(extra.prompt_ids + extra.response_ids, len(extra.prompt_ids),
