@@ -361,6 +361,8 @@ def run_mode(mode: str, policy: Path, tasks: list[str], args, judge: dict, user,
                 print(f"{mode:>8}: task {i + 1}/{len(tasks)}, serving v{version}, score (last 16) "
                       f"{statistics.fmean(recent):.2f}", flush=True)
             time.sleep(args.think_s)  # the user reads the reply; background judging and learning run
+            if learning and getattr(args, "wait_for_learner", False):
+                wait_for_learner(server, "simulated-user")
         if learning:  # the run's learning ends with its tasks: a step still under way would not serve them
             server.call(server.app.state.services.learner.aclose())
         run.steps = [{k: v for k, v in s.items() if k != "sample_ids"} | {"samples": len(s.get("sample_ids", []))}
@@ -372,6 +374,24 @@ def run_mode(mode: str, policy: Path, tasks: list[str], args, judge: dict, user,
                   f"(± {run.final['score_stderr']}), repeated words {run.final['repetition']} over "
                   f"{run.final['replies']} sampled replies", flush=True)
     return run
+
+
+def wait_for_learner(server, user: str, timeout_s: float = 600.0) -> None:
+    """Hold the simulated user until the learner has trained every full batch it has: so many
+    updates per task whatever the machine's speed (on two CPU cores an update takes a minute,
+    and a run that does not wait gets as many updates as the cores allow, the same settings
+    giving 1 or 4 by how busy the machine was)."""
+    services = server.app.state.services
+    batch = services.settings.learner.batch_size
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        server.call(services.judge.drain(60), timeout=90)  # the samples of the task just done are in
+        learner = services.learner
+        full = services.samples.ready_counts_by_user().get(user, 0) >= batch
+        if learner.training is None and (not full or user in learner.waiting):  # nothing to train, or held back
+            return
+        time.sleep(0.5)
+    print(f"wait_for_learner: gave up after {timeout_s:g} s", flush=True)
 
 
 FINAL_SEED = 1_000_003  # the final evaluation's seeds: the same for every run, whatever --seed
@@ -671,6 +691,9 @@ def main() -> None:
                         help="NEXTSTATE_JUDGE_FALLBACK (default: the setting's default)")
     parser.add_argument("--accepted-after-correction", choices=("on", "off"), default=None,
                         help="NEXTSTATE_ACCEPTED_AFTER_CORRECTION (default: the server's, on): the ablation's switch")
+    parser.add_argument("--wait-for-learner", action="store_true",
+                        help="after each task, wait until the learner trained every full batch: updates per task "
+                             "fixed by the batch size, not by the machine's speed")
     parser.add_argument("--set", action="append", metavar="NAME=VALUE",
                         help="any server setting by name, e.g. --set minibatch_size=4 (repeatable)")
     parser.add_argument("--no-gate", action="store_true", help="NEXTSTATE_PUBLISH_GATE=false: every update serves")
@@ -769,7 +792,8 @@ def main() -> None:
         "gate_prompts": GATE_PROMPTS,
         "scorer": args.scorer_url and f"{args.scorer_model} at {args.scorer_url}" or "rules",
         "settings": {k: getattr(args, k) for k in ("tasks", "seed", "max_attempts", "max_tokens", "temperature", "think_s",
-                                                    "batch", "lr", "lora_r", "kl_coef", "votes", "final_samples")},
+                                                    "batch", "lr", "lora_r", "kl_coef", "votes", "final_samples",
+                                                    "wait_for_learner")},
         "summary": [],
         "runs": [],
     }

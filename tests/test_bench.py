@@ -148,7 +148,7 @@ def test_personalization_loop_runs_over_http_and_trains(tiny_model_dir):
     preference = Preference(INSTRUCTIONS["capital"], "capital")
     judge = PreferenceJudge()
     args = argparse.Namespace(defaults=False, feedback=False, votes=1, batch=2, lr=5e-3, lora_r=4, kl_coef=0.0, max_attempts=2, max_tokens=4,
-                              temperature=1.0, seed=0, think_s=0.3, sglang_url=None, final_samples=1)
+                              temperature=1.0, seed=0, think_s=0.3, sglang_url=None, final_samples=1, wait_for_learner=True)
     try:
         run = run_mode("binary", tiny_model_dir, ["Name a colour."] * 8, args,
                        {"judge_base_url": judge.base_url, "judge_model": "rules"}, RuleUser(preference), RuleScorer(preference))
@@ -159,6 +159,8 @@ def test_personalization_loop_runs_over_http_and_trains(tiny_model_dir):
     published = [s for s in run.steps if s["published"]]
     assert published and all(s["samples"] == 2 for s in published)
     assert run.tasks[-1].version >= 1
+    # --wait-for-learner: each full batch trained before the next task, so the updates follow the tasks
+    assert len(run.steps) >= 3 and run.tasks[-1].version >= 2, [t.version for t in run.tasks]
     assert any(call[0]["content"].startswith("You are a process reward model (PRM)") for call in judge.calls)
     assert run.final["version"] >= run.tasks[-1].version and run.final["replies"] == len(TASKS)
 
