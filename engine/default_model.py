@@ -49,7 +49,7 @@ def ensure_default_model(models_dir: Path) -> Path:
     if (target / _DONE_MARKER).exists():
         return target
     gguf = find_gguf()
-    log.info("Converting %s from %s into %s (once, about 20 s)...", DEFAULT_MODEL_NAME, gguf.name, target)
+    log.info("Converting %s from %s into %s (once, under a minute on two cores)…", DEFAULT_MODEL_NAME, gguf.name, target)
     started = time.monotonic()
     models_dir.mkdir(parents=True, exist_ok=True)
     # Convert into a sibling temp dir and rename, so a crash mid-way never leaves a half model.

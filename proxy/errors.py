@@ -98,8 +98,10 @@ def _param_from_loc(loc: tuple) -> str | None:
 
 def validation_error(errors: list) -> ApiError:
     """One OpenAI-style 400 from pydantic's error list, naming the offending parameter."""
-    # A union reports one failure per member; the custom check (value_error) says what is wrong.
-    errors = sorted(errors, key=lambda e: e.get("type") != "value_error")
+    # A union reports one failure per member; the custom check (value_error) says what is wrong,
+    # and otherwise the member that got furthest into the value (`input` as a list of items
+    # failing at input[0].role, not `input` as a string failing at once).
+    errors = sorted(errors, key=lambda e: (e.get("type") != "value_error", -len(e.get("loc", ()))))
     first = errors[0] if errors else {"msg": "invalid request", "loc": ()}
     if first.get("type") == "json_invalid":
         return invalid_request("We could not parse the JSON body of your request. Send valid JSON.")

@@ -110,6 +110,10 @@ def test_what_cannot_be_honoured_is_a_400_that_says_so(server, alice):
         with pytest.raises(openai.BadRequestError) as refused:
             alice.responses.create(model="tiny", max_output_tokens=4, **request)
         assert word in str(refused.value)
+    # an unknown role points at itself, not at `input` as if it had to be a string
+    with pytest.raises(openai.BadRequestError) as refused:
+        alice.responses.create(model="tiny", max_output_tokens=4, input=[{"role": "robot", "content": "Hi"}])
+    assert refused.value.body["param"] == "input[0].role" and "'user', 'assistant'" in refused.value.body["message"]
 
 
 def test_the_same_conversation_through_responses_and_chat_gives_the_same_sessions_transitions_and_samples(
