@@ -525,11 +525,13 @@ def seeds_report(paths: list[str]) -> None:
     standard deviation) of first-reply success per window of WINDOW tasks, the updates needed
     to reach 0.8, the final evaluation's score, and text quality (repeated words, held-out
     perplexity against the base model's) — the table issue 38 asks for."""
-    groups: dict[tuple[str, str], list[tuple[int, dict, dict]]] = {}
+    groups: dict[tuple[str, str, str], list[tuple[int, dict, dict]]] = {}
     for path in paths:
         result = json.loads(Path(path).read_text())
+        # runs of one setting differ only by seed: their variants by the "-seedN" suffix
+        setting = re.sub(r"-seed\d+$", "", result.get("variant") or "")
         for run, summary in zip(result["runs"], result["summary"]):
-            key = (result["preference"]["instruction"], summary["mode"])
+            key = (result["preference"]["instruction"], summary["mode"], setting)
             groups.setdefault(key, []).append((result["settings"]["seed"], run, summary))
 
     def spread(values: list[float]) -> str:
@@ -539,21 +541,22 @@ def seeds_report(paths: list[str]) -> None:
         sd = statistics.stdev(values) if len(values) > 1 else 0.0
         return f"{statistics.fmean(values):.2f} ± {sd:.2f}"
 
-    print("| preference | mode | seeds | success per window of 16 tasks (mean ± sd over seeds) | updates to 0.8 "
-          "(per seed) | final score | repeated words, final | perplexity, final / base |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("| preference | mode | setting | seeds | success per window of 16 tasks (mean ± sd over seeds) | updates to 0.8 "
+          "(per seed) | final version | final score | repeated words, final | perplexity, final / base |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     def by_window(run: dict) -> list[float]:  # from the tasks: older result files have no summary of it
         scores = [t["score"] for t in run["tasks"]]
         return [statistics.fmean(scores[i:i + WINDOW]) for i in range(0, len(scores), WINDOW)]
 
-    for (instruction, mode), runs in groups.items():
+    for (instruction, mode, setting), runs in groups.items():
         curves = [by_window(run) for _, run, _ in runs]
         curve = " · ".join(spread([c[i] for c in curves if i < len(c)]) for i in range(max(map(len, curves))))
         finals = [s["final"] for _, _, s in runs if s.get("final")]
         reached = [updates_to_reach(run["tasks"]) for _, run, _ in runs]
         reach = ", ".join("never" if r is None else str(r) for r in reached)
-        print(f"| {instruction} | {mode} | {', '.join(str(seed) for seed, _, _ in runs)} | {curve} | {reach} | "
-              f"{spread([f['score'] for f in finals])} | {spread([f.get('repetition') for f in finals])} | "
+        versions = ", ".join(f"v{f['version']}" for f in finals)
+        print(f"| {instruction} | {mode} | {setting or '—'} | {', '.join(str(seed) for seed, _, _ in runs)} | {curve} | "
+              f"{reach} | {versions} | {spread([f['score'] for f in finals])} | {spread([f.get('repetition') for f in finals])} | "
               f"{spread([f.get('perplexity_ratio') for f in finals])} |")
 
 

@@ -211,3 +211,25 @@ def test_engine_throughput_runs_every_level_in_both_modes(tiny_model_dir):
     for batching in (True, False):
         out = asyncio.run(throughput(tiny_model_dir, "cpu", batching, max_tokens=4, rounds=1))
         assert set(out) == {str(level) for level in LEVELS} and all(rate > 0 for rate in out.values())
+
+
+def test_the_seeds_report_groups_runs_by_setting_across_seeds(tmp_path, capsys):
+    """bench.personalization --seeds-report: one row per (preference, mode, setting), the seeds of
+    a setting (variants differing by their -seedN suffix) summarised together."""
+    from bench.personalization import seeds_report
+
+    def result(variant: str, seed: int, scores: list[float], final: float) -> str:
+        tasks = [{"score": s, "version": i // 4, "first_reply": "a b c d"} for i, s in enumerate(scores)]
+        summary = {"mode": "combined", "final": {"version": 3, "score": final, "repetition": 0.1, "perplexity_ratio": 1.0}}
+        path = tmp_path / f"{variant}.json"
+        path.write_text(json.dumps({"variant": variant, "preference": {"instruction": "Be brief."}, "settings": {"seed": seed},
+                                    "runs": [{"tasks": tasks}], "summary": [summary]}))
+        return str(path)
+
+    paths = [result("on-seed0", 0, [0.0] * 16 + [1.0] * 16, 0.6), result("on-seed1", 1, [0.0] * 32, 0.4),
+             result("off-seed0", 0, [0.0] * 32, 0.2)]
+    seeds_report(paths)
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| Be brief.")]
+    assert len(rows) == 2
+    on = next(r for r in rows if "| on |" in r)
+    assert "| 0, 1 |" in on and "0.00 ± 0.00 · 0.50 ± 0.71" in on and "0.50 ± 0.14" in on and "| 7, never |" in on, on  # the window of tasks 13-28 reaches 0.81: task 28 was served by v7
