@@ -28,7 +28,7 @@ def derived(samples: list[Sample]) -> list[Sample]:
 
 
 def test_the_accepted_reply_becomes_a_sample_of_the_corrected_turn(server_factory, judge):
-    server = judged_server(server_factory, judge)
+    server = judged_server(server_factory, judge, accepted_after_correction=True)
     converse(server.client(server.key("alice")), CORRECTED)
     samples = settled_samples(server)
     own = {s.turn_index: s for s in samples if s.accepted_from is None}
@@ -49,15 +49,15 @@ def test_the_accepted_reply_becomes_a_sample_of_the_corrected_turn(server_factor
     assert (record["sample_id"], record["turn_index"], record["accepted_from"]) == (extra.id, 1, 2)
 
 
-def test_it_can_be_turned_off(server_factory, judge):
-    server = judged_server(server_factory, judge, accepted_after_correction=False)
+def test_it_is_off_by_default(server_factory, judge):
+    server = judged_server(server_factory, judge)
     converse(server.client(server.key("alice")), CORRECTED)
     samples = settled_samples(server)
     assert len(samples) == 2 and not derived(samples)
 
 
 def test_a_persons_ratings_make_it_without_a_judge_and_only_once(server_factory):
-    server = learning_server(server_factory, learn=False)
+    server = learning_server(server_factory, learn=False, accepted_after_correction=True)
     alice = server.key("alice")
     client = server.client(alice)
     messages = [{"role": "user", "content": "Say something."}]
