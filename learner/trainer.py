@@ -3,8 +3,9 @@
 One peft model holds one adapter per scope ("shared", or one per user), each with its own
 AdamW state, so per-user adapters train on per-user samples only. A step that produces a
 non-finite loss or gradient is rolled back (weights and optimizer state) and reported as
-skipped. A step that moves the policy further than `max_kl` from the policy that sampled the
-batch is not thrown away but shortened along its own direction until it fits (a backtracking
+skipped. A step that moves the policy further than `max_kl` (measured on the batch's tokens,
+from the weights before the step) is not thrown away but shortened along its own direction
+until it fits (a backtracking
 line search, as TRPO's; `step_sizes.py` says how the lengths are chosen), and undone only when
 it still does not fit at the floor. Calls are blocking and meant for a worker thread.
 """
@@ -371,19 +372,23 @@ class LoraTrainer:
                 p.copy_(before)
         self._optimizers[scope].load_state_dict(optimizer_state)
 
-    def _policy_kl(self, samples: list[Sample]) -> float:
-        """Mean per-token k3 estimate of KL(π_old ‖ π_now) over the samples' response tokens:
-        samples come from π_old, so k3 with ratio π_now/π_old estimates it without bias."""
+    def _policy_kl(self, samples: list[Sample], before: list[torch.Tensor]) -> float:
+        """Mean per-token k3 divergence of the policy now from the policy before this step
+        (`before`: its logprobs of the samples' tokens), over the samples' response tokens.
+
+        Measured from the weights before the step, not from the sampler's logprobs: a sample
+        served one or two versions ago already differs from the policy by the earlier updates,
+        which no shortening of this step can take back — measured from the sampler, a batch with
+        such samples could be over the limit at every length, and never be published."""
         total, tokens = 0.0, 0
         with torch.no_grad():
-            for sample, new in zip(samples, self._logprobs_each(samples)):
-                old = torch.tensor(sample.old_logprobs, device=self.device)
+            for sample, old, new in zip(samples, before, self._logprobs_each(samples)):
                 mask = torch.tensor(sample.loss_mask, device=self.device, dtype=torch.float32)
                 total += float((k3_kl(old, new) * mask).sum())
                 tokens += sum(sample.loss_mask)
         return total / max(1, tokens)
 
-    def _fit_kl(self, scope: str, samples: list[Sample]) -> tuple[float, list[KlTry]]:
+    def _fit_kl(self, scope: str, samples: list[Sample], before: list[torch.Tensor]) -> tuple[float, list[KlTry]]:
         """Shorten the scope's trained step until its policy KL fits `max_kl`, or the floor is
         reached. Returns the KL of the length kept and every length tried, the kept one last.
 
@@ -393,10 +398,10 @@ class LoraTrainer:
         scale = self.step_sizes.start(scope)
         if scale < 1:
             self.shorten_step(scope, scale)
-        tries = [KlTry(scale, self._policy_kl(samples))]
+        tries = [KlTry(scale, self._policy_kl(samples, before))]
         while (shorter := self.step_sizes.next_scale(tries)) is not None:
             self.shorten_step(scope, shorter / tries[-1].scale)
-            tries.append(KlTry(shorter, self._policy_kl(samples)))
+            tries.append(KlTry(shorter, self._policy_kl(samples, before)))
         return tries[-1].kl, tries
 
     def memory_plan(self, samples: list[Sample]) -> int | Refusal:
@@ -431,6 +436,16 @@ class LoraTrainer:
         passes = c.ppo_epochs * sum(len(self._micro_batches(samples[start: start + c.minibatch]))
                                     for start in range(0, len(samples), c.minibatch))
         done = 0
+        # the policy before the step, for its KL (`_policy_kl`): the first optimizer step's own
+        # forward passes give it for free; samples it does not see need a pass of their own
+        before: list[torch.Tensor | None] = [None] * len(samples)
+        if c.minibatch < len(samples):
+            self.model.eval()
+            with torch.no_grad():
+                later = list(range(c.minibatch, len(samples)))
+                for i, lp in zip(later, self._logprobs_each([samples[i] for i in later])):
+                    before[i] = lp
+            self.model.train()
         try:
             for epoch in range(c.ppo_epochs):
                 for start in range(0, len(samples), c.minibatch):
@@ -449,6 +464,8 @@ class LoraTrainer:
                             losses = []
                             for i, logprobs, base in zip(members, logprobs_of, base_of):
                                 s = samples[i]
+                                if steps == 0 and before[i] is None:
+                                    before[i] = logprobs.detach()
                                 old = torch.tensor(s.old_logprobs, device=self.device)
                                 # a single sample must never dominate an update, whatever its reward
                                 adv = torch.tensor(s.advantages, device=self.device).clamp(-c.max_advantage, c.max_advantage)
@@ -487,8 +504,10 @@ class LoraTrainer:
             policy_kl = 0.0
             kl_tries: list[KlTry] = []
             if not skipped:
-                kept = [samples[i] for i in range(len(samples)) if i not in dropped]
-                policy_kl, kl_tries = self._fit_kl(scope, kept)
+                kept = [i for i in range(len(samples)) if i not in dropped]
+                reference = [before[i] for i in kept]
+                assert all(r is not None for r in reference), "every kept sample had a forward pass before the step"
+                policy_kl, kl_tries = self._fit_kl(scope, [samples[i] for i in kept], reference)  # type: ignore[arg-type]
                 if not math.isfinite(policy_kl):
                     skipped = "policy KL not finite"
                 elif policy_kl > self.step_sizes.max_kl:

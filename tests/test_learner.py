@@ -176,6 +176,20 @@ async def test_an_overshooting_step_is_shortened_along_its_direction_until_it_fi
     assert loose.step_sizes.start("shared") == 1.0, "the trainer leaves the next start to the learner (settle)"
 
 
+@pytest.mark.parametrize("minibatch", [0, 1])
+async def test_the_kl_limit_measures_the_step_not_how_far_stale_samples_already_are(tiny_model_dir, engine, minibatch):
+    """Samples served a few versions ago differ from the policy by the updates since: their
+    sampling logprobs are far from what the policy gives them now. A small step on them must
+    still fit a small limit — measured from the sampler, it could fit at no length at all (the
+    ablation's multi-step updates were held back at 0.014 of their length for this)."""
+    samples = [make_sample(toks, advantage=1.0) for toks in await generate(engine, 2)]
+    stale = [s.model_copy(update={"old_logprobs": [lp - 0.2 for lp in s.old_logprobs]}) for s in samples]
+    trainer = LoraTrainer(tiny_model_dir, LearnerSettings(lr=1e-4, lora_r=4, lora_alpha=8, max_kl=0.01, minibatch_size=minibatch))
+    result = trainer.step("shared", stale)
+    assert result.skipped is None and len(result.kl_tries) == 1 and result.step_scale == 1.0, result.kl_tries
+    assert 0 < result.policy_kl < 0.01
+
+
 async def test_a_shortened_step_lies_halfway_and_undo_still_goes_back_whole(trainer, engine):
     samples = [make_sample(toks, advantage=1.0) for toks in await generate(engine, 2)]
     name, params = trainer._activate("shared")
