@@ -470,7 +470,9 @@ class LearnerSettings(BaseSettings):
         0.5, gt=0, le=1, description="Shared scope: most of a batch one user's samples may fill (with several users)."
     )
     ppo_epochs: int = Field(1, ge=1)
-    minibatch_size: int = Field(0, ge=0, description="Samples per optimizer step; 0 = the whole batch.")
+    minibatch_size: int = Field(
+        4, ge=0, description="Samples per optimizer step (4: four steps per update of 16); 0 = the whole batch."
+    )
     lora_r: int = Field(16, ge=1)
     lora_alpha: int = Field(32, ge=1)
     lora_target_modules: str = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"

@@ -38,12 +38,33 @@ REACTIONS = ["Thanks, that is great.", "No, that is wrong.", "Great, thanks!", "
 USERS = [f"user{i}" for i in range(8)]  # where a new user lands is the router's choice: several, to see both workers
 
 
+def _all_or_none(starts: list) -> list:
+    """Start processes at once; if one fails, stop the ones that started, and raise its error."""
+    with concurrent.futures.ThreadPoolExecutor(len(starts)) as pool:
+        futures = [pool.submit(start) for start in starts]
+    failed = [f.exception() for f in futures if f.exception() is not None]
+    if failed:
+        for f in futures:
+            if f.exception() is None:
+                f.result().stop()
+        raise failed[0]
+    return [f.result() for f in futures]
+
+
 class Deployment:
     def __init__(self, tmp_path, model_dir, url: str) -> None:
         self.url, self.tmp_path = url, tmp_path
         self.judge_model = ScriptedJudge()
-        with concurrent.futures.ThreadPoolExecutor(2) as pool:
-            self.workers = list(pool.map(lambda i: FakeWorker(model_dir, tmp_path, f"worker{i}"), range(2)))
+        self.workers, self.proxies, self.judges = [], [], []
+        self.router = self.learner = None
+        try:
+            self._start(tmp_path, model_dir, url)
+        except BaseException:  # what did start must not outlive the test as orphans
+            self.stop()
+            raise
+
+    def _start(self, tmp_path, model_dir, url: str) -> None:
+        self.workers = _all_or_none([lambda i=i: FakeWorker(model_dir, tmp_path, f"worker{i}") for i in range(2)])
         self.router = SGLangRouter([w.url for w in self.workers], tmp_path, health_checks=True)
         wait_for(lambda: len(self.router.listed()) == 2, timeout=30)
         self.adapters = tmp_path / "adapters"
@@ -60,8 +81,7 @@ class Deployment:
         serving = {**common, "NEXTSTATE_LEARN": "false", "NEXTSTATE_JUDGE_IN_PROCESS": "false"}
         plan = [("serve", serving, "proxy0"), ("serve", serving, "proxy1"), ("judge", common, "judge0"),
                 ("judge", common, "judge1"), ("learn", common, "learner")]
-        with concurrent.futures.ThreadPoolExecutor(len(plan)) as pool:
-            started = list(pool.map(lambda p: NextstateProcess(p[0], p[1], tmp_path, p[2]), plan))
+        started = _all_or_none([lambda p=p: NextstateProcess(p[0], p[1], tmp_path, p[2]) for p in plan])
         self.proxies, self.judges, self.learner = started[:2], started[2:4], started[4]
 
     def key(self, user: str) -> str:
@@ -85,7 +105,8 @@ class Deployment:
             if judge.process.poll() is None:
                 judge.resume()  # a paused process would not hear the stop
         for process in [*self.proxies, *self.judges, self.learner, self.router, *self.workers]:
-            process.stop()
+            if process is not None:
+                process.stop()
         self.judge_model.stop()
 
 
