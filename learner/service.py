@@ -50,10 +50,10 @@ MEMORY_RETRY_S = 300.0
 # after this long, doubled with each try of its oldest sample, at most UNPUBLISHED_RETRY_MAX_S.
 # The next try starts shorter than anything the last one tried (learner/step_sizes.py), so it
 # is not refused the same way again.
-# TRAINING.json is written again at most this often while training passes report progress.
-PASSES_WRITE_S = 5.0
 UNPUBLISHED_RETRY_S = 60.0
 UNPUBLISHED_RETRY_MAX_S = 1800.0
+# TRAINING.json is written again at most this often while training passes report progress.
+PASSES_WRITE_S = 5.0
 
 # Gives a training batch its final advantages (the judge's `prepare_batch`: outcome rewards
 # are standardised per batch); the learner applies it without knowing the reward math.

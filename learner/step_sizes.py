@@ -1,7 +1,7 @@
 """How long a scope's update may be: the KL line search and the length a step starts at.
 
-An update is trained at full length and measured: the policy KL between the version that
-sampled its batch and the trained weights (learner/trainer.py). One that moves the policy
+An update is trained at full length and measured: the policy KL between the weights before
+the update and after it, on the batch's tokens (learner/trainer.py). One that moves the policy
 further than `max_kl` used to be undone whole, and its samples thrown away with it — four
 ratings on SmolLM2 at the defaults made a first step of KL 1.28 against a limit of 1, and a
 person's ratings were lost for good (issue 38). Now the step is shortened along its own

@@ -5,9 +5,8 @@ AdamW state, so per-user adapters train on per-user samples only. A step that pr
 non-finite loss or gradient is rolled back (weights and optimizer state) and reported as
 skipped. A step that moves the policy further than `max_kl` (measured on the batch's tokens,
 from the weights before the step) is not thrown away but shortened along its own direction
-until it fits (a backtracking
-line search, as TRPO's; `step_sizes.py` says how the lengths are chosen), and undone only when
-it still does not fit at the floor. Calls are blocking and meant for a worker thread.
+until it fits (a backtracking line search, as TRPO's; `step_sizes.py` says how the lengths are
+chosen), and undone only when it still does not fit at the floor. Calls are blocking and meant for a worker thread.
 """
 
 from __future__ import annotations

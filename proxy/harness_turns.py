@@ -15,13 +15,6 @@ import re
 from typing import Any
 
 
-def _text(message: dict[str, Any]) -> str:
-    content = message.get("content")
-    if isinstance(content, list):
-        return "".join(str(part.get("text") or "") for part in content if isinstance(part, dict))
-    return str(content or "")
-
-
 class HarnessTurns:
     """Whether a request is the agent's own: its system prompt or its last user message matches
     one of the patterns."""
@@ -32,10 +25,9 @@ class HarnessTurns:
     def matches(self, messages: list[dict[str, Any]]) -> bool:
         if not self.patterns or not messages:
             return False
-        texts = []
-        if messages[0].get("role") in ("system", "developer"):
-            texts.append(_text(messages[0]))
-        last_user = next((m for m in reversed(messages) if m.get("role") == "user"), None)
-        if last_user is not None and messages[-1] is last_user:  # the request ends with it: it is what is asked
-            texts.append(_text(last_user))
+        # the request's messages are normalised: text content, a developer message as system;
+        # its system prompt, and the user message it ends with (what is asked)
+        first, last = messages[0], messages[-1]
+        ends = [m for m, role in ((first, "system"), (last, "user")) if m.get("role") == role]
+        texts = [str(m.get("content") or "") for m in ends]
         return any(p.search(text) for p in self.patterns for text in texts)
