@@ -281,6 +281,15 @@ class JudgeSettings(BaseSettings):
             code clips it; unclipped gaps of tokens the teacher finds absurd dominate a batch).
         opd_teacher: `base` (the model without adapter reads the hint) or `policy` (the adapter
             that served the turn).
+        opd_loss: how the teacher trains the policy. `sampled` (the paper's §4.2): the teacher's
+            logprob minus the sampler's, of each sampled token, is that token's advantage — it
+            can only say "more" or "less" of what was written. `topk`: the learner pulls the
+            policy's whole next-token distribution at every response position towards the
+            teacher's top `opd_topk` tokens and the rest's mass (a reverse KL, OpenClaw-RL's OEL
+            track; Agarwal et al. 2024's on-policy distillation over the full distribution), so
+            the teacher can also show what it would have written instead (an end of the reply
+            where "be brief" makes one likely). The teacher is then the base model in the
+            learner; the weight is `w_opd` (learner/distillation.py).
         judge_in_process: off in serving processes whose transitions `nextstate judge`
             processes judge (their own machines or GPUs; several at once take disjoint
             transitions from the shared inbox, core/sample_store.py): the serving process
@@ -348,6 +357,9 @@ class JudgeSettings(BaseSettings):
     opd_teacher: Literal["base", "policy"] = Field(
         "base", description="Teacher = the base model, or the adapter that served the turn."
     )
+    opd_loss: Literal["sampled", "topk"] = Field(
+        "sampled", description="OPD as the sampled tokens' advantages, or as a reverse KL to the teacher's top-K distribution."
+    )
     prompts_dir: Path | None = Field(None, description="Judge prompt folder; unset = the bundled prompts.")
     outcome_min: float = Field(-1.0, description="Lowest outcome reward POST /v1/sessions/{id}/outcome accepts.")
     outcome_max: float = Field(1.0, description="Highest outcome reward it accepts.")
@@ -373,6 +385,15 @@ class JudgeSettings(BaseSettings):
     @property
     def uses_opd(self) -> bool:
         return self.mode in ("opd", "combined")
+
+    @model_validator(mode="after")
+    def _topk_teacher_is_base(self) -> JudgeSettings:
+        """The learner distils from its own frozen copy of the base model; the served adapter a
+        `policy` teacher would be is not what the learner holds when it trains."""
+        if self.opd_loss == "topk" and self.opd_teacher == "policy":
+            raise ValueError("NEXTSTATE_OPD_LOSS=topk distils from the base model: set NEXTSTATE_OPD_TEACHER=base "
+                             "or NEXTSTATE_OPD_LOSS=sampled")
+        return self
 
     @property
     def hindsight_fallback(self) -> bool:
@@ -438,6 +459,8 @@ class LearnerSettings(BaseSettings):
             same time (bench.learner_memory, before the LM head's chunks were sized by bytes:
             16 such samples now add 1.07 GiB); on a GPU an 8k-token pass keeps it busy. The
             memory plan may lower it for a step (learner_memory_mb).
+        opd_topk: with NEXTSTATE_OPD_LOSS=topk, the teacher's most likely tokens kept at each
+            position (the rest is one bin): 32 hold all but a sliver of a small model's mass.
         learner_memory_mb: the most a training pass may add to memory; 0 = what the machine
             has free (80% of MemAvailable or the container's room on the CPU, of the device's
             free memory on a GPU). Every pass is measured, micro-batches shrink to what fits,
@@ -492,6 +515,7 @@ class LearnerSettings(BaseSettings):
     )
     max_train_tokens: int = Field(32768, ge=16, description="Longest sample trained; the prompt is cut from the left.")
     micro_batch_tokens: int = Field(8192, ge=1, description="Padded tokens per training forward pass (samples packed).")
+    opd_topk: int = Field(32, ge=1, description="opd_loss=topk: the teacher's top tokens kept per position.")
     learner_memory_mb: int = Field(
         0, ge=0, description="Most memory a training pass may add (MB); 0 = what is free. A step that would not fit waits."
     )

@@ -116,6 +116,14 @@ class Sample(BaseModel):
     accepted_from: int | None = Field(
         None, description="Built from the reply of this later turn, accepted after a correction of this one (judge/accepted.py)."
     )
+    teacher_prompt_ids: list[int] | None = Field(
+        None, description="The prompt with the hint, as the OPD teacher reads it: the learner distils the teacher's "
+        "next-token distribution after it (NEXTSTATE_OPD_LOSS=topk, learner/distillation.py)."
+    )
+    distill_weight: float | None = Field(
+        None, description="Weight of the reverse KL to the teacher's distribution in its loss; None: the teacher's "
+        "gap, if any, is in its advantages (NEXTSTATE_OPD_LOSS=sampled)."
+    )
 
 
 # accepted: the rating is on disk, its sample is being made; applied: it was made (records only);

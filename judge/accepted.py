@@ -83,7 +83,7 @@ async def learn_from_accepted(judge: Judge, verdict: Sample) -> list[Sample]:
                 "mode": settings.mode, "status": "ready", "tries": 0, "response_id": None, "feedback": None,
                 "reason": f"{REASON}: the reply of turn {accepted.turn_index} on this turn's prompt",
                 "prompt_ids": corrected.prompt_ids, "old_logprobs": scores, "votes": [], "hint": None,
-                "teacher_logprobs": None, "outcome": None,
+                "teacher_logprobs": None, "teacher_prompt_ids": None, "distill_weight": None, "outcome": None,
                 "advantages": token_advantages(n, accepted.reward, None, weight, 0.0), "loss_mask": [1] * n,
                 "reward_weight": weight,
                 "created_at": time.time(),

@@ -25,8 +25,9 @@ from nextstate.core.records import RecordWriter
 from nextstate.core.sample_store import SampleStore
 from nextstate.core.settings import JudgeSettings
 from nextstate.core.types import FeedbackResult, FeedbackStatus, Sample, Turn
-from nextstate.judge.advantages import opd_delta, token_advantages, with_outcome
+from nextstate.judge.advantages import token_advantages, with_outcome
 from nextstate.judge.inbox import JudgeInbox
+from nextstate.judge.teacher import TeacherSignal
 
 T = TypeVar("T")
 
@@ -52,8 +53,8 @@ class RatingJudge(Protocol):
 
     async def durable_write(self, fn: Callable[..., T], *args: Any) -> T: ...
 
-    async def score_correction(self, turn: Turn, correction: str) -> list[float]:
-        """The OPD teacher's logprobs of the turn's reply under the correction."""
+    async def score_correction(self, turn: Turn, correction: str) -> TeacherSignal:
+        """The OPD teacher's view of the turn's reply under the correction."""
 
     def sample(self, turn: Turn, status: str, reason: str, reward: float = 0.0, advantages: list[float] | None = None,
                track: str | None = None, **extra: Any) -> Sample: ...
@@ -135,12 +136,12 @@ class ExplicitFeedback:
         teacher = delta = None
         if correction and cfg.uses_opd:
             teacher = await self.judge.score_correction(turn, correction)
-            delta = opd_delta(teacher, turn.response_logprobs, cfg.opd_clip)
-        w_binary, w_opd = feedback_weights(cfg.mode, delta is not None, cfg.w_binary, cfg.w_opd)
+            delta = teacher.delta(turn.response_logprobs, cfg.opd_clip)
+        w_binary, w_opd = feedback_weights(cfg.mode, teacher is not None, cfg.w_binary, cfg.w_opd)
         advantages = token_advantages(len(turn.response_ids), float(rating), delta, w_binary, w_opd)
         return self.judge.sample(
-            turn, "ready", "explicit feedback" + (" with a correction" if delta is not None else ""), float(rating),
-            advantages, track="personal", hint=correction, teacher_logprobs=teacher,
+            turn, "ready", "explicit feedback" + (" with a correction" if teacher is not None else ""), float(rating),
+            advantages, track="personal", hint=correction, **(teacher.sample_fields(w_opd) if teacher else {}),
             feedback={"rating": rating, "correction": correction}, reward_weight=w_binary,
         )
 

@@ -30,7 +30,7 @@ from typing import Any, TypeVar
 from nextstate.engine.base import Engine, UnknownAdapterError
 from nextstate.judge.accepted import learn_from_accepted
 from nextstate.judge.at_least_one import AtLeastOne
-from nextstate.judge.advantages import opd_delta, step_reward, token_advantages, with_outcome
+from nextstate.judge.advantages import step_reward, token_advantages, with_outcome
 from nextstate.judge.client import JudgeClient
 from nextstate.judge.calibration import Calibration
 from nextstate.judge.context import FENCE_NOTE, Unwrap, prompt_values
@@ -38,7 +38,7 @@ from nextstate.judge.hindsight import hindsight_hint
 from nextstate.judge.parsing import majority_vote, parse_hint, parse_score, select_hint
 from nextstate.judge.prompts import PromptLibrary
 from nextstate.judge.stats import JudgeStats, Vote
-from nextstate.judge.teacher import teacher_logprobs
+from nextstate.judge.teacher import TeacherSignal, teacher_logprobs, teacher_prompt_ids
 from nextstate.core.activity import Activity
 from nextstate.core.durable import Durable
 from nextstate.core.sample_store import SampleStore
@@ -215,7 +215,7 @@ class Judge:
         """Background work of the judge's (a rating being applied): drained and cancelled with it."""
         return self.tasks.spawn(work)
 
-    async def score_correction(self, turn: Turn, correction: str) -> list[float]:
+    async def score_correction(self, turn: Turn, correction: str) -> TeacherSignal:
         """A person's correction read by the OPD teacher, as one of the judge's calls (however
         many ratings come at once) in a quiet moment."""
         await self.quiet()
@@ -268,14 +268,16 @@ class Judge:
         if hint is not None:
             await self.quiet()  # each step of a judgement yields to users anew
             teacher = await self.teacher(turn, hint, detail)
-            delta = opd_delta(teacher, turn.response_logprobs, cfg.opd_clip)
+            delta = teacher.delta(turn.response_logprobs, cfg.opd_clip)
 
-        common: dict[str, Any] = {"votes": scores, "hint": hint, "teacher_logprobs": teacher}
+        common: dict[str, Any] = {"votes": scores, "hint": hint}
         if outcome_track:
             total = step_reward(outcome, scores) if outcome is not None else float(reward or 0)
             advantages = token_advantages(len(turn.response_ids), total, delta, cfg.w_binary, cfg.w_opd)
             status = "ready" if outcome is not None else "awaiting_outcome"
             reason = "outcome + mean votes" if outcome is not None else "waiting for the session's outcome"
+            if teacher is not None:
+                common.update(teacher.sample_fields(cfg.w_opd))
             return self.sample(transition.turn, status, reason, total, advantages, outcome=outcome, track="outcome", **common)
 
         if cfg.mode == "binary":
@@ -284,16 +286,18 @@ class Judge:
             w_binary, w_opd = 0.0, 1.0
         else:
             w_binary, w_opd = cfg.w_binary, cfg.w_opd
+        if teacher is not None:
+            common.update(teacher.sample_fields(w_opd))
         if cfg.mode == "opd" and hint is None:
             return self.sample(transition.turn, "dropped", "no valid hint", 0.0, **common)
-        signal = (reward not in (None, 0)) or delta is not None
+        signal = (reward not in (None, 0)) or teacher is not None
         advantages = token_advantages(len(turn.response_ids), reward, delta, w_binary, w_opd)
         if reward is not None:
             common["reward_weight"] = w_binary
         key = (turn.user, turn.session_id)
         if signal:
             self.guarantee.accepted(key)
-            reason = "hint" if reward in (None, 0) else ("reward and hint" if delta is not None else "reward")
+            reason = "hint" if reward in (None, 0) else ("reward and hint" if teacher is not None else "reward")
             return self.sample(transition.turn, "ready", reason, float(reward or 0), advantages, **common)
         if self.guarantee.claim_neutral(key):
             # At-least-one guarantee: a session whose turns were all neutral still trains one
@@ -312,20 +316,23 @@ class Judge:
             return self.sample(turn, "dropped", "hindsight: the next state has no words to learn from")
         await self.quiet()
         teacher = await self.teacher(turn, hint, detail)
-        delta = opd_delta(teacher, turn.response_logprobs, cfg.opd_clip)
         w_opd = 1.0 if cfg.mode == "opd" else cfg.w_opd
         self.guarantee.accepted((turn.user, turn.session_id))
         return self.sample(turn, "ready", "hindsight: the next state as the hint (the judge is benched)", 0.0,
-                           token_advantages(len(turn.response_ids), None, delta, 0.0, w_opd),
-                           hint=hint, teacher_logprobs=teacher)
+                           token_advantages(len(turn.response_ids), None, teacher.delta(turn.response_logprobs,
+                                                                                        cfg.opd_clip), 0.0, w_opd),
+                           hint=hint, **teacher.sample_fields(w_opd))
 
-    async def teacher(self, turn: Turn, hint: str, detail: dict[str, Any] | None = None) -> list[float]:
-        """The OPD teacher's logprobs: the base model, or (`opd_teacher=policy`) the adapter
-        that served the turn (or the scope's current one, `on_policy_adapter`)."""
+    async def teacher(self, turn: Turn, hint: str, detail: dict[str, Any] | None = None) -> TeacherSignal:
+        """The OPD teacher's view of the turn: with `opd_loss=topk` only its prompt (the learner
+        distils); else its logprobs of the response under the base model, or (`opd_teacher=
+        policy`) the adapter that served the turn (or the scope's current one, `on_policy_adapter`)."""
+        if self.settings.opd_loss == "topk":
+            return TeacherSignal(prompt_ids=await teacher_prompt_ids(self.renderer, turn, hint))
         if self.settings.opd_teacher != "policy":
-            return await teacher_logprobs(self.engine, self.renderer, turn, hint, None)
-        return await self.on_policy_adapter(turn.user, turn.adapter, lambda adapter: teacher_logprobs(
-            self.engine, self.renderer, turn, hint, adapter), detail)
+            return TeacherSignal(await teacher_logprobs(self.engine, self.renderer, turn, hint, None))
+        return TeacherSignal(await self.on_policy_adapter(turn.user, turn.adapter, lambda adapter: teacher_logprobs(
+            self.engine, self.renderer, turn, hint, adapter), detail))
 
     async def score_under_policy(self, user: str, adapter: str | None, prompt_ids: list[int], response_ids: list[int],
                                  temperature: float) -> list[float]:

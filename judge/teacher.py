@@ -1,5 +1,9 @@
 """The OPD teacher: the same response, scored under a prompt that knows the hint.
 
+With NEXTSTATE_OPD_LOSS=topk the judge scores nothing: it hands the learner the teacher's
+prompt, and the learner distils the teacher's whole next-token distribution after it
+(learner/distillation.py). `TeacherSignal` is what a hint adds to a sample either way.
+
 The hint is appended to the last user message as "\\n\\n[user's hint / instruction]\\n{hint}"
 and the turn is re-rendered with its own tools and tool choice, so the only difference from
 the prompt that produced the response is the hint. The response tokens are then scored, one
@@ -12,9 +16,12 @@ from __future__ import annotations
 
 import asyncio
 import copy
+from dataclasses import dataclass
+from typing import Any
 
 from nextstate.engine.base import Engine
 from nextstate.core.types import Turn
+from nextstate.judge.advantages import opd_delta
 from nextstate.modelio.chat_template import ChatRenderer
 
 HINT_HEADER = "\n\n[user's hint / instruction]\n"
@@ -46,3 +53,21 @@ async def teacher_logprobs(engine: Engine, renderer: ChatRenderer, turn: Turn, h
     if len(scores) != len(turn.response_ids):
         raise RuntimeError(f"teacher returned {len(scores)} logprobs for {len(turn.response_ids)} response tokens")
     return scores
+
+
+@dataclass(frozen=True)
+class TeacherSignal:
+    """What a hint adds to a sample: the teacher's logprobs of the sampled tokens (`sampled`:
+    their gap to the sampler's is an advantage) or the prompt the learner's teacher reads
+    (`topk`: the gap is a loss of its own, weighted in the sample)."""
+
+    logprobs: list[float] | None = None
+    prompt_ids: list[int] | None = None
+
+    def delta(self, old: list[float], clip: float) -> list[float] | None:
+        """The per-token advantage term, or None when the learner distils instead."""
+        return opd_delta(self.logprobs, old, clip) if self.logprobs is not None else None
+
+    def sample_fields(self, w_opd: float) -> dict[str, Any]:
+        return {"teacher_logprobs": self.logprobs, "teacher_prompt_ids": self.prompt_ids,
+                "distill_weight": w_opd if self.prompt_ids is not None else None}

@@ -20,6 +20,7 @@ import time
 import warnings
 from collections import OrderedDict
 from collections.abc import Callable
+from typing import Any
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -28,6 +29,7 @@ import torch.utils.checkpoint
 
 from nextstate.core.settings import LearnerSettings
 from nextstate.core.types import Sample
+from nextstate.learner.distillation import teacher_topk, topk_reverse_kl
 from nextstate.learner.gate import GateFigures, mean, repetition
 from nextstate.learner.learning_rate import resolve_learning_rate
 from nextstate.learner.host_memory import release_freed_memory
@@ -35,7 +37,7 @@ from nextstate.learner.memory_budget import MemoryBudget, Refusal
 from nextstate.learner.micro_batches import micro_batches
 from nextstate.learner.ppo import k3_kl, ppo_token_losses
 from nextstate.learner.step_sizes import KlTry, StepSizes
-from nextstate.modelio.logprobs import token_logprobs
+from nextstate.modelio.logprobs import tempered_log_softmax
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +77,7 @@ class StepResult:
     kl_tries: list[dict] = field(default_factory=list)  # each length tried: {"scale", "kl"}, the kept one last
     pass_tokens: int = 0  # padded tokens a forward pass could hold (the step's memory plan)
     peak_added_mb: float = 0.0  # the most a training pass added to memory, measured
+    distill_kl: float = 0.0  # mean KL(π_θ ‖ π_teacher) over distilled tokens in training (NEXTSTATE_OPD_LOSS=topk)
 
     @classmethod
     def not_started(cls, scope: str, samples: list[Sample], refusal: Refusal) -> StepResult:
@@ -252,41 +255,94 @@ class LoraTrainer:
 
     def _logprobs_many(self, samples: list[Sample]) -> list[torch.Tensor]:
         """Logprobs of each sample's response tokens, in fp32, from one forward pass over the
-        samples right-padded to a common length (a micro-batch, learner/micro_batches.py).
+        samples right-padded to a common length (a micro-batch, learner/micro_batches.py)."""
+        return [lp for lp, _ in self._response_logprobs(samples)]
+
+    def _response_logprobs(
+        self, samples: list[Sample], gather: list[torch.Tensor | None] | None = None
+    ) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+        """Per sample: the logprobs of its response tokens and, where `gather` gives token ids
+        ([response tokens, K], the teacher's top K), the logprobs of those ids too."""
+        rows = [self._train_ids(s)[:-1] for s in samples]  # nothing is predicted after the last token
+        targets = [torch.tensor(s.response_ids, device=self.device) for s in samples]
+
+        def at(logits: torch.Tensor, i: int, part: slice) -> tuple[torch.Tensor, torch.Tensor]:
+            logprobs = tempered_log_softmax(logits, samples[i].logprob_temperature)
+            token = logprobs.gather(-1, targets[i][part].unsqueeze(-1)).squeeze(-1)
+            ids = gather[i] if gather is not None else None
+            return token, (logprobs.gather(-1, ids[part]) if ids is not None else token[:0])
+
+        out = []
+        for i, pieces in enumerate(self._over_responses(rows, [len(s.response_ids) for s in samples], at)):
+            token = torch.cat([p[0] for p in pieces])
+            out.append((token, torch.cat([p[1] for p in pieces]) if gather is not None and gather[i] is not None else None))
+        return out
+
+    def _over_responses(self, rows: list[list[int]], response_lengths: list[int],
+                        at: Callable[[torch.Tensor, int, slice], Any]) -> list[list[Any]]:
+        """`at(logits, i, part)` on the logits of row i's last `response_lengths[i]` positions,
+        a chunk at a time (`part`: the chunk's positions within the response), from one forward
+        pass over the rows right-padded to a common length.
 
         Only response positions go through the LM head, `logit_rows` of them at a time, each
         chunk recomputed in the backward pass: a [tokens × vocab] logits tensor is 4.9 GB in
         fp32 for an 8k-token response on a 152k vocabulary, a chunk 64 MiB."""
-        rows = [self._train_ids(s)[:-1] for s in samples]  # nothing is predicted after the last token
         width = max(map(len, rows))
         ids = torch.tensor([r + [0] * (width - len(r)) for r in rows], device=self.device)
         # right padding: causal attention keeps real tokens from seeing it, positions stay 0..len-1
         mask = None if all(len(r) == width for r in rows) else torch.tensor(
             [[1] * len(r) + [0] * (width - len(r)) for r in rows], device=self.device)
-        spans = [(len(r) - len(s.response_ids), len(r)) for r, s in zip(rows, samples)]
-        targets = [torch.tensor(s.response_ids, device=self.device) for s in samples]
+        spans = [(len(r) - n, len(r)) for r, n in zip(rows, response_lengths)]
+        model = self.model if self.model is not None else self._base
         parts = self._backbone_and_head()
         if parts is None:  # a model whose head does more than a linear map (soft-capping, scaling)
             first = min(a for a, _ in spans)
-            logits = self.model(input_ids=ids, attention_mask=mask, logits_to_keep=width - first).logits
-            return [token_logprobs(logits[i, a - first : b - first], t, s.logprob_temperature)
-                    for i, ((a, b), t, s) in enumerate(zip(spans, targets, samples))]
+            logits = model(input_ids=ids, attention_mask=mask, logits_to_keep=width - first).logits
+            return [[at(logits[i, a - first : b - first], i, slice(0, b - a))] for i, (a, b) in enumerate(spans)]
         backbone, head = parts
         hidden = backbone(input_ids=ids, attention_mask=mask).last_hidden_state
-
-        def chunk(h: torch.Tensor, t: torch.Tensor, temperature: float) -> torch.Tensor:
-            return token_logprobs(head(h), t, temperature)
-
         out = []
-        for i, ((a, b), t, s) in enumerate(zip(spans, targets, samples)):
+        for i, (a, b) in enumerate(spans):
             pieces = []
             for start in range(a, b, self.logit_rows):
-                h, tt = hidden[i, start : min(b, start + self.logit_rows)], t[start - a : start - a + self.logit_rows]
+                part = slice(start - a, min(b, start + self.logit_rows) - a)
+                h = hidden[i, start : min(b, start + self.logit_rows)]
                 if torch.is_grad_enabled():
-                    pieces.append(torch.utils.checkpoint.checkpoint(chunk, h, tt, s.logprob_temperature, use_reentrant=False))
+                    pieces.append(torch.utils.checkpoint.checkpoint(
+                        lambda h, i=i, part=part: at(head(h), i, part), h, use_reentrant=False))
                 else:
-                    pieces.append(chunk(h, tt, s.logprob_temperature))
-            out.append(torch.cat(pieces))
+                    pieces.append(at(head(h), i, part))
+            out.append(pieces)
+        return out
+
+    def _teacher_ids(self, sample: Sample) -> list[int]:
+        """The tokens the distillation teacher reads: its prompt (the hint in it), cut from the
+        left as `_train_ids` cuts the sample's own, and the response."""
+        room = max(1, self.settings.max_train_tokens - len(sample.response_ids))
+        return (sample.teacher_prompt_ids or [])[-room:] + sample.response_ids
+
+    def _teacher_targets(self, samples: list[Sample]) -> list[tuple[torch.Tensor, torch.Tensor] | None]:
+        """Per sample to distil (`distill_weight`, NEXTSTATE_OPD_LOSS=topk): the base model's top
+        `opd_topk` next tokens after the teacher's prompt at each response position, as
+        (log-probabilities, ids); None for the others. The base model never changes, so this is
+        one pass without gradients per update, before any of its steps."""
+        out: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * len(samples)
+        todo = [i for i, s in enumerate(samples) if s.distill_weight and s.teacher_prompt_ids]
+        if not todo:
+            return out
+        k = self.settings.opd_topk
+
+        def at(logits: torch.Tensor, i: int, part: slice) -> tuple[torch.Tensor, torch.Tensor]:
+            return teacher_topk(logits, group_samples[i].logprob_temperature, k)
+
+        lengths = [len(self._teacher_ids(samples[i])) - 1 for i in todo]
+        with torch.no_grad(), self.model.disable_adapter():
+            for group in micro_batches(lengths, self._pass_tokens):
+                group_samples = [samples[todo[j]] for j in group]
+                rows = [self._teacher_ids(s)[:-1] for s in group_samples]
+                results = self._over_responses(rows, [len(s.response_ids) for s in group_samples], at)
+                for j, pieces in zip(group, results):
+                    out[todo[j]] = (torch.cat([p[0] for p in pieces]), torch.cat([p[1] for p in pieces]))
         return out
 
     def _backbone_and_head(self) -> tuple[torch.nn.Module, torch.nn.Module] | None:
@@ -426,8 +482,8 @@ class LoraTrainer:
         optimizer_before = copy.deepcopy(optimizer.state_dict())
         self._before[scope] = (weights_before, optimizer_before)
         dropped: set[int] = set()
-        self.model.train()
-        totals = {"loss": 0.0, "pg": 0.0, "kl": 0.0, "clipped": 0.0, "mismatch": 0.0, "grad_norm": 0.0}
+        totals = {"loss": 0.0, "pg": 0.0, "kl": 0.0, "clipped": 0.0, "mismatch": 0.0, "grad_norm": 0.0, "distill": 0.0,
+                  "distilled": 0.0}
         tokens = sum(sum(s.loss_mask) for s in samples)
         mean_adv = sum(a * m for s in samples for a, m in zip(s.advantages, s.loss_mask)) / max(tokens, 1)
         skipped = None
@@ -438,13 +494,14 @@ class LoraTrainer:
         # the policy before the step, for its KL (`_policy_kl`): the first optimizer step's own
         # forward passes give it for free; samples it does not see need a pass of their own
         before: list[torch.Tensor | None] = [None] * len(samples)
+        self.model.eval()
+        teacher = self._teacher_targets(samples)
         if c.minibatch < len(samples):
-            self.model.eval()
             with torch.no_grad():
                 later = list(range(c.minibatch, len(samples)))
                 for i, lp in zip(later, self._logprobs_each([samples[i] for i in later])):
                     before[i] = lp
-            self.model.train()
+        self.model.train()
         try:
             for epoch in range(c.ppo_epochs):
                 for start in range(0, len(samples), c.minibatch):
@@ -455,13 +512,15 @@ class LoraTrainer:
                     for group in self._micro_batches([samples[i] for i in live]):
                         members = [live[j] for j in group]
                         with self.memory.meter() as meter:
-                            logprobs_of = self._logprobs_many([samples[i] for i in members])
+                            outputs = self._response_logprobs(
+                                [samples[i] for i in members], [t[1] if (t := teacher[i]) else None for i in members])
+                            logprobs_of = [lp for lp, _ in outputs]
                             base_of: list[torch.Tensor | None] = [None] * len(members)
                             if c.kl_coef > 0:
                                 with torch.no_grad(), self.model.disable_adapter():
                                     base_of = self._logprobs_many([samples[i] for i in members])
                             losses = []
-                            for i, logprobs, base in zip(members, logprobs_of, base_of):
+                            for i, logprobs, base, (_, student_topk) in zip(members, logprobs_of, base_of, outputs):
                                 s = samples[i]
                                 if steps == 0 and before[i] is None:
                                     before[i] = logprobs.detach()
@@ -470,6 +529,11 @@ class LoraTrainer:
                                 adv = torch.tensor(s.advantages, device=self.device).clamp(-c.max_advantage, c.max_advantage)
                                 mask = torch.tensor(s.loss_mask, device=self.device, dtype=torch.float32)
                                 tok_loss, clipped, kl, pg = ppo_token_losses(logprobs, old, adv, EPS, EPS_HIGH, base, c.kl_coef)
+                                if student_topk is not None:
+                                    distill = topk_reverse_kl(student_topk, teacher[i][0]) * mask
+                                    tok_loss = tok_loss + s.distill_weight * distill
+                                    totals["distill"] += float(distill.detach().sum())
+                                    totals["distilled"] += float(mask.sum())
                                 loss = (tok_loss * mask).sum() / batch_tokens
                                 if not torch.isfinite(loss):
                                     dropped.add(i)  # this sample alone is left out; the batch trains on
@@ -532,6 +596,7 @@ class LoraTrainer:
             kl_tries=[t.to_dict() for t in kl_tries],
             mismatch=totals["mismatch"] / max(tokens, 1),
             mean_advantage=mean_adv,
+            distill_kl=totals["distill"] / totals["distilled"] if totals["distilled"] else 0.0,
             grad_norm=totals["grad_norm"],
             seconds=time.monotonic() - started,
             skipped=skipped,

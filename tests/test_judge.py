@@ -11,7 +11,7 @@ import aiohttp
 import httpx
 import pytest
 
-from nextstate.judge.teacher import teacher_logprobs
+from nextstate.judge.teacher import teacher_logprobs, teacher_prompt_ids
 from nextstate.core.sample_store import SampleStore
 from nextstate.core.types import NextState, Transition, Turn
 from tests.judge_server import HINTS
@@ -96,6 +96,27 @@ def test_teacher_is_the_base_model_under_the_enhanced_prompt(server_factory, jud
     app = server.app
     rescored = server.call(teacher_logprobs(app.state.services.turns.engine, app.state.services.turns.renderer, turn, sample.hint, None))
     assert rescored == pytest.approx(sample.teacher_logprobs, abs=1e-5)
+
+
+def test_with_the_topk_loss_the_judge_hands_the_learner_the_teachers_prompt(server_factory, judge):
+    """NEXTSTATE_OPD_LOSS=topk: no teacher scoring on the engine, the hint's prompt goes with
+    the sample and the reward alone is its advantage (learner/distillation.py does the rest)."""
+    server = judged_server(server_factory, judge, opd_loss="topk", learn=False)
+    converse(server.client(server.key("alice")), SCRIPT)
+    samples = samples_by_turn(server)
+    correction, praise = samples[1], samples[3]
+    assert correction.teacher_logprobs is None and correction.distill_weight == 1.0
+    assert correction.advantages == [-1.0] * len(correction.response_ids)
+    request = next(r for r in server.records() if r["kind"] == "request" and r["turn_index"] == 1)
+    turn = Turn(
+        session_id="s", user="alice", turn_index=1, messages=request["messages"], prompt_ids=request["prompt_ids"],
+        response_ids=request["response_ids"], response_logprobs=request["response_logprobs"], logprob_temperature=0.7,
+        sampling={}, policy_version=0, adapter=None, response_message=request["response"], finish_reason="length", created_at=0,
+    )
+    expected = server.call(teacher_prompt_ids(server.app.state.services.turns.renderer, turn, correction.hint))
+    assert correction.teacher_prompt_ids == expected and len(expected) > len(turn.prompt_ids), "the hint is in it"
+    assert praise.teacher_prompt_ids is None and praise.distill_weight is None, "no hint, nothing to distil"
+    assert correction.reason == "reward and hint"
 
 
 def test_binary_mode_ignores_hints(server_factory, judge):

@@ -1,0 +1,77 @@
+"""Distillation over the teacher's distribution (NEXTSTATE_OPD_LOSS=topk, learner/distillation.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from nextstate.core.settings import LearnerSettings
+from nextstate.learner.distillation import teacher_topk, topk_reverse_kl, with_tail
+from nextstate.learner.trainer import LoraTrainer
+from tests.test_learner import PROMPT, engine, generate, make_sample, peaked_model_dir  # noqa: F401  (fixtures)
+
+HINTED = PROMPT + [200, 201, 202, 203, 204, 205, 206, 207]  # the teacher reads a "hint" after the prompt
+
+
+def test_the_topk_loss_is_a_divergence_over_k_tokens_and_a_tail():
+    torch.manual_seed(0)
+    teacher = torch.log_softmax(torch.randn(3, 10), -1)
+    values, ids = teacher.topk(4, dim=-1)
+    assert torch.allclose(with_tail(values).logsumexp(-1), torch.zeros(3), atol=1e-6), "K + 1 bins hold all the mass"
+    assert torch.allclose(topk_reverse_kl(values, values), torch.zeros(3), atol=1e-6)
+    student = torch.log_softmax(torch.randn(3, 10), -1).gather(-1, ids)
+    assert (topk_reverse_kl(student, values) > 0).all()
+
+
+def test_with_every_token_kept_it_is_the_reverse_kl_and_its_gradient():
+    torch.manual_seed(1)
+    logits = torch.randn(2, 8, requires_grad=True)
+    values, ids = teacher_topk(torch.randn(2, 8), temperature=0.7, k=8)
+    student = torch.log_softmax(logits, -1)
+    ours = topk_reverse_kl(student.gather(-1, ids), values)
+    full_teacher = torch.empty(2, 8).scatter_(-1, ids, values)
+    exact = (student.exp() * (student - full_teacher)).sum(-1)
+    assert ours.tolist() == pytest.approx(exact.tolist(), abs=1e-5)
+    grad_ours, = torch.autograd.grad(ours.sum(), logits, retain_graph=True)
+    grad_exact, = torch.autograd.grad(exact.sum(), logits)
+    assert torch.allclose(grad_ours, grad_exact, atol=1e-5)
+
+
+def distilled(sample, teacher_prompt=HINTED, weight=1.0):
+    return sample.model_copy(update={"advantages": [0.0] * len(sample.response_ids), "reward": 0.0,
+                                     "teacher_prompt_ids": teacher_prompt, "distill_weight": weight})
+
+
+async def test_the_teacher_is_the_base_model_reading_the_hint_at_each_response_position(tiny_model_dir, engine):
+    """Every logprob the teacher hands the learner must be the base model's after the hinted
+    prompt, at the response's own positions: with K = the vocabulary, the teacher's value at
+    each sampled token equals the engine's score of it."""
+    trainer = LoraTrainer(tiny_model_dir, LearnerSettings(lr=5e-3, lora_r=4, lora_alpha=8, opd_topk=10_000))
+    trainer.ensure_scope("alice")
+    trainer.logit_rows = 3  # several LM-head chunks per response
+    *replies, plain = await generate(engine, 3, max_new=7)
+    samples = [distilled(make_sample(toks, temperature=0.7)) for toks in replies]
+    targets = trainer._teacher_targets(samples + [make_sample(plain)])
+    assert targets[2] is None, "a sample without a teacher's prompt is not distilled"
+    for sample, (values, ids) in zip(samples, targets):
+        expected = await engine.score(HINTED + sample.response_ids, len(HINTED), temperature=0.7)
+        at_token = values.gather(-1, (ids == torch.tensor(sample.response_ids)[:, None]).float().argmax(-1, keepdim=True))
+        assert at_token.squeeze(-1).tolist() == pytest.approx(expected, abs=1e-4)
+
+
+async def test_distilling_moves_the_policy_towards_the_teacher_and_nothing_else_changes(peaked_model_dir):
+    from nextstate.engine.local import LocalEngine
+
+    peaked = await LocalEngine.open(peaked_model_dir, device="cpu")  # a random model whose context matters
+    try:
+        replies = await generate(peaked, 6, max_new=8)
+    finally:
+        await peaked.close()
+    trainer = LoraTrainer(peaked_model_dir, LearnerSettings(lr=3e-2, lora_r=4, lora_alpha=8, opd_topk=16,
+                                                            minibatch_size=0, max_kl=100.0))
+    samples = [distilled(make_sample(toks)) for toks in replies[:4]]
+    kls = [trainer.step("alice", samples).distill_kl for _ in range(6)]
+    assert kls[0] > 0.05, f"the hint changes what the teacher expects: {kls}"
+    assert all(b < a for a, b in zip(kls, kls[1:])) and kls[-1] < 0.9 * kls[0], f"each step brings it nearer: {kls}"
+    plain = trainer.step("bob", [make_sample(toks, advantage=0.0) for toks in replies[4:]])
+    assert plain.distill_kl == 0.0 and plain.policy_kl == pytest.approx(0.0, abs=1e-6), "no teacher, no advantage: no move"
