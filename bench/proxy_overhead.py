@@ -55,7 +55,7 @@ from bench.prefix_reuse import openclaw_follow_up, openclaw_start
 from bench.report import percentile, pyplot, save
 from tests.background_server import free_port
 from nextstate.modelio.chat_template import ChatRenderer
-from nextstate.proxy.keys import KeyStore
+from nextstate.core.stores.keys import KeyStore
 
 TURNS_PER_CONVERSATION = 10
 LITELLM_VENV = Path(__file__).resolve().parent / ".venv-litellm"

@@ -30,7 +30,7 @@ import httpx
 from bench.models import bench_model
 from bench.proxy_overhead import STUB_REPLY, Conversation, _spawn, _stop, _stream_proxy, _wait_up
 from bench.report import percentile, pyplot, save
-from nextstate.proxy.keys import KeyStore
+from nextstate.core.stores.keys import KeyStore
 from tests.background_server import free_port
 from tests.real_engines.postgres_server import PostgresServer
 

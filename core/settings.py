@@ -23,7 +23,7 @@ from typing import Any, ClassVar, Literal
 from pydantic import BaseModel, Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from nextstate.core.database import is_postgres_url
+from nextstate.core.stores.database import is_postgres_url
 
 log = logging.getLogger(__name__)
 
@@ -292,7 +292,7 @@ class JudgeSettings(BaseSettings):
             learner; the weight is `w_opd` (learner/distillation.py).
         judge_in_process: off in serving processes whose transitions `nextstate judge`
             processes judge (their own machines or GPUs; several at once take disjoint
-            transitions from the shared inbox, core/sample_store.py): the serving process
+            transitions from the shared inbox, core/stores/samples.py): the serving process
             only writes the inbox. They share it through NEXTSTATE_DATABASE_URL, or one data dir.
         judge_calibration: at start, the judge must get the bundled cases of
             `prompts/calibration.json` right before it votes on implicit feedback.

@@ -22,7 +22,7 @@ from collections.abc import Callable, Coroutine
 from contextlib import AbstractAsyncContextManager
 from typing import Any, Protocol, TypeVar
 from nextstate.core.records import RecordWriter
-from nextstate.core.sample_store import SampleStore
+from nextstate.core.stores.samples import SampleStore
 from nextstate.core.settings import JudgeSettings
 from nextstate.core.types import FeedbackResult, FeedbackStatus, Sample, Turn
 from nextstate.judge.advantages import token_advantages, with_outcome

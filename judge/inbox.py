@@ -19,7 +19,7 @@ import asyncio
 import logging
 
 from nextstate.core.durable import Durable, StorageUnavailable
-from nextstate.core.sample_store import LEASE_S, SampleStore
+from nextstate.core.stores.samples import LEASE_S, SampleStore
 from nextstate.core.tasks import Periodic
 from nextstate.core.types import Transition, Turn
 from nextstate.judge.service import Judge

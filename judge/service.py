@@ -41,7 +41,7 @@ from nextstate.judge.stats import JudgeStats, Vote
 from nextstate.judge.teacher import TeacherSignal, teacher_logprobs, teacher_prompt_ids
 from nextstate.core.activity import Activity
 from nextstate.core.durable import Durable
-from nextstate.core.sample_store import SampleStore
+from nextstate.core.stores.samples import SampleStore
 from nextstate.core.tasks import BackgroundTasks
 from nextstate.core.settings import JudgeSettings
 from nextstate.core.types import NextState, Sample, Transition, Turn

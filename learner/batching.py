@@ -19,7 +19,7 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from nextstate.core.sample_store import SampleStore
+from nextstate.core.stores.samples import SampleStore
 from nextstate.core.settings import LearnerSettings
 from nextstate.core.types import Sample
 

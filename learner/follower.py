@@ -19,7 +19,7 @@ from pathlib import Path
 
 from nextstate.core.policy import PolicyDirectory, PolicyRef
 from nextstate.engine.base import AdapterServer, Engine
-from nextstate.learner.registry import VersionRegistry
+from nextstate.core.stores.versions import VersionRegistry
 from nextstate.learner.versions import AdapterVersions
 
 log = logging.getLogger(__name__)
@@ -47,7 +47,7 @@ class VersionFollower:
     def __init__(self, adapters_dir: Path, engine: Engine, policies: PolicyDirectory,
                  registry: VersionRegistry | None = None) -> None:
         """`registry`: with a shared database, each scope's serving version is read there
-        (learner/registry.py) instead of from the adapters folder's CURRENT files."""
+        (core/stores/versions.py) instead of from the adapters folder's CURRENT files."""
         self.versions = AdapterVersions(adapters_dir)
         self.engine = engine
         self.policies = policies

@@ -30,11 +30,11 @@ from nextstate.learner.batching import Waiting, choose_batch, ready_by_scope
 from nextstate.learner.follower import load_version
 from nextstate.learner.gate import PublishGate
 from nextstate.learner.memory_budget import Refusal
-from nextstate.learner.registry import VersionRegistry
+from nextstate.core.stores.versions import VersionRegistry
 from nextstate.learner.trainer import LoraTrainer, StepResult
 from nextstate.learner.versions import AdapterVersions
 from nextstate.core.policy import PolicyDirectory, PolicyRef
-from nextstate.core.sample_store import SampleStore
+from nextstate.core.stores.samples import SampleStore
 from nextstate.core.settings import LearnerSettings
 from nextstate.core.types import Sample
 from nextstate.core.records import RecordWriter

@@ -18,13 +18,13 @@ from nextstate.assembly import (
     EngineFactory, build_follower, build_judge, build_learner, open_engine, open_registry, policy_directory, preflight,
     worker_name,
 )
-from nextstate.core.sample_store import SampleStore
+from nextstate.core.stores.samples import SampleStore
 from nextstate import __version__
 from nextstate.core.activity import Activity
 from nextstate.core.memory import total_bytes
 from nextstate.core.settings import Settings
 from nextstate.forget import forget_online, keep_for
-from nextstate.dashboard_sessions import DashboardSessions
+from nextstate.core.stores.dashboard_sessions import DashboardSessions
 from nextstate.server_marker import mark_running, mark_stopped
 from nextstate.services import Services
 from nextstate.user_data import USER_DATA
@@ -38,13 +38,13 @@ from nextstate.proxy.messages.api_router import router as messages_router
 from nextstate.proxy.messages.serving import MessagesServing
 from nextstate.proxy.responses.api_router import router as responses_router
 from nextstate.proxy.responses.serving import ResponsesServing
-from nextstate.proxy.responses.store import ResponseStore
+from nextstate.core.stores.responses import ResponseStore
 from nextstate.proxy.turns import TurnService
 from nextstate.proxy.errors import install_error_handlers
-from nextstate.proxy.keys import KeyStore
-from nextstate.proxy.parallel_slots import LocalSlots, SharedSlots
+from nextstate.core.stores.keys import KeyStore
+from nextstate.core.stores.parallel_slots import LocalSlots, SharedSlots
 from nextstate.proxy.rate_limits import RateLimiter
-from nextstate.proxy.rate_windows import MemoryWindows, SharedWindows
+from nextstate.core.stores.rate_windows import MemoryWindows, SharedWindows
 from nextstate.core.metrics import Metrics
 from nextstate.core.records import RecordWriter
 from nextstate.proxy.admin_routes import router as admin_router
@@ -53,7 +53,7 @@ from nextstate.dashboard import router as dashboard_router
 from nextstate.proxy.feedback_routes import router as feedback_router
 from nextstate.proxy.session_routes import router as session_router
 from nextstate.proxy.session_chain import VolatileText
-from nextstate.proxy.session_db import SessionDB
+from nextstate.core.stores.sessions import SessionDB
 from nextstate.proxy.harness_turns import HarnessTurns
 from nextstate.proxy.sessions import SessionStore
 

@@ -17,7 +17,7 @@ from nextstate.core.activity import Activity
 from nextstate.core.policy import PolicyDirectory
 from nextstate.core.private import DataDirUnusable, prepare_data_dir
 from nextstate.core.records import RecordWriter
-from nextstate.core.sample_store import SampleStore
+from nextstate.core.stores.samples import SampleStore
 from nextstate.core.settings import Settings
 from nextstate.core.types import Sample
 from nextstate.engine.base import Engine
@@ -27,7 +27,7 @@ from nextstate.judge.client import EngineJudgeClient, JudgeClient, OpenAIJudgeCl
 from nextstate.judge.prompts import PromptLibrary
 from nextstate.judge.service import Judge
 from nextstate.learner.follower import VersionFollower
-from nextstate.learner.registry import VersionRegistry
+from nextstate.core.stores.versions import VersionRegistry
 from nextstate.learner.service import Learner
 from nextstate.learner.versions import AdapterVersions, LearnerRunning
 from nextstate.modelio.chat_template import ChatRenderer
@@ -114,7 +114,7 @@ async def open_engine(model_dir: Path, settings: Settings) -> Engine:
 
 def open_registry(settings: Settings) -> VersionRegistry | None:
     """Several processes on one database: each scope's serving version is published there
-    (learner/registry.py); one process alone reads the adapters folder's files."""
+    (core/stores/versions.py); one process alone reads the adapters folder's files."""
     url = settings.server.database_url
     return VersionRegistry(settings.data_dir / "versions.sqlite3", url) if url else None
 

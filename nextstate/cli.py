@@ -107,7 +107,7 @@ def _worker(kind: str) -> int:
 
 def _keys():
     from nextstate.core.private import DataDirUnusable, prepare_data_dir
-    from nextstate.proxy.keys import KeyStore
+    from nextstate.core.stores.keys import KeyStore
 
     settings = _settings()
     try:
@@ -161,7 +161,7 @@ def cmd_keys_revoke(args: argparse.Namespace) -> int:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    from nextstate.core.sample_store import SampleStore
+    from nextstate.core.stores.samples import SampleStore
     from nextstate.server_marker import running_server
     from nextstate.learner.versions import AdapterVersions
     from nextstate.progress import progress_report, render_text

@@ -2,8 +2,8 @@
 
 Server-rendered HTML with plain SVG charts: no build step, no script, nothing fetched from
 elsewhere. A browser cannot send a bearer key on its own, so the page takes the admin key once
-through a small form and keeps a session token for it (never the key: nextstate/
-dashboard_sessions.py) in an HttpOnly, SameSite=Strict cookie scoped to `/dashboard`, Secure
+through a small form and keeps a session token for it (never the key:
+core/stores/dashboard_sessions.py) in an HttpOnly, SameSite=Strict cookie scoped to `/dashboard`, Secure
 behind TLS; a request with `Authorization: Bearer` works too. No other site may frame the page
 (clickjacking). `/v1/admin/progress` serves the same figures as JSON.
 """
@@ -21,7 +21,7 @@ from fastapi.responses import HTMLResponse, RedirectResponse, Response
 from nextstate.progress import describe_training, live_report
 from nextstate.services import app_services
 from nextstate.proxy.auth import authenticate_admin, bearer_secret
-from nextstate.proxy.keys import ApiKey, KeyStore
+from nextstate.core.stores.keys import ApiKey, KeyStore
 
 router = APIRouter()
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING, Any
 
-from nextstate.core.sample_store import SampleStore
+from nextstate.core.stores.samples import SampleStore
 from nextstate.core.settings import LearnerSettings
 from nextstate.learner.batching import waiting_in_store
 from nextstate.learner.versions import AdapterVersions

@@ -11,17 +11,17 @@ from dataclasses import dataclass, field
 
 from fastapi import Request
 
-from nextstate.dashboard_sessions import DashboardSessions
+from nextstate.core.stores.dashboard_sessions import DashboardSessions
 from nextstate.engine.base import Engine
 from nextstate.judge.feedback import ExplicitFeedback
 from nextstate.judge.inbox import JudgeInbox
 from nextstate.judge.service import Judge
 from nextstate.learner.follower import VersionFollower
-from nextstate.learner.registry import VersionRegistry
+from nextstate.core.stores.versions import VersionRegistry
 from nextstate.learner.service import Learner
 from nextstate.proxy.app_state import ProxyServices
-from nextstate.proxy.responses.store import ResponseStore
-from nextstate.proxy.session_db import SessionDB
+from nextstate.core.stores.responses import ResponseStore
+from nextstate.core.stores.sessions import SessionDB
 
 
 @dataclass

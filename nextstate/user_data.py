@@ -16,13 +16,13 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from nextstate.core.records import purge_records
-from nextstate.core.sample_store import SampleStore
+from nextstate.core.stores.samples import SampleStore
 from nextstate.core.settings import Settings
-from nextstate.learner.registry import VersionRegistry
+from nextstate.core.stores.versions import VersionRegistry
 from nextstate.learner.versions import AdapterVersions
-from nextstate.proxy.keys import KeyStore
-from nextstate.proxy.responses.store import ResponseStore
-from nextstate.proxy.session_db import SessionDB
+from nextstate.core.stores.keys import KeyStore
+from nextstate.core.stores.responses import ResponseStore
+from nextstate.core.stores.sessions import SessionDB
 
 if TYPE_CHECKING:  # the running server's objects; offline use (status, forget) loads no model code
     from nextstate.services import Services

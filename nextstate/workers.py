@@ -27,7 +27,7 @@ from nextstate.assembly import (
     worker_name,
 )
 from nextstate.core.records import RecordWriter
-from nextstate.core.sample_store import SampleStore
+from nextstate.core.stores.samples import SampleStore
 from nextstate.core.settings import Settings
 from nextstate.judge.inbox import JudgeInbox
 from nextstate.judge.startup_check import StartupCheck

@@ -10,7 +10,7 @@ from pydantic import BaseModel, Field
 from nextstate.proxy.app_state import services
 from nextstate.proxy.auth import authenticate_admin
 from nextstate.proxy.errors import ApiError
-from nextstate.proxy.keys import ApiKey
+from nextstate.core.stores.keys import ApiKey
 
 router = APIRouter(prefix="/v1/admin")
 

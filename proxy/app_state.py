@@ -17,11 +17,11 @@ from fastapi import Request
 from nextstate.core.metrics import Metrics
 from nextstate.core.policy import PolicyDirectory
 from nextstate.core.records import RecordWriter
-from nextstate.core.sample_store import SampleStore
+from nextstate.core.stores.samples import SampleStore
 from nextstate.core.settings import JudgeSettings, Settings
 from nextstate.core.types import FeedbackResult, Turn
 from nextstate.proxy.chat_completion.serving import ChatCompletionServing
-from nextstate.proxy.keys import KeyStore
+from nextstate.core.stores.keys import KeyStore
 from nextstate.proxy.messages.serving import MessagesServing
 from nextstate.proxy.responses.serving import ResponsesServing
 from nextstate.proxy.sessions import SessionStore

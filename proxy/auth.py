@@ -6,7 +6,7 @@ from fastapi import Request
 
 from nextstate.proxy.app_state import services
 from nextstate.proxy.errors import ApiError
-from nextstate.proxy.keys import ApiKey, KeyStore
+from nextstate.core.stores.keys import ApiKey, KeyStore
 
 _WWW = {"WWW-Authenticate": "Bearer"}
 

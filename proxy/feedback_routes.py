@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from nextstate.proxy.app_state import services
 from nextstate.proxy.auth import authenticate
 from nextstate.proxy.errors import ApiError
-from nextstate.proxy.keys import ApiKey
+from nextstate.core.stores.keys import ApiKey
 from nextstate.proxy.request_body import read_model, request_body_schema
 
 router = APIRouter()

@@ -10,7 +10,7 @@ from fastapi.responses import Response
 from nextstate.proxy.app_state import services
 from nextstate.proxy.auth import authenticate, authenticate_admin
 from nextstate.proxy.errors import ApiError
-from nextstate.proxy.keys import ApiKey
+from nextstate.core.stores.keys import ApiKey
 
 router = APIRouter()
 

@@ -6,7 +6,7 @@ either limit is a 429 with `Retry-After`; every answer to a limited key carries 
 LiteLLM's) `x-ratelimit-{limit,remaining,reset}-{requests,tokens}` headers, so a client can pace
 itself. Tokens are checked against the prompt before generating and counted in full (prompt
 and completion) once the reply is done. The windows are this process's, or (several serving
-processes on one PostgreSQL) shared by all of them: proxy/rate_windows.py.
+processes on one PostgreSQL) shared by all of them: core/stores/rate_windows.py.
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ import math
 from dataclasses import dataclass
 
 from nextstate.proxy.errors import ApiError
-from nextstate.proxy.keys import ApiKey
-from nextstate.proxy.rate_windows import MemoryWindows, Window, Windows
+from nextstate.core.stores.keys import ApiKey
+from nextstate.core.stores.rate_windows import MemoryWindows, Window, Windows
 
 
 @dataclass

@@ -59,7 +59,7 @@ import pydantic_core
 from nextstate.core.types import NextState, Transition, Turn
 from nextstate.proxy.harness_turns import HarnessTurns
 from nextstate.proxy.session_chain import Chain, MessageDigests, VolatileText, chain_step
-from nextstate.proxy.session_db import SessionDB, Write
+from nextstate.core.stores.sessions import SessionDB, Write
 
 # Where a session hands each transition (the judge's inbox). What it returns resolves once the
 # transition is safe on disk, so the session may drop it from its row; None: kept at once.

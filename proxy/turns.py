@@ -33,8 +33,8 @@ from nextstate.modelio.chat_template import ChatRenderer, RenderedPrompt
 from nextstate.modelio.tool_calls import forced_call_schema
 from nextstate.proxy.decode import Admitted, Decoder, Delta, Finished, StillWorking, TurnEvent
 from nextstate.proxy.errors import ApiError, engine_error, invalid_request, server_error
-from nextstate.proxy.keys import ApiKey
-from nextstate.proxy.parallel_slots import LocalSlots, Slots
+from nextstate.core.stores.keys import ApiKey
+from nextstate.core.stores.parallel_slots import LocalSlots, Slots
 from nextstate.proxy.rate_limits import RateLimiter
 from nextstate.proxy.sessions import SessionStore, TurnPlan
 from nextstate.proxy.wire import TurnHints

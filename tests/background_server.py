@@ -21,7 +21,7 @@ from openai import OpenAI
 from nextstate.app import create_app
 from nextstate.assembly import EngineFactory, open_engine
 from nextstate.core.settings import Settings
-from nextstate.proxy.keys import KeyStore
+from nextstate.core.stores.keys import KeyStore
 
 
 def free_port() -> int:

@@ -18,7 +18,7 @@ CRASHED = 75
 
 
 def _target(point: str) -> tuple[object, str]:
-    from nextstate.core.sample_store import SampleStore
+    from nextstate.core.stores.samples import SampleStore
     from nextstate.engine.local import LocalEngine
     from nextstate.judge.service import Judge
     from nextstate.learner.trainer import LoraTrainer

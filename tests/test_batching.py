@@ -55,7 +55,7 @@ def test_a_partial_batch_waits_for_its_time_and_says_how_long():
 
 def test_nextstate_status_says_what_training_waits_for_from_the_data_dir(tmp_path):
     """Offline (`nextstate status`, server running or not): the same choice, from the store."""
-    from nextstate.core.sample_store import SampleStore
+    from nextstate.core.stores.samples import SampleStore
     from nextstate.learner.batching import waiting_in_store
     from nextstate.learner.versions import AdapterVersions
     from nextstate.progress import progress_report, render_text

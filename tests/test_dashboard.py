@@ -255,7 +255,7 @@ def test_nextstate_status_says_which_update_runs_now(tmp_path):
     update runs, and a learner that died mid-update is not taken for a running one."""
     import json as _json
 
-    from nextstate.core.sample_store import SampleStore
+    from nextstate.core.stores.samples import SampleStore
     from nextstate.learner.versions import AdapterVersions
     from nextstate.progress import progress_report, render_text
 
@@ -279,7 +279,7 @@ def test_nextstate_status_tells_what_a_benched_judges_next_states_do(tmp_path):
     import subprocess
     import sys
 
-    from nextstate.core.sample_store import SampleStore
+    from nextstate.core.stores.samples import SampleStore
 
     data = tmp_path / "data"
     data.mkdir()

@@ -24,7 +24,7 @@ import pytest
 
 from nextstate.core.types import Transition
 from nextstate.learner.versions import AdapterVersions
-from nextstate.proxy.keys import KeyStore
+from nextstate.core.stores.keys import KeyStore
 from tests.distributed_processes import FakeWorker, NextstateProcess
 from tests.judge_server import ScriptedJudge
 from tests.real_engines.router_process import SGLangRouter

@@ -266,7 +266,7 @@ def test_with_a_shared_database_versions_and_forgetting_go_through_it(server_fac
     import httpx
 
     from nextstate.learner import follower
-    from nextstate.learner.registry import VersionRegistry
+    from nextstate.core.stores.versions import VersionRegistry
 
     monkeypatch.setattr(follower, "FOLLOW_S", 0.2)
     url = postgres.fresh_database(f"v{uuid.uuid4().hex[:12]}")

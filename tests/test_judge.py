@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from nextstate.judge.teacher import teacher_logprobs, teacher_prompt_ids
-from nextstate.core.sample_store import SampleStore
+from nextstate.core.stores.samples import SampleStore
 from nextstate.core.types import NextState, Transition, Turn
 from tests.judge_server import HINTS
 

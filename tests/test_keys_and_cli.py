@@ -11,7 +11,7 @@ import openai
 import pytest
 from openai import OpenAI
 
-from nextstate.proxy.keys import KeyStore
+from nextstate.core.stores.keys import KeyStore
 from tests.background_server import free_port, wait_for_health
 
 

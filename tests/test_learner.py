@@ -321,7 +321,7 @@ def test_a_reply_prepared_before_a_swap_is_served_by_the_version_that_replaced_i
     """A request picked its version, then the learner published the next one and unloaded the
     old before the request reached the engine (the route awaits between the two): the reply
     comes from the new version, recorded as such, instead of failing on an unloaded adapter."""
-    from nextstate.proxy.keys import ApiKey
+    from nextstate.core.stores.keys import ApiKey
     from nextstate.proxy.turn_response import response_headers
     from nextstate.proxy.turns import TurnRequest
     from nextstate.proxy.wire import TurnHints
@@ -503,7 +503,7 @@ def test_killed_mid_batch_the_server_loses_nothing(tmp_path, tiny_model_dir):
     import sys
 
     from tests.background_server import free_port
-    from nextstate.core.sample_store import SampleStore
+    from nextstate.core.stores.samples import SampleStore
 
     port = free_port()
     env = {**os.environ, "NEXTSTATE_DATA_DIR": str(tmp_path / "data"), "NEXTSTATE_MODEL": str(tiny_model_dir),

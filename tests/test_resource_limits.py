@@ -109,7 +109,7 @@ def test_session_caps_that_contradict_each_other_are_refused_at_start(tmp_path):
 
 def test_per_key_request_and_token_limits(scripted):
     server, engine = scripted
-    from nextstate.proxy.keys import KeyStore
+    from nextstate.core.stores.keys import KeyStore
 
     body = {"model": "tiny", "messages": HELLO, "max_tokens": 5}
     usage = raw_post(server, body, server.key("probe")).json()["usage"]
@@ -192,7 +192,7 @@ def test_a_flood_of_huge_prompts_on_every_route_leaves_the_server_up_and_others_
 
 
 def test_count_tokens_counts_against_the_keys_request_limit(server):
-    from nextstate.proxy.keys import KeyStore
+    from nextstate.core.stores.keys import KeyStore
 
     store = KeyStore(server.settings.keys_db)
     try:
@@ -222,7 +222,7 @@ def test_shared_windows_let_through_exactly_the_limit_however_many_processes_cou
     let through, and a peek counts nothing."""
     import asyncio
 
-    from nextstate.proxy.rate_windows import SharedWindows
+    from nextstate.core.stores.rate_windows import SharedWindows
 
     if database_url is None:
         windows = [SharedWindows(tmp_path / "rates.sqlite3")]  # one process's file
@@ -252,7 +252,7 @@ def test_a_keys_limits_hold_across_serving_processes(server_factory, postgres):
 
     url = postgres.fresh_database(f"r{uuid.uuid4().hex[:12]}")
     a, b = (server_factory(database_url=url, judge_enabled=False) for _ in range(2))
-    from nextstate.proxy.keys import KeyStore
+    from nextstate.core.stores.keys import KeyStore
 
     store = KeyStore(a.settings.keys_db, url)
     try:
@@ -271,7 +271,7 @@ def test_the_parallel_cap_holds_across_serving_processes_and_a_dead_ones_slots_e
     lease."""
     import uuid
 
-    from nextstate.proxy import parallel_slots
+    from nextstate.core.stores import parallel_slots
 
     url = postgres.fresh_database(f"p{uuid.uuid4().hex[:12]}")
     (a, engine), (b, other) = slow(max_parallel_per_user=2, database_url=url), slow(max_parallel_per_user=2, database_url=url)

@@ -194,7 +194,7 @@ def test_stored_responses_are_found_by_any_process_on_either_backend(tmp_path, d
     """On PostgreSQL a response stored by one process continues (previous_response_id) on another;
     on both backends a user finds only their own, a second save replaces the first, and
     forget and expiry delete them."""
-    from nextstate.proxy.responses.store import ResponseStore
+    from nextstate.core.stores.responses import ResponseStore
 
     here, there = ResponseStore(tmp_path / "r.sqlite3", database_url), ResponseStore(tmp_path / "r.sqlite3", database_url)
     try:

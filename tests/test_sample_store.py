@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from nextstate.core.sample_store import SampleStore
+from nextstate.core.stores.samples import SampleStore
 from nextstate.core.types import NextState, Sample, Transition, Turn
 from nextstate.judge.advantages import with_outcome
 
@@ -133,7 +133,7 @@ def test_each_transition_is_judged_by_one_worker_and_a_dead_workers_come_back(op
     """Two judges share the inbox. What one hands over is its own to judge; the other, starting,
     claims nothing of it while the first lives. When the first dies, its lease runs out and the
     other takes its transitions; the first, come back too late, cannot store its judgement."""
-    from nextstate.core import sample_store
+    from nextstate.core.stores import samples as sample_store
 
     a, b = open_store("judge-a"), open_store("judge-b")
     tid = a.add_transition(transition(turn()))
@@ -158,7 +158,7 @@ def test_workers_claiming_at_once_get_disjoint_transitions(open_store):
     import threading
     import time
 
-    from nextstate.core import sample_store
+    from nextstate.core.stores import samples as sample_store
 
     writer = open_store("gone")
     ids = [writer.add_transition(transition(turn(index=i))) for i in range(40)]
@@ -232,7 +232,7 @@ def test_an_older_inbox_gets_its_user_column_once_and_forget_still_finds_its_tur
 def test_judges_polling_an_unclaimed_inbox_take_a_bounded_batch_each_and_keep_it_while_they_live(open_store):
     """Serving processes that leave judging to `nextstate judge` write unclaimed transitions;
     each judge takes at most its batch, oldest first, and renews its claims while it lives."""
-    from nextstate.core import sample_store
+    from nextstate.core.stores import samples as sample_store
 
     import time
 

@@ -389,7 +389,7 @@ def test_a_transition_on_its_way_to_the_judge_survives_a_crash(tmp_path):
     # The session's row is written beside the transition it hands over, not after it: if the
     # process dies before the judge's inbox has it, the row still does, and resume() hands it
     # over again. Once the inbox has it, the next row drops it.
-    from nextstate.proxy.session_db import SessionDB
+    from nextstate.core.stores.sessions import SessionDB
 
     async def scenario():
         inbox: list[asyncio.Future] = []
@@ -428,7 +428,7 @@ def test_a_transition_on_its_way_to_the_judge_survives_a_crash(tmp_path):
 
 
 def test_open_sessions_survive_a_restart(tmp_path):
-    from nextstate.proxy.session_db import SessionDB
+    from nextstate.core.stores.sessions import SessionDB
 
     emitted: list[Transition] = []
     db = SessionDB(tmp_path / "sessions.sqlite3")

@@ -16,8 +16,8 @@ import uuid
 import pytest
 
 from nextstate.core.types import Transition
-from nextstate.proxy import session_db as session_db_module
-from nextstate.proxy.session_db import SessionDB
+from nextstate.core.stores import sessions as session_db_module
+from nextstate.core.stores.sessions import SessionDB
 from nextstate.proxy.sessions import SessionStore
 from tests.test_sessions import SYS, make_turn, reply, user
 
@@ -207,7 +207,7 @@ def test_two_servers_on_one_database_serve_one_conversation_as_one_session(serve
     """A stock client (no session header) whose requests alternate between two nextstate
     processes on one PostgreSQL: one session, numbered turns, each next state handed to the
     judge's inbox once — and a rating of a turn still open in the other process's session."""
-    from nextstate.core.sample_store import SampleStore
+    from nextstate.core.stores.samples import SampleStore
     from tests.test_feedback import rate
 
     url = postgres.fresh_database(f"h{uuid.uuid4().hex[:12]}")

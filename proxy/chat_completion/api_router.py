@@ -9,7 +9,7 @@ from nextstate.proxy.app_state import services
 from nextstate.proxy.auth import authenticate
 from nextstate.proxy.chat_completion.protocol import ChatCompletionRequest
 from nextstate.proxy.chat_completion.serving import ChatCompletionServing
-from nextstate.proxy.keys import ApiKey
+from nextstate.core.stores.keys import ApiKey
 from nextstate.proxy.request_body import read_model, request_body_schema
 from nextstate.proxy.turn_response import turn_response
 

@@ -33,7 +33,7 @@ from nextstate.proxy.decode import Finished
 from nextstate.proxy.decode import Delta as TurnDelta
 from nextstate.proxy.decode import TokenLogprob as TurnLogprob
 from nextstate.proxy.errors import ApiError
-from nextstate.proxy.keys import ApiKey
+from nextstate.core.stores.keys import ApiKey
 from nextstate.proxy.sse import sse_comment, sse_event, sse_done
 from nextstate.proxy.turn_stream import stream_turn
 from nextstate.proxy.turns import PreparedTurn, TurnRequest, TurnService

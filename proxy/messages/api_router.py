@@ -8,7 +8,7 @@ from fastapi.responses import Response
 
 from nextstate.proxy.app_state import services
 from nextstate.proxy.auth import authenticate
-from nextstate.proxy.keys import ApiKey
+from nextstate.core.stores.keys import ApiKey
 from nextstate.proxy.messages.protocol import CountTokensRequest, MessagesRequest
 from nextstate.proxy.messages.serving import MessagesServing
 from nextstate.proxy.request_body import read_model, request_body_schema

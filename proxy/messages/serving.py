@@ -18,7 +18,7 @@ from nextstate.core.policy import PolicyRef
 from nextstate.proxy.decode import Finished
 from nextstate.proxy.decode import Delta as TurnDelta
 from nextstate.proxy.errors import ApiError
-from nextstate.proxy.keys import ApiKey
+from nextstate.core.stores.keys import ApiKey
 from nextstate.proxy.messages.protocol import MessagesRequest, tool_input
 from nextstate.proxy.sse import sse_event
 from nextstate.proxy.turn_stream import stream_turn

@@ -10,7 +10,7 @@ from fastapi.responses import Response
 
 from nextstate.proxy.app_state import services
 from nextstate.proxy.auth import authenticate
-from nextstate.proxy.keys import ApiKey
+from nextstate.core.stores.keys import ApiKey
 from nextstate.proxy.request_body import read_model, request_body_schema
 from nextstate.proxy.responses.protocol import ResponsesRequest
 from nextstate.proxy.responses.serving import ResponsesServing

@@ -23,9 +23,9 @@ from nextstate.core.policy import PolicyRef
 from nextstate.proxy.decode import Finished
 from nextstate.proxy.decode import Delta as TurnDelta
 from nextstate.proxy.errors import ApiError
-from nextstate.proxy.keys import ApiKey
+from nextstate.core.stores.keys import ApiKey
 from nextstate.proxy.responses.protocol import ResponsesRequest
-from nextstate.proxy.responses.store import ResponseStore
+from nextstate.core.stores.responses import ResponseStore
 from nextstate.proxy.sse import sse_comment, sse_event
 from nextstate.proxy.turn_stream import stream_turn
 from nextstate.proxy.turns import PreparedTurn, TurnRequest, TurnService

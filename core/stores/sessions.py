@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from nextstate.core.database import Database
+from nextstate.core.stores.database import Database
 
 log = logging.getLogger(__name__)
 

@@ -22,8 +22,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from nextstate.core.database import Database
-from nextstate.proxy.rate_windows import MemoryWindows, Windows
+from nextstate.core.stores.database import Database
+from nextstate.core.stores.rate_windows import MemoryWindows, Windows
 
 SESSION_S = 8 * 3600.0
 SIGN_IN_PER_MINUTE = 10

@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from nextstate.core.database import Database
+from nextstate.core.stores.database import Database
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS responses (

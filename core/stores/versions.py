@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from nextstate.core.database import Database
+from nextstate.core.stores.database import Database
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS published_versions (

@@ -21,7 +21,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from nextstate.core.database import Database
+from nextstate.core.stores.database import Database
 from nextstate.core.types import Sample, Transition, Turn
 
 _SCHEMA = """

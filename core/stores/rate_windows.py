@@ -25,7 +25,7 @@ from limits import RateLimitItemPerMinute
 from limits.aio.storage import MemoryStorage
 from limits.aio.strategies import MovingWindowRateLimiter
 
-from nextstate.core.database import Database
+from nextstate.core.stores.database import Database
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 from typing import Protocol
 
-from nextstate.core.database import Database
+from nextstate.core.stores.database import Database
 from nextstate.core.tasks import Periodic
 
 log = logging.getLogger(__name__)

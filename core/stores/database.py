@@ -20,7 +20,7 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any, Literal
 
-from nextstate.core.sqlite_store import add_missing_columns, open_sqlite, scrub
+from nextstate.core.stores.sqlite import add_missing_columns, open_sqlite, scrub
 
 Dialect = Literal["sqlite", "postgres"]
 
