@@ -201,8 +201,8 @@ class Learner:
             scope = sample.user if self.policies.per_user else "shared"
             behind = self.policies.current_scope(scope).version - sample.policy_version
             # outcome samples get their advantages only when their batch is assembled
-            if self.settings.kl_coef == 0 and sample.track != "outcome" and not any(sample.advantages):
-                reasons.setdefault("no signal: advantage 0 and no KL term", []).append(sample.id)
+            if self.settings.kl_coef == 0 and sample.track != "outcome" and not _teaches(sample):
+                reasons.setdefault("no signal: advantage 0, no teacher to distil and no KL term", []).append(sample.id)
             elif len(sample.response_ids) >= self.settings.max_train_tokens:
                 reasons.setdefault("response longer than NEXTSTATE_MAX_TRAIN_TOKENS", []).append(sample.id)
             elif self.settings.max_staleness and behind > self.settings.max_staleness:
@@ -320,11 +320,11 @@ class Learner:
             await asyncio.to_thread(self.store.mark_dropped, bad, "not finite: dropped by the learner")
             log.warning("learner %s: %d sample(s) with non-finite values dropped; the batch trains on", scope, len(bad))
             batch = [x for x in batch if x.id not in bad]
-        if self.settings.kl_coef == 0 and not any(a for x in batch for a in x.advantages):
+        if self.settings.kl_coef == 0 and not any(_teaches(x) for x in batch):
             # nothing to learn: a step would only move the weights by momentum and weight decay
             # (outcome samples whose batch rewards were all equal: standardised, they say nothing)
             ids = [x.id for x in batch]
-            why = "no signal: every advantage of its batch is zero and there is no KL term"
+            why = "no signal: every advantage of its batch is zero, no teacher to distil and no KL term"
             await asyncio.to_thread(self.store.mark_dropped, ids, why)
             record.update(version=None, published=False, skipped=why)
             log.info("learner step %d (%s): no signal in %d samples, nothing published", record["step"], scope, len(ids))
@@ -435,6 +435,12 @@ class Learner:
             self.records.write("rollback", {"scope": scope, "to": version, "version": new_version}, version=new_version)
             log.info("learner %s rolled back to v%d as v%d", scope, version, new_version)
             return new_version
+
+
+def _teaches(sample: Sample) -> bool:
+    """A non-zero advantage, or a teacher to distil (NEXTSTATE_OPD_LOSS=topk: a hindsight hint's
+    sample has no reward, so every advantage is 0, and all it teaches is in its distillation)."""
+    return any(sample.advantages) or bool(sample.distill_weight)
 
 
 def _finite(sample: Sample) -> bool:

@@ -75,3 +75,17 @@ async def test_distilling_moves_the_policy_towards_the_teacher_and_nothing_else_
     assert all(b < a for a, b in zip(kls, kls[1:])) and kls[-1] < 0.9 * kls[0], f"each step brings it nearer: {kls}"
     plain = trainer.step("bob", [make_sample(toks, advantage=0.0) for toks in replies[4:]])
     assert plain.distill_kl == 0.0 and plain.policy_kl == pytest.approx(0.0, abs=1e-6), "no teacher, no advantage: no move"
+
+
+def test_a_hindsight_hint_with_no_reward_trains_through_its_teacher(server_factory):
+    """A benched judge's sample (every advantage 0) used to be screened out as "no signal";
+    with a teacher to distil it is exactly what should train."""
+    from tests.test_learner import feed, learning_server, served_samples, wait_for
+
+    server = learning_server(server_factory, batch_size=4, opd_loss="topk")
+    hinted = [distilled(s, teacher_prompt=HINTED) for s in served_samples(server, 4, advantage=0.0)]
+    feed(server, hinted)
+    wait_for(lambda: server.app.state.services.policies.current("alice").version == 1)
+    assert len(server.app.state.services.samples.samples("consumed")) == 4
+    step = next(r for r in server.records() if r["kind"] == "train_step")
+    assert step["distill_kl"] > 0 and step["mean_advantage"] == 0
