@@ -587,22 +587,6 @@ class Settings(BaseModel):
         return self.server.data_dir
 
     @property
-    def keys_db(self) -> Path:
-        return self.data_dir / "nextstate.sqlite3"
-
-    @property
-    def samples_db(self) -> Path:
-        return self.data_dir / "samples.sqlite3"
-
-    @property
-    def sessions_db(self) -> Path:
-        return self.data_dir / "sessions.sqlite3"
-
-    @property
-    def responses_db(self) -> Path:
-        return self.data_dir / "responses.sqlite3"
-
-    @property
     def adapters_dir(self) -> Path:
         return self.server.adapters_dir or self.data_dir / "adapters"
 

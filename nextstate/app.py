@@ -15,16 +15,15 @@ from nextstate.judge.inbox import JudgeInbox
 from nextstate.judge.startup_check import StartupCheck
 from nextstate.learner.service import Learner
 from nextstate.assembly import (
-    EngineFactory, build_follower, build_judge, build_learner, open_engine, open_registry, policy_directory, preflight,
+    EngineFactory, build_follower, build_judge, build_learner, open_engine, policy_directory, preflight,
     worker_name,
 )
-from nextstate.core.stores.samples import SampleStore
 from nextstate import __version__
 from nextstate.core.activity import Activity
 from nextstate.core.memory import total_bytes
 from nextstate.core.settings import Settings
+from nextstate.core.stores.opener import Stores
 from nextstate.forget import forget_online, keep_for
-from nextstate.core.stores.dashboard_sessions import DashboardSessions
 from nextstate.server_marker import mark_running, mark_stopped
 from nextstate.services import Services
 from nextstate.user_data import USER_DATA
@@ -38,13 +37,9 @@ from nextstate.proxy.messages.api_router import router as messages_router
 from nextstate.proxy.messages.serving import MessagesServing
 from nextstate.proxy.responses.api_router import router as responses_router
 from nextstate.proxy.responses.serving import ResponsesServing
-from nextstate.core.stores.responses import ResponseStore
 from nextstate.proxy.turns import TurnService
 from nextstate.proxy.errors import install_error_handlers
-from nextstate.core.stores.keys import KeyStore
-from nextstate.core.stores.parallel_slots import LocalSlots, SharedSlots
 from nextstate.proxy.rate_limits import RateLimiter
-from nextstate.core.stores.rate_windows import MemoryWindows, SharedWindows
 from nextstate.core.metrics import Metrics
 from nextstate.core.records import RecordWriter
 from nextstate.proxy.admin_routes import router as admin_router
@@ -53,7 +48,6 @@ from nextstate.dashboard import router as dashboard_router
 from nextstate.proxy.feedback_routes import router as feedback_router
 from nextstate.proxy.session_routes import router as session_router
 from nextstate.proxy.session_chain import VolatileText
-from nextstate.core.stores.sessions import SessionDB
 from nextstate.proxy.harness_turns import HarnessTurns
 from nextstate.proxy.sessions import SessionStore
 
@@ -69,11 +63,10 @@ def create_app(settings: Settings | None = None, *, engine_factory: EngineFactor
         engine = await engine_factory(model_dir, settings)
         renderer = await asyncio.to_thread(ChatRenderer.from_dir, model_dir)
         model_name = settings.engine.served_model_name or model_dir.name
-        url = settings.server.database_url  # several processes share what is kept there
-        keys = KeyStore(settings.keys_db, url)
         worker = worker_name("serve", settings.server.port)  # this process, in claims on shared work
         # a process that leaves judging to `nextstate judge` writes the inbox unclaimed
-        samples = SampleStore(settings.samples_db, url, worker=worker if settings.judge.judge_in_process else "")
+        stores = Stores(settings, worker, claims_inbox=settings.judge.judge_in_process)
+        keys, samples = stores.keys, stores.samples
         records = RecordWriter(settings.records_dir)
         await records.start()
         metrics = Metrics()
@@ -93,10 +86,9 @@ def create_app(settings: Settings | None = None, *, engine_factory: EngineFactor
             metrics.transitions.labels(transition.reason).inc()
             return inbox.submit(transition)
 
-        registry = open_registry(settings)
+        registry = stores.versions
         if settings.learner.learn:
             learner = build_learner(settings, model_dir, engine, samples, policies, records, registry)
-        session_db = SessionDB(settings.sessions_db, url)
         sessions = SessionStore(
             emit,
             idle_s=settings.server.session_idle_s,
@@ -105,17 +97,14 @@ def create_app(settings: Settings | None = None, *, engine_factory: EngineFactor
             max_per_user=settings.server.max_sessions_per_user,
             volatile=VolatileText(settings.server.session_volatile_patterns),
             harness=HarnessTurns(settings.server.harness_turns),
-            db=session_db,
+            db=stores.sessions,
             worker=worker,
             rehand=lambda transition: inbox.submit(transition, again=True),  # counted when first handed over
         )
-        # several serving processes on one database count each key's requests together
-        windows = SharedWindows(settings.data_dir / "rates.sqlite3", url) if url else MemoryWindows()
-        slots = SharedSlots(settings.data_dir / "running.sqlite3", url, worker) if url else LocalSlots()
         turns = TurnService(
             engine=engine,
-            limiter=RateLimiter(windows),
-            slots=slots,
+            limiter=RateLimiter(stores.windows),
+            slots=stores.slots,
             renderer=renderer,
             sessions=sessions,
             records=records,
@@ -128,18 +117,15 @@ def create_app(settings: Settings | None = None, *, engine_factory: EngineFactor
             max_parallel_per_user=settings.server.max_parallel_per_user,
             max_memory_bytes=settings.server.max_memory_mb << 20 or int(total_bytes() * 0.9),
         )
-        stored_responses = ResponseStore(settings.responses_db, url)
         services = Services(
             settings=settings, keys=keys, records=records, metrics=metrics, sessions=sessions, policies=policies,
             samples=samples, turns=turns, chat=ChatCompletionServing(turns), messages=MessagesServing(turns),
-            responses=ResponsesServing(turns, stored_responses), judge=judge,
+            responses=ResponsesServing(turns, stores.responses), judge=judge,
             feedback=ExplicitFeedback(judge, inbox, samples, records), learner=learner,
             # a process that does not learn serves what the learner elsewhere publishes
             follower=None if learner is not None else build_follower(settings, engine, policies, registry),
-            registry=registry,
             forget_user=lambda user: forget_online(services, user),
-            engine=engine, inbox=inbox, session_db=session_db, stored_responses=stored_responses,
-            dashboard_sessions=DashboardSessions(database_url=url, attempts=windows),
+            engine=engine, inbox=inbox, stores=stores,
         )
         app.state.services = services
         background = [asyncio.create_task(_sweep(sessions, metrics), name="session-sweeper")]
@@ -185,8 +171,8 @@ def create_app(settings: Settings | None = None, *, engine_factory: EngineFactor
 
 
 async def shutdown(services: Services) -> None:
-    """Stop the workers, then close every store that holds user data (nextstate/user_data.py),
-    then the engine. Open sessions stay open on disk: a restart continues them."""
+    """Stop the workers, then let what holds user data finish its writes (nextstate/user_data.py),
+    close every store, then the engine. Open sessions stay open on disk: a restart continues them."""
     if services.learner is not None:
         await services.learner.aclose()
     if services.follower is not None:
@@ -196,13 +182,7 @@ async def shutdown(services: Services) -> None:
     for store in USER_DATA:
         if store.close is not None:
             await store.close(services)
-    if isinstance(windows := services.turns.limiter.windows, SharedWindows):
-        windows.close()
-    if isinstance(slots := services.turns.slots, SharedSlots):
-        await slots.aclose()
-    services.dashboard_sessions.close()
-    if services.registry is not None:
-        services.registry.close()
+    await services.stores.aclose()
     await services.engine.close()
 
 

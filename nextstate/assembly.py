@@ -112,13 +112,6 @@ async def open_engine(model_dir: Path, settings: Settings) -> Engine:
     )
 
 
-def open_registry(settings: Settings) -> VersionRegistry | None:
-    """Several processes on one database: each scope's serving version is published there
-    (core/stores/versions.py); one process alone reads the adapters folder's files."""
-    url = settings.server.database_url
-    return VersionRegistry(settings.data_dir / "versions.sqlite3", url) if url else None
-
-
 def make_judge_client(settings: Settings, engine: Engine, renderer: ChatRenderer, model_name: str) -> JudgeClient:
     js = settings.judge
     if js.judge_base_url:

@@ -107,14 +107,14 @@ def _worker(kind: str) -> int:
 
 def _keys():
     from nextstate.core.private import DataDirUnusable, prepare_data_dir
-    from nextstate.core.stores.keys import KeyStore
+    from nextstate.core.stores.opener import Stores
 
     settings = _settings()
     try:
         prepare_data_dir(settings.data_dir)
     except DataDirUnusable as exc:
         sys.exit(f"nextstate: {exc}")
-    return settings, KeyStore(settings.keys_db, settings.server.database_url)
+    return settings, Stores(settings).keys
 
 
 def cmd_keys_create(args: argparse.Namespace) -> int:
@@ -161,25 +161,26 @@ def cmd_keys_revoke(args: argparse.Namespace) -> int:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    from nextstate.core.stores.samples import SampleStore
+    from nextstate.core.stores.opener import Stores
     from nextstate.server_marker import running_server
     from nextstate.learner.versions import AdapterVersions
     from nextstate.progress import progress_report, render_text
 
     settings = _settings()
-    if not settings.samples_db.is_file():
+    stores = Stores(settings)
+    if not settings.server.database_url and not stores.path("samples").is_file():
         print(f"nextstate status: nothing yet in {settings.data_dir} (start the server with 'nextstate serve').")
         return 0
     running = running_server(settings)
     where = f"{settings.data_dir}, " + (f"server running (pid {running['pid']}, port {running['port']})" if running
                                         else "server not running")
-    store = SampleStore(settings.samples_db, settings.server.database_url)
+    store = stores.samples
     try:
         report = progress_report(store, AdapterVersions(settings.adapters_dir), mode=settings.judge.mode,
                                  per_user=settings.learner.adapter_scope == "user", learner_settings=settings.learner,
                                  fallback="hindsight" if settings.judge.hindsight_fallback else None)
     finally:
-        store.close()
+        stores.close()
     print(json.dumps(report, indent=1) if args.json else render_text(report, where))
     return 0
 

@@ -46,7 +46,7 @@ async def _admin_from_browser(request: Request) -> ApiKey | None:
     store: KeyStore = app_services(request).keys
     if secret := bearer_secret(request):
         key = await asyncio.to_thread(store.verify, secret)
-    elif key_id := await app_services(request).dashboard_sessions.key_id(request.cookies.get(COOKIE, "")):
+    elif key_id := await app_services(request).stores.dashboard_sessions.key_id(request.cookies.get(COOKIE, "")):
         key = await asyncio.to_thread(store.get, key_id)  # revoked or forgotten: the session ends
     else:
         return None
@@ -69,7 +69,7 @@ async def dashboard(request: Request) -> Response:
 @router.post("/dashboard/login", include_in_schema=False)
 async def login(request: Request) -> Response:
     services = app_services(request)
-    if not await services.dashboard_sessions.may_try(request.client.host if request.client else "?"):
+    if not await services.stores.dashboard_sessions.may_try(request.client.host if request.client else "?"):
         return _page(_login_page("Too many attempts: wait a minute."), 429)
     # a one-field form, parsed here rather than through python-multipart for one field
     key = parse_qs((await request.body()).decode("utf-8", "replace")).get("key", [""])[0]
@@ -78,8 +78,8 @@ async def login(request: Request) -> Response:
         return _page(_login_page("That is not an admin key."), 401)
     response = RedirectResponse("/dashboard", status_code=303, headers=PAGE_HEADERS)
     secure = services.settings.server.behind_tls or request.url.scheme == "https"
-    response.set_cookie(COOKIE, await services.dashboard_sessions.open(found.id), httponly=True, samesite="strict",
-                        path="/dashboard", secure=secure, max_age=int(services.dashboard_sessions.lifetime_s))
+    response.set_cookie(COOKIE, await services.stores.dashboard_sessions.open(found.id), httponly=True, samesite="strict",
+                        path="/dashboard", secure=secure, max_age=int(services.stores.dashboard_sessions.lifetime_s))
     return response
 
 

@@ -7,21 +7,18 @@ see the concrete classes here.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from fastapi import Request
 
-from nextstate.core.stores.dashboard_sessions import DashboardSessions
+from nextstate.core.stores.opener import Stores
 from nextstate.engine.base import Engine
 from nextstate.judge.feedback import ExplicitFeedback
 from nextstate.judge.inbox import JudgeInbox
 from nextstate.judge.service import Judge
 from nextstate.learner.follower import VersionFollower
-from nextstate.core.stores.versions import VersionRegistry
 from nextstate.learner.service import Learner
 from nextstate.proxy.app_state import ProxyServices
-from nextstate.core.stores.responses import ResponseStore
-from nextstate.core.stores.sessions import SessionDB
 
 
 @dataclass
@@ -32,10 +29,7 @@ class Services(ProxyServices):
     follower: VersionFollower | None
     engine: Engine
     inbox: JudgeInbox
-    session_db: SessionDB
-    stored_responses: ResponseStore
-    dashboard_sessions: DashboardSessions = field(default_factory=DashboardSessions)
-    registry: VersionRegistry | None = None  # each scope's serving version, in a shared database
+    stores: Stores  # every store this process opened (the keys and samples above among them)
 
 
 def app_services(request: Request) -> Services:

@@ -4,7 +4,8 @@ Forgetting a user (online through the running components, offline on a stopped s
 dir), records retention and shutdown all walk `USER_DATA`, so a store added to nextstate is
 added here once and cannot be forgotten by one of them (as stored responses once were).
 Each entry says how to reach its store in each of those situations; `None` where one does not
-apply (keys do not expire; an adapter is not a file to close).
+apply (keys do not expire; nothing of an adapter waits to be written at shutdown). The stores
+themselves are opened and closed in one place (core/stores/opener.py, `Stores`).
 """
 
 from __future__ import annotations
@@ -18,10 +19,10 @@ from typing import TYPE_CHECKING, Any
 from nextstate.core.records import purge_records
 from nextstate.core.stores.samples import SampleStore
 from nextstate.core.settings import Settings
-from nextstate.core.stores.versions import VersionRegistry
 from nextstate.learner.versions import AdapterVersions
 from nextstate.core.stores.keys import KeyStore
 from nextstate.core.stores.responses import ResponseStore
+from nextstate.core.stores.opener import Stores
 from nextstate.core.stores.sessions import SessionDB
 
 if TYPE_CHECKING:  # the running server's objects; offline use (status, forget) loads no model code
@@ -37,20 +38,21 @@ class UserDataStore:
     forget_online: Callable[[Services, str], Awaitable[int | bool]]
     forget_offline: Callable[[Settings, str], int | bool]
     expire: Callable[[Services, float], Awaitable[int]] | None = None  # delete what is older than a time
-    close: Callable[[Services], Awaitable[None]] | None = None  # at shutdown, after the workers stopped
+    # at shutdown, after the workers stopped and before the stores close (core/stores/opener.py)
+    close: Callable[[Services], Awaitable[None]] | None = None
 
 
 def _of(user: str) -> Callable[[dict[str, Any]], bool]:
     return lambda record: record.get("user") != user
 
 
-def _offline(open_store: Callable[[Settings], Any], forget: Callable[[Any, str], int]) -> Callable[[Settings, str], int]:
+def _offline(store_of: Callable[[Stores], Any], forget: Callable[[Any, str], int]) -> Callable[[Settings, str], int]:
     def run(settings: Settings, user: str) -> int:
-        store = open_store(settings)
+        stores = Stores(settings)
         try:
-            return forget(store, user)
+            return forget(store_of(stores), user)
         finally:
-            store.close()
+            stores.close()
 
     return run
 
@@ -60,10 +62,6 @@ def _offline(open_store: Callable[[Settings], Any], forget: Callable[[Any, str],
 
 async def _forget_keys(s: Services, user: str) -> int:
     return await asyncio.to_thread(s.keys.forget, user)
-
-
-async def _close_keys(s: Services) -> None:
-    s.keys.close()
 
 
 # ---------------------------------------------------------------------------- sessions
@@ -82,9 +80,8 @@ def _forget_sessions_offline(db: SessionDB, user: str) -> int:
     return count
 
 
-async def _close_sessions(s: Services) -> None:
-    await s.sessions.save()
-    s.session_db.close()  # open sessions stay open: a restart continues them
+async def _save_sessions(s: Services) -> None:
+    await s.sessions.save()  # open sessions stay open: a restart continues them
 
 
 # ---------------------------------------------------------------------------- samples
@@ -97,10 +94,6 @@ async def _forget_samples(s: Services, user: str) -> int:
 
 async def _expire_samples(s: Services, cutoff: float) -> int:
     return await asyncio.to_thread(s.samples.expire, cutoff)
-
-
-async def _close_samples(s: Services) -> None:
-    s.samples.close()
 
 
 # ---------------------------------------------------------------------------- records
@@ -126,15 +119,11 @@ async def _close_records(s: Services) -> None:
 
 
 async def _forget_responses(s: Services, user: str) -> int:
-    return await asyncio.to_thread(s.stored_responses.forget, user)
+    return await asyncio.to_thread(s.stores.responses.forget, user)
 
 
 async def _expire_responses(s: Services, cutoff: float) -> int:
-    return await asyncio.to_thread(s.stored_responses.expire, cutoff)
-
-
-async def _close_responses(s: Services) -> None:
-    s.stored_responses.close()
+    return await asyncio.to_thread(s.stores.responses.expire, cutoff)
 
 
 # ---------------------------------------------------------------------------- own adapters
@@ -143,11 +132,11 @@ async def _close_responses(s: Services) -> None:
 async def _forget_adapters(s: Services, user: str) -> bool:
     if s.learner is not None:
         return await s.learner.forget(user)
-    if s.registry is None or not s.policies.per_user:
+    if s.stores.versions is None or not s.policies.per_user:
         return False
     # the learner runs elsewhere: it is asked through the database, and deletes the versions
     # within seconds; every process stops serving them as soon as they are unpublished
-    had = await asyncio.to_thread(s.registry.forget, user)
+    had = await asyncio.to_thread(s.stores.versions.forget, user)
     if s.follower is not None:
         await s.follower.follow()
     return had
@@ -159,22 +148,22 @@ def _forget_adapters_offline(settings: Settings, user: str) -> bool:
     shutil.rmtree(scope_root, ignore_errors=True)
     if settings.server.database_url and settings.learner.adapter_scope == "user":
         # a learner running elsewhere drops what it holds of them too
-        registry = VersionRegistry(settings.data_dir / "versions.sqlite3", settings.server.database_url)
+        stores = Stores(settings)
         try:
-            registry.forget(user)
+            stores.versions.forget(user)
         finally:
-            registry.close()
+            stores.close()
     return existed
 
 
 USER_DATA: tuple[UserDataStore, ...] = (
-    UserDataStore("keys", _forget_keys, _offline(lambda st: KeyStore(st.keys_db, st.server.database_url), KeyStore.forget), close=_close_keys),
-    UserDataStore("sessions", _forget_sessions, _offline(lambda st: SessionDB(st.sessions_db, st.server.database_url), _forget_sessions_offline),
-                  close=_close_sessions),
-    UserDataStore("samples", _forget_samples, _offline(lambda st: SampleStore(st.samples_db, st.server.database_url), SampleStore.forget),
-                  expire=_expire_samples, close=_close_samples),
+    UserDataStore("keys", _forget_keys, _offline(lambda stores: stores.keys, KeyStore.forget)),
+    UserDataStore("sessions", _forget_sessions, _offline(lambda stores: stores.sessions, _forget_sessions_offline),
+                  close=_save_sessions),
+    UserDataStore("samples", _forget_samples, _offline(lambda stores: stores.samples, SampleStore.forget),
+                  expire=_expire_samples),
     UserDataStore("records", _forget_records, _forget_records_offline, expire=_expire_records, close=_close_records),
-    UserDataStore("responses", _forget_responses, _offline(lambda st: ResponseStore(st.responses_db, st.server.database_url), ResponseStore.forget),
-                  expire=_expire_responses, close=_close_responses),
+    UserDataStore("responses", _forget_responses, _offline(lambda stores: stores.responses, ResponseStore.forget),
+                  expire=_expire_responses),
     UserDataStore("adapter_deleted", _forget_adapters, _forget_adapters_offline),
 )

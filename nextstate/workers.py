@@ -23,11 +23,11 @@ import logging
 import signal
 
 from nextstate.assembly import (
-    EngineFactory, build_follower, build_judge, build_learner, open_engine, open_registry, policy_directory, preflight,
+    EngineFactory, build_follower, build_judge, build_learner, open_engine, policy_directory, preflight,
     worker_name,
 )
 from nextstate.core.records import RecordWriter
-from nextstate.core.stores.samples import SampleStore
+from nextstate.core.stores.opener import Stores
 from nextstate.core.settings import Settings
 from nextstate.judge.inbox import JudgeInbox
 from nextstate.judge.startup_check import StartupCheck
@@ -45,12 +45,12 @@ async def run_judge(settings: Settings, stop: asyncio.Event, engine_factory: Eng
     engine = await engine_factory(model_dir, settings)
     renderer = await asyncio.to_thread(ChatRenderer.from_dir, model_dir)
     model_name = settings.engine.served_model_name or model_dir.name
-    samples = SampleStore(settings.samples_db, settings.server.database_url, worker=worker_name("judge"))
+    stores = Stores(settings, worker_name("judge"), claims_inbox=True)
+    samples = stores.samples
     records = RecordWriter(settings.records_dir)
     await records.start()
     policies = policy_directory(settings)
-    registry = open_registry(settings)
-    follower = build_follower(settings, engine, policies, registry)
+    follower = build_follower(settings, engine, policies, stores.versions)
     judge = build_judge(settings, engine, renderer, model_name, samples, records, policies)
     inbox = JudgeInbox(judge, samples)
     try:
@@ -71,9 +71,7 @@ async def run_judge(settings: Settings, stop: asyncio.Event, engine_factory: Eng
         await inbox.aclose()
         await judge.aclose()
         await follower.aclose()
-        samples.close()
-        if registry is not None:
-            registry.close()
+        await stores.aclose()
         await records.aclose()
         await engine.close()
 
@@ -84,20 +82,18 @@ async def run_learner(settings: Settings, stop: asyncio.Event, engine_factory: E
     # the embedded engine would be a second copy of the model for nothing: serving processes
     # load each version themselves
     engine = await engine_factory(model_dir, settings) if settings.engine.engine != "local" else None
-    samples = SampleStore(settings.samples_db, settings.server.database_url)
+    stores = Stores(settings, worker_name("learn"))
     records = RecordWriter(settings.records_dir)
     await records.start()
-    registry = open_registry(settings)
-    learner = build_learner(settings, model_dir, engine, samples, policy_directory(settings), records, registry)
+    learner = build_learner(settings, model_dir, engine, stores.samples, policy_directory(settings), records,
+                            stores.versions)
     try:
         await learner.start()
         log.info("learning from the ready samples into %s", settings.adapters_dir)
         await stop.wait()
     finally:
         await learner.aclose()
-        samples.close()
-        if registry is not None:
-            registry.close()
+        await stores.aclose()
         await records.aclose()
         if engine is not None:
             await engine.close()

@@ -18,6 +18,7 @@ import httpx
 import uvicorn
 from openai import OpenAI
 
+from nextstate.core.stores.opener import Stores
 from nextstate.app import create_app
 from nextstate.assembly import EngineFactory, open_engine
 from nextstate.core.settings import Settings
@@ -61,7 +62,7 @@ class RunningServer:
         return self.base_url.removesuffix("/v1")
 
     def key(self, user: str, admin: bool = False) -> str:
-        store = KeyStore(self.settings.keys_db, self.settings.server.database_url)
+        store = Stores(self.settings).keys
         try:
             return store.create(user, admin=admin)[1]
         finally:

@@ -129,3 +129,18 @@ def test_a_forbidden_import_is_caught():
     found = violations(planted)
     assert len(found) == 7, found
     assert all(any(f.startswith(name) for f in found) for _, name, _ in planted)
+
+
+def test_only_the_stores_package_opens_a_database():
+    """Every table has one home (core/stores/): a store elsewhere would bring back a second way
+    to open, lock and close a connection."""
+    opening = []
+    for _, path in source_files():
+        tree = ast.parse(path.read_text(), str(path))
+        for node in ast.walk(tree):
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "open"
+                    and isinstance(node.func.value, ast.Name) and node.func.value.id == "Database"):
+                opening.append(path.relative_to(ROOT).as_posix())
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("open_sqlite", "connect"):
+                opening.append(path.relative_to(ROOT).as_posix())
+    assert opening and all(p.startswith("core/stores/") for p in opening), sorted(set(opening))

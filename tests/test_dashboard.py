@@ -183,7 +183,7 @@ def test_the_dashboard_cannot_be_framed_guessed_at_or_kept_open_with_a_stolen_co
     frame, a cookie sent over plain HTTP behind the TLS proxy, unlimited sign-in guesses."""
     server = server_factory(behind_tls=True)
     root, admin = server.root, server.key("root", admin=True)
-    sessions = server.app.state.services.dashboard_sessions
+    sessions = server.app.state.services.stores.dashboard_sessions
     login = httpx.post(f"{root}/dashboard/login", data={"key": admin})
     cookie = login.headers["set-cookie"]
     assert login.status_code == 303 and "Secure" in cookie, "behind TLS, the cookie never travels in clear"

@@ -11,6 +11,7 @@ import aiohttp
 import httpx
 import pytest
 
+from nextstate.core.stores.opener import Stores
 from nextstate.judge.teacher import teacher_logprobs, teacher_prompt_ids
 from nextstate.core.stores.samples import SampleStore
 from nextstate.core.types import NextState, Transition, Turn
@@ -360,7 +361,7 @@ def test_unfinished_judgements_resume_after_a_restart(server_factory, judge, tmp
     settings = server.settings
     server.stop()
     # a transition accepted but not judged when the process died
-    store = SampleStore(settings.samples_db)
+    store = SampleStore(Stores(settings).path("samples"))
     turn = Turn(
         session_id="crashed", user="alice", turn_index=1, messages=request["messages"], prompt_ids=request["prompt_ids"],
         response_ids=request["response_ids"], response_logprobs=request["response_logprobs"], logprob_temperature=0.7,

@@ -11,6 +11,7 @@ import openai
 import pytest
 from openai import OpenAI
 
+from nextstate.core.stores.opener import Stores
 from nextstate.core.stores.keys import KeyStore
 from tests.background_server import free_port, wait_for_health
 
@@ -87,7 +88,7 @@ def test_cli_create_list_revoke_against_a_live_server(server, cli_env):
 
 def test_admin_routes_need_an_admin_key(server):
     admin = server.key("root", admin=True)
-    assert KeyStore(server.settings.keys_db).verify(admin).admin
+    assert KeyStore(Stores(server.settings).path("keys")).verify(admin).admin
 
 
 def test_invalid_configuration_is_reported_clearly(cli_env):

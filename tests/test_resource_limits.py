@@ -11,6 +11,7 @@ import time
 import httpx
 import pytest
 
+from nextstate.core.stores.opener import Stores
 from tests.conftest import raw_post, scripted_factory
 from tests.test_sessions import Harness, user
 
@@ -113,7 +114,7 @@ def test_per_key_request_and_token_limits(scripted):
 
     body = {"model": "tiny", "messages": HELLO, "max_tokens": 5}
     usage = raw_post(server, body, server.key("probe")).json()["usage"]
-    store = KeyStore(server.settings.keys_db)
+    store = KeyStore(Stores(server.settings).path("keys"))
     try:
         _, limited = store.create("carol", rpm=2)
         # room for one reply, and then less than the next prompt
@@ -133,7 +134,7 @@ def test_per_key_request_and_token_limits(scripted):
     over = raw_post(server, body, frugal)
     assert over.status_code == 429 and over.json()["error"]["type"] == "tokens"
     # a single request larger than the whole budget is never served, not even once
-    store = KeyStore(server.settings.keys_db)
+    store = KeyStore(Stores(server.settings).path("keys"))
     try:
         _, tiny_budget = store.create("frank", tpm=usage["prompt_tokens"] + 2)
     finally:
@@ -194,7 +195,7 @@ def test_a_flood_of_huge_prompts_on_every_route_leaves_the_server_up_and_others_
 def test_count_tokens_counts_against_the_keys_request_limit(server):
     from nextstate.core.stores.keys import KeyStore
 
-    store = KeyStore(server.settings.keys_db)
+    store = KeyStore(Stores(server.settings).path("keys"))
     try:
         _, limited = store.create("carol", rpm=3)
     finally:
@@ -254,7 +255,7 @@ def test_a_keys_limits_hold_across_serving_processes(server_factory, postgres):
     a, b = (server_factory(database_url=url, judge_enabled=False) for _ in range(2))
     from nextstate.core.stores.keys import KeyStore
 
-    store = KeyStore(a.settings.keys_db, url)
+    store = KeyStore(Stores(a.settings).path("keys"), url)
     try:
         _, limited = store.create("carol", rpm=3)
     finally:

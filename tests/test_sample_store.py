@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 
+from nextstate.core.stores.opener import Stores
 from nextstate.core.stores.samples import SampleStore
 from nextstate.core.types import NextState, Sample, Transition, Turn
 from nextstate.judge.advantages import with_outcome
@@ -196,7 +197,7 @@ def test_a_server_on_postgres_keeps_its_samples_there_and_forgets_them_there(ser
     try:
         found = elsewhere.sample_for_response("alice", reply.id)
         assert found is not None and (found.status, found.reward) == ("ready", 1.0)
-        assert not (server.settings.samples_db).exists(), "nothing in the data dir's SQLite file"
+        assert not Stores(server.settings).path("samples").exists(), "nothing in the data dir's SQLite file"
         admin = server.key("root", admin=True)
         import httpx
 

@@ -228,7 +228,7 @@ def test_two_servers_on_one_database_serve_one_conversation_as_one_session(serve
     assert rate(a, key, replies[-1], 1).status_code == 200
     store = SampleStore(a.settings.data_dir / "unused.sqlite3", url)
     try:
-        rows = store._conn.execute('SELECT data FROM transitions WHERE "user" = ?', ("alice",)).fetchall()
+        rows = store._db.execute('SELECT data FROM transitions WHERE "user" = ?', ("alice",)).fetchall()
         got = sorted((Transition.model_validate_json(data).turn.turn_index, Transition.model_validate_json(data).turn.session_id)
                      for (data,) in rows)
         assert got == [(1, *sessions), (2, *sessions)], "turns 1 and 2 confirmed once each; 3 and 4 open"

@@ -17,12 +17,11 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import secrets
-import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
 
-from nextstate.core.stores.database import Database
+from nextstate.core.stores.base import Store
 from nextstate.core.stores.rate_windows import MemoryWindows, Windows
 
 SESSION_S = 8 * 3600.0
@@ -37,6 +36,21 @@ CREATE TABLE IF NOT EXISTS dashboard_sessions (
 """
 
 
+class _SignIns(Store):
+    """The sessions in PostgreSQL, where every serving process finds one another opened."""
+
+    SCHEMA = _SCHEMA
+
+    def find(self, token_hash: str) -> tuple[str, float] | None:
+        return self._one("SELECT key_id, until FROM dashboard_sessions WHERE token_hash = ?", (token_hash,))
+
+    def add(self, token_hash: str, key_id: str, now: float, until: float) -> None:
+        with self._transaction() as db:
+            db.execute("DELETE FROM dashboard_sessions WHERE until <= ?", (now,))  # expired ones go
+            db.execute("INSERT INTO dashboard_sessions (token_hash, key_id, until) VALUES (?, ?, ?)",
+                       (token_hash, key_id, until))
+
+
 class DashboardSessions:
     def __init__(self, lifetime_s: float = SESSION_S, clock: Callable[[], float] = time.time,
                  database_url: str | None = None, attempts: Windows | None = None) -> None:
@@ -44,8 +58,7 @@ class DashboardSessions:
         with a database); this process's memory if not given."""
         self.lifetime_s = lifetime_s
         self._clock = clock
-        self._db = Database.open(Path("unused"), _SCHEMA, url=database_url) if database_url else None
-        self._lock = threading.Lock()
+        self._db = _SignIns(Path("unused"), database_url) if database_url else None
         self._tokens: dict[str, tuple[str, float]] = {}  # token hash → (the admin key's id, when it ends)
         self._attempts = attempts or MemoryWindows()
 
@@ -60,12 +73,7 @@ class DashboardSessions:
             self._tokens = {t: v for t, v in self._tokens.items() if v[1] > now}  # expired ones go
             self._tokens[_hash(token)] = (key_id, now + self.lifetime_s)
         else:
-            await asyncio.to_thread(
-                self._execute,
-                ("DELETE FROM dashboard_sessions WHERE until <= ?", (now,)),  # expired ones go
-                ("INSERT INTO dashboard_sessions (token_hash, key_id, until) VALUES (?, ?, ?)",
-                 (_hash(token), key_id, now + self.lifetime_s)),
-            )
+            await asyncio.to_thread(self._db.add, _hash(token), key_id, now, now + self.lifetime_s)
         return token
 
     async def key_id(self, token: str) -> str | None:
@@ -75,19 +83,10 @@ class DashboardSessions:
         if self._db is None:
             found = self._tokens.get(_hash(token))
         else:
-            found = await asyncio.to_thread(self._fetch, _hash(token))
+            found = await asyncio.to_thread(self._db.find, _hash(token))
         if found is None or found[1] <= self._clock():
             return None
         return found[0]
-
-    def _fetch(self, token_hash: str) -> tuple[str, float] | None:
-        with self._lock:
-            return self._db.execute("SELECT key_id, until FROM dashboard_sessions WHERE token_hash = ?", (token_hash,)).fetchone()
-
-    def _execute(self, *statements: tuple[str, tuple]) -> None:
-        with self._lock, self._db.transaction():
-            for sql, params in statements:
-                self._db.execute(sql, params)
 
     def close(self) -> None:
         if self._db is not None:

@@ -12,12 +12,10 @@ from __future__ import annotations
 import hashlib
 import hmac
 import secrets
-import threading
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
-from nextstate.core.stores.database import Database
+from nextstate.core.stores.base import Store
 
 KEY_PREFIX = "ns-"
 
@@ -66,16 +64,12 @@ def _hash(secret: str) -> str:
     return hashlib.sha256(secret.encode()).hexdigest()
 
 
-class KeyStore:
-    def __init__(self, path: Path, database_url: str | None = None) -> None:
-        """The SQLite file at `path`, or the PostgreSQL database at `database_url` if given."""
-        self._conn = Database.open(path, _SCHEMA, "busy_timeout=5000", url=database_url)
-        self._conn.add_missing_columns("api_keys", _ADDED_COLUMNS)
-        self._lock = threading.Lock()
+class KeyStore(Store):
+    SCHEMA = _SCHEMA
+    PRAGMAS = ("busy_timeout=5000",)
 
-    def close(self) -> None:
-        with self._lock:
-            self._conn.close()
+    def _upgrade(self) -> None:
+        self._db.add_missing_columns("api_keys", _ADDED_COLUMNS)
 
     def create(self, user: str, admin: bool = False, rpm: int | None = None, tpm: int | None = None) -> tuple[ApiKey, str]:
         user = user.strip()
@@ -94,18 +88,16 @@ class KeyStore:
             rpm=rpm,
             tpm=tpm,
         )
-        with self._lock:
-            self._conn.execute(
-                'INSERT INTO api_keys (id, "user", key_hash, hint, admin, created_at, rpm, tpm) VALUES (?, ?, ?, ?, ?, ?, ?, ?)',
-                (key.id, key.user, _hash(secret), key.hint, int(admin), key.created_at, rpm, tpm),
-            )
+        self._execute(
+            'INSERT INTO api_keys (id, "user", key_hash, hint, admin, created_at, rpm, tpm) VALUES (?, ?, ?, ?, ?, ?, ?, ?)',
+            (key.id, key.user, _hash(secret), key.hint, int(admin), key.created_at, rpm, tpm),
+        )
         return key, secret
 
     def verify(self, secret: str) -> ApiKey | None:
         """The active key matching `secret`, or None. Compared in constant time."""
         digest = _hash(secret)
-        with self._lock:
-            row = self._conn.execute(f"SELECT {_KEY_COLUMNS}, key_hash FROM api_keys WHERE key_hash = ?", (digest,)).fetchone()
+        row = self._one(f"SELECT {_KEY_COLUMNS}, key_hash FROM api_keys WHERE key_hash = ?", (digest,))
         if row is None or not hmac.compare_digest(row[8], digest):
             return None
         key = _key(row)
@@ -113,26 +105,16 @@ class KeyStore:
 
     def get(self, key_id: str) -> ApiKey | None:
         """The active key with this id, or None (revoked, forgotten, never made)."""
-        with self._lock:
-            row = self._conn.execute(f"SELECT {_KEY_COLUMNS} FROM api_keys WHERE id = ?", (key_id,)).fetchone()
+        row = self._one(f"SELECT {_KEY_COLUMNS} FROM api_keys WHERE id = ?", (key_id,))
         key = _key(row) if row is not None else None
         return key if key is not None and key.active else None
 
     def list(self) -> list[ApiKey]:
-        with self._lock:
-            rows = self._conn.execute(f"SELECT {_KEY_COLUMNS} FROM api_keys ORDER BY created_at").fetchall()
-        return [_key(r) for r in rows]
+        return [_key(r) for r in self._all(f"SELECT {_KEY_COLUMNS} FROM api_keys ORDER BY created_at")]
 
     def forget(self, user: str) -> int:
         """Delete every key of `user` (revoked ones too); returns how many."""
-        with self._lock:
-            count = self._conn.execute('DELETE FROM api_keys WHERE "user" = ?', (user,)).rowcount
-            self._conn.scrub()
-            return count
+        return self._delete_user_rows(('DELETE FROM api_keys WHERE "user" = ?', (user,)))
 
     def revoke(self, key_id: str) -> bool:
-        with self._lock:
-            cur = self._conn.execute(
-                "UPDATE api_keys SET revoked_at = ? WHERE id = ? AND revoked_at IS NULL", (time.time(), key_id)
-            )
-        return cur.rowcount > 0
+        return self._execute("UPDATE api_keys SET revoked_at = ? WHERE id = ? AND revoked_at IS NULL", (time.time(), key_id)) > 0

@@ -12,12 +12,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
-import threading
 import time
 from pathlib import Path
 from typing import Protocol
 
-from nextstate.core.stores.database import Database
+from nextstate.core.stores.base import Store
 from nextstate.core.tasks import Periodic
 
 log = logging.getLogger(__name__)
@@ -65,16 +64,18 @@ CREATE INDEX IF NOT EXISTS running_user ON running ("user", until)
 """
 
 
-class SharedSlots:
+class SharedSlots(Store):
     """Replies in flight as leased rows in PostgreSQL (its data-modifying WITH takes a slot in
     one statement; one process alone counts in memory, `LocalSlots`)."""
 
+    SCHEMA = _SCHEMA
+    PRAGMAS = ("busy_timeout=5000",)
+
     def __init__(self, path: Path, database_url: str | None, worker: str) -> None:
-        self._db = Database.open(path, _SCHEMA, "busy_timeout=5000", url=database_url)
+        super().__init__(path, database_url)
         # this run of the process: one restarted on the same host and port must not renew the
         # leases its dead predecessor left
         self.worker = f"{worker}/{secrets.token_hex(4)}"
-        self._lock = threading.Lock()
         self._renewer = Periodic(RENEW_S, "renew this process's parallel-reply slots", self._renew)
         self._takes = 0
 
@@ -107,14 +108,10 @@ class SharedSlots:
         except Exception:  # noqa: BLE001 - the lease runs out instead
             log.exception("could not give back a parallel-reply slot; it frees within %.0f s", LEASE_S)
 
-    def _execute(self, sql: str, params: tuple) -> None:
-        with self._lock:
-            self._db.execute(sql, params)
-
     def _renew(self) -> None:
         self._execute("UPDATE running SET until = ? WHERE worker = ?", (time.time() + LEASE_S, self.worker))
 
     async def aclose(self) -> None:
         await self._renewer.stop()
         await asyncio.to_thread(self._execute, "DELETE FROM running WHERE worker = ?", (self.worker,))
-        self._db.close()
+        self.close()

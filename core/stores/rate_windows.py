@@ -15,7 +15,6 @@ an estimate that never lets through more than the limit over any whole minute bo
 from __future__ import annotations
 
 import asyncio
-import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,7 +24,7 @@ from limits import RateLimitItemPerMinute
 from limits.aio.storage import MemoryStorage
 from limits.aio.strategies import MovingWindowRateLimiter
 
-from nextstate.core.stores.database import Database
+from nextstate.core.stores.base import Store
 
 
 @dataclass(frozen=True)
@@ -76,15 +75,18 @@ CREATE TABLE IF NOT EXISTS rate_counts (
 _PRUNE_EVERY = 1000  # checks between deletions of windows that ended
 
 
-class SharedWindows:
+class SharedWindows(Store):
     """Sliding-window counters in PostgreSQL (or a SQLite file, for one process's tests)."""
 
+    SCHEMA = _SCHEMA
+
     def __init__(self, path: Path, database_url: str | None = None) -> None:
-        # UNLOGGED: counters a crash may lose (a minute's worth) are not worth a WAL write each
-        schema = _SCHEMA.replace("CREATE TABLE", "CREATE UNLOGGED TABLE") if database_url else _SCHEMA
-        self._db = Database.open(path, schema, url=database_url)
-        self._lock = threading.Lock()
+        super().__init__(path, database_url)
         self._checks = 0
+
+    def _schema(self, database_url: str | None) -> str:
+        # UNLOGGED: counters a crash may lose (a minute's worth) are not worth a WAL write each
+        return _SCHEMA.replace("CREATE TABLE", "CREATE UNLOGGED TABLE") if database_url else _SCHEMA
 
     async def hit(self, key: str, kind: str, limit: int, cost: int = 1) -> Window:
         return await asyncio.to_thread(self._check, f"{kind}:{key}", limit, cost, True)
@@ -117,6 +119,3 @@ class SharedWindows:
                 self._db.execute("DELETE FROM rate_counts WHERE minute < ?", (minute - 1,))
         remaining = max(0, int(limit - current - before))
         return Window(allowed, remaining, 60 * (1 - into))
-
-    def close(self) -> None:
-        self._db.close()

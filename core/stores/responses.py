@@ -11,12 +11,10 @@ forgetting a user and the retention period delete them like the rest of a user's
 from __future__ import annotations
 
 import json
-import threading
 import time
-from pathlib import Path
 from typing import Any
 
-from nextstate.core.stores.database import Database
+from nextstate.core.stores.base import Store
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS responses (
@@ -31,59 +29,42 @@ CREATE TABLE IF NOT EXISTS responses (
 """
 
 
-class ResponseStore:
-    def __init__(self, path: Path, database_url: str | None = None) -> None:
-        """The SQLite file at `path`, or the PostgreSQL database at `database_url` if given."""
-        self._conn = Database.open(path, _SCHEMA, "synchronous=NORMAL", url=database_url)
+class ResponseStore(Store):
+    SCHEMA = _SCHEMA
+    PRAGMAS = ("synchronous=NORMAL",)
+
+    def _upgrade(self) -> None:
         # the Response object as it was returned (GET /v1/responses/{id}) and this request's own
         # input items (…/input_items); rows stored before these columns existed have neither
-        self._conn.add_missing_columns("responses", {"response": "TEXT", "input_items": "TEXT"})
-        self._lock = threading.Lock()
+        self._db.add_missing_columns("responses", {"response": "TEXT", "input_items": "TEXT"})
 
     def save(self, user: str, response_id: str, messages: list[dict[str, Any]],
              response: dict[str, Any] | None = None, input_items: list[dict[str, Any]] | None = None) -> None:
-        with self._lock:
-            self._conn.execute(
-                'INSERT INTO responses ("user", id, created_at, messages, response, input_items) VALUES (?, ?, ?, ?, ?, ?) '
-                'ON CONFLICT ("user", id) DO UPDATE SET created_at = excluded.created_at, messages = excluded.messages, '
-                "response = excluded.response, input_items = excluded.input_items",
-                (user, response_id, time.time(), json.dumps(messages, ensure_ascii=False),
-                 None if response is None else json.dumps(response, ensure_ascii=False),
-                 None if input_items is None else json.dumps(input_items, ensure_ascii=False)),
-            )
+        self._execute(
+            'INSERT INTO responses ("user", id, created_at, messages, response, input_items) VALUES (?, ?, ?, ?, ?, ?) '
+            'ON CONFLICT ("user", id) DO UPDATE SET created_at = excluded.created_at, messages = excluded.messages, '
+            "response = excluded.response, input_items = excluded.input_items",
+            (user, response_id, time.time(), json.dumps(messages, ensure_ascii=False),
+             None if response is None else json.dumps(response, ensure_ascii=False),
+             None if input_items is None else json.dumps(input_items, ensure_ascii=False)),
+        )
 
     def response(self, user: str, response_id: str) -> tuple[dict[str, Any], list[dict[str, Any]]] | None:
         """The stored Response object and its input items, or None (unknown, or another user's)."""
-        with self._lock:
-            row = self._conn.execute(
-                'SELECT response, input_items FROM responses WHERE "user" = ? AND id = ?', (user, response_id)
-            ).fetchone()
+        row = self._one('SELECT response, input_items FROM responses WHERE "user" = ? AND id = ?', (user, response_id))
         if row is None or row[0] is None:
             return None
         return json.loads(row[0]), json.loads(row[1] or "[]")
 
     def delete(self, user: str, response_id: str) -> bool:
-        with self._lock:
-            gone = self._conn.execute('DELETE FROM responses WHERE "user" = ? AND id = ?', (user, response_id)).rowcount
-            self._conn.scrub()
-            return gone > 0
+        return self._delete_user_rows(('DELETE FROM responses WHERE "user" = ? AND id = ?', (user, response_id))) > 0
 
     def conversation(self, user: str, response_id: str) -> list[dict[str, Any]] | None:
-        with self._lock:
-            row = self._conn.execute(
-                'SELECT messages FROM responses WHERE "user" = ? AND id = ?', (user, response_id)
-            ).fetchone()
+        row = self._one('SELECT messages FROM responses WHERE "user" = ? AND id = ?', (user, response_id))
         return None if row is None else json.loads(row[0])
 
     def forget(self, user: str) -> int:
-        with self._lock:
-            count = self._conn.execute('DELETE FROM responses WHERE "user" = ?', (user,)).rowcount
-            self._conn.scrub()
-            return count
+        return self._delete_user_rows(('DELETE FROM responses WHERE "user" = ?', (user,)))
 
     def expire(self, cutoff: float) -> int:
-        with self._lock:
-            return self._conn.execute("DELETE FROM responses WHERE created_at < ?", (cutoff,)).rowcount
-
-    def close(self) -> None:
-        self._conn.close()
+        return self._execute("DELETE FROM responses WHERE created_at < ?", (cutoff,))

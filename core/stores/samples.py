@@ -15,13 +15,12 @@ the learner consumes in order and the admin stats summarise. Calls are blocking;
 from __future__ import annotations
 
 import json
-import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from nextstate.core.stores.database import Database
+from nextstate.core.stores.base import Store
 from nextstate.core.types import Sample, Transition, Turn
 
 _SCHEMA = """
@@ -108,37 +107,36 @@ def _sample_from_row(row: tuple) -> Sample:
     return Sample(**dict(zip(_COLUMNS, row[:-1])), **json.loads(row[-1]))
 
 
-class SampleStore:
+class SampleStore(Store):
+    SCHEMA = _SCHEMA
+    PRAGMAS = ("synchronous=NORMAL",)
+
     def __init__(self, path: Path, database_url: str | None = None, worker: str = "") -> None:
-        """The SQLite file at `path`, or the PostgreSQL database at `database_url` if given.
-        `worker` names this process among those sharing the database (its claims); the same
+        """`worker` names this process among those sharing the database (its claims); the same
         name after a restart takes its claims back at once."""
         self.worker = worker
-        self._conn = Database.open(path, _SCHEMA, "synchronous=NORMAL", url=database_url)
+        super().__init__(path, database_url)
+
+    def _upgrade(self) -> None:
         # Since 0.1: one transition per turn. A turn handed over again (a crash after the judge
         # took it, before its session was saved) is recognised and not judged twice.
         # Since 0.2: feedback names a turn by the response id its client got.
         # Since 0.3: a transition's user is a column (it was read out of its JSON).
         # Since 0.4: claims, so that several processes share the inbox.
-        added = self._conn.add_missing_columns("transitions", {"turn_key": "TEXT", "response_id": "TEXT", '"user"': "TEXT",
-                                                               "claimed_by": "TEXT", "claimed_until": "{float}"})
+        added = self._db.add_missing_columns("transitions", {"turn_key": "TEXT", "response_id": "TEXT", '"user"': "TEXT",
+                                                             "claimed_by": "TEXT", "claimed_until": "{float}"})
         # Since 0.5: how many updates trained a sample without being published (it waits again).
         # Since 0.6: a sample built from a reply accepted after a correction names that reply's turn.
-        self._conn.add_missing_columns("samples", {"response_id": "TEXT", "tries": "INTEGER NOT NULL DEFAULT 0",
-                                                   "accepted_from": "INTEGER"})
+        self._db.add_missing_columns("samples", {"response_id": "TEXT", "tries": "INTEGER NOT NULL DEFAULT 0",
+                                                 "accepted_from": "INTEGER"})
         # One such sample per corrected turn, whichever worker judged which of the two turns first.
-        self._conn.execute('CREATE UNIQUE INDEX IF NOT EXISTS samples_accepted ON samples ("user", session_id, turn_index) '
-                           "WHERE accepted_from IS NOT NULL")
-        self._conn.execute("CREATE UNIQUE INDEX IF NOT EXISTS transitions_turn ON transitions (turn_key)")
-        self._conn.execute("CREATE INDEX IF NOT EXISTS transitions_response ON transitions (response_id)")
-        self._conn.execute("CREATE INDEX IF NOT EXISTS samples_response ON samples (response_id)")
+        self._db.execute('CREATE UNIQUE INDEX IF NOT EXISTS samples_accepted ON samples ("user", session_id, turn_index) '
+                         "WHERE accepted_from IS NOT NULL")
+        self._db.execute("CREATE UNIQUE INDEX IF NOT EXISTS transitions_turn ON transitions (turn_key)")
+        self._db.execute("CREATE INDEX IF NOT EXISTS transitions_response ON transitions (response_id)")
+        self._db.execute("CREATE INDEX IF NOT EXISTS samples_response ON samples (response_id)")
         if '"user"' in added:  # once, for the transitions an older version wrote
-            self._conn.execute(f'UPDATE transitions SET "user" = {self._conn.json_text("data", "turn", "user")}')
-        self._lock = threading.Lock()
-
-    def close(self) -> None:
-        with self._lock:
-            self._conn.close()
+            self._db.execute(f'UPDATE transitions SET "user" = {self._db.json_text("data", "turn", "user")}')
 
     # ---------------------------------------------------------------- transitions (judge inbox)
 
@@ -156,7 +154,7 @@ class SampleStore:
         turn = transition.turn
         now = time.time()
         owner, until = self._claim(now)
-        return self._conn.insert(
+        return self._db.insert(
             'INSERT INTO transitions (created_at, status, data, turn_key, response_id, "user", claimed_by, claimed_until) '
             "VALUES (?, ?, ?, ?, ?, ?, ?, ?)" + conflict,
             (now, status, transition.model_dump_json(), _turn_key(turn), turn.response_id, turn.user, owner, until),
@@ -168,25 +166,25 @@ class SampleStore:
         entry, or None when it stands as it is: trained already, or rated by its user. A turn
         not in the inbox yet is simply added."""
         turn = transition.turn
-        with self._lock, self._conn.transaction():
-            row = self._conn.execute("SELECT id FROM transitions WHERE turn_key = ?", (_turn_key(turn),)).fetchone()
+        with self._transaction():
+            row = self._db.execute("SELECT id FROM transitions WHERE turn_key = ?", (_turn_key(turn),)).fetchone()
             if row is None:
                 return self._insert_transition(transition, status)
-            rated = turn.response_id is not None and self._conn.execute(
+            rated = turn.response_id is not None and self._db.execute(
                 "SELECT 1 FROM feedback WHERE response_id = ? AND \"user\" = ?", (turn.response_id, turn.user)
             ).fetchone() is not None
-            trained = self._conn.execute(
+            trained = self._db.execute(
                 "SELECT 1 FROM samples WHERE \"user\" = ? AND session_id = ? AND turn_index = ? AND status = 'consumed'",
                 (turn.user, turn.session_id, turn.turn_index),
             ).fetchone() is not None
             if rated or trained:
                 return None
-            self._conn.execute(
+            self._db.execute(
                 "DELETE FROM samples WHERE \"user\" = ? AND session_id = ? AND turn_index = ?",
                 (turn.user, turn.session_id, turn.turn_index),
             )
             now = time.time()
-            self._conn.execute(
+            self._db.execute(
                 "UPDATE transitions SET data = ?, status = ?, created_at = ?, claimed_by = ?, claimed_until = ? WHERE id = ?",
                 (transition.model_dump_json(), status, now, *self._claim(now), row[0]),
             )
@@ -194,26 +192,24 @@ class SampleStore:
 
     def find_turn(self, user: str, response_id: str) -> tuple[int, Transition] | None:
         """The stored transition of `user`'s turn that answered with `response_id`."""
-        with self._lock:
-            row = self._conn.execute(
-                "SELECT id, data FROM transitions WHERE response_id = ? AND \"user\" = ?",
-                (response_id, user),
-            ).fetchone()
+        row = self._one(
+            "SELECT id, data FROM transitions WHERE response_id = ? AND \"user\" = ?",
+            (response_id, user),
+        )
         return None if row is None else (row[0], Transition.model_validate_json(row[1]))
 
     def close_transition(self, transition_id: int, status: str = "done") -> None:
         """Take a pending transition out of the judge's queue: judged another way ("done"), or
         left for explicit feedback only ("unjudged")."""
         with self._lock:
-            self._conn.execute("UPDATE transitions SET status = ? WHERE id = ? AND status = 'pending'", (status, transition_id))
+            self._db.execute("UPDATE transitions SET status = ? WHERE id = ? AND status = 'pending'", (status, transition_id))
 
     def _claim(self, now: float) -> tuple[str | None, float | None]:
         """(claimed_by, claimed_until) of what this worker writes: its own, or nobody's."""
         return (self.worker, now + LEASE_S) if self.worker else (None, None)
 
     def pending_transitions(self) -> list[tuple[int, Transition]]:
-        with self._lock:
-            rows = self._conn.execute("SELECT id, data FROM transitions WHERE status = 'pending' ORDER BY id").fetchall()
+        rows = self._all("SELECT id, data FROM transitions WHERE status = 'pending' ORDER BY id")
         return [(row[0], Transition.model_validate_json(row[1])) for row in rows]
 
     def claim_pending(self, now: float | None = None, limit: int | None = None,
@@ -224,12 +220,12 @@ class SampleStore:
         another holds locked; SQLite takes them one writer at a time)."""
         now = time.time() if now is None else now
         mine = "claimed_by = ? OR " if own else ""
-        with self._lock, self._conn.transaction():
-            rows = self._conn.execute(
+        with self._transaction():
+            rows = self._db.execute(
                 "UPDATE transitions SET claimed_by = ?, claimed_until = ? WHERE id IN ("
                 "SELECT id FROM transitions WHERE status = 'pending' "
                 f"AND (claimed_by IS NULL OR {mine}claimed_until IS NULL OR claimed_until < ?) ORDER BY id LIMIT ?"
-                f"{self._conn.skip_locked}) RETURNING id, data",
+                f"{self._db.skip_locked}) RETURNING id, data",
                 (self.worker, now + LEASE_S, *((self.worker,) if own else ()), now, limit if limit is not None else 2**62),
             ).fetchall()
         return sorted((int(row[0]), Transition.model_validate_json(row[1])) for row in rows)
@@ -239,7 +235,7 @@ class SampleStore:
         if not self.worker:
             return 0
         with self._lock:
-            return self._conn.execute(
+            return self._db.execute(
                 "UPDATE transitions SET claimed_until = ? WHERE claimed_by = ? AND status = 'pending'",
                 (time.time() + LEASE_S, self.worker),
             ).rowcount
@@ -256,26 +252,26 @@ class SampleStore:
         outcome was posted while it was being judged, so it cannot wait forever for an outcome
         that came.
         """
-        with self._lock, self._conn.transaction():
-            if claimed and transition_id is not None and self._conn.execute(
+        with self._transaction():
+            if claimed and transition_id is not None and self._db.execute(
                 "UPDATE transitions SET status = 'done' WHERE id = ? AND status = 'pending' "
                 "AND (claimed_by = ? OR claimed_by IS NULL)",
                 (transition_id, self.worker),
             ).rowcount != 1:
                 return None
             if sample.status == "awaiting_outcome" and rescore is not None:
-                row = self._conn.execute(
+                row = self._db.execute(
                     "SELECT reward FROM outcomes WHERE \"user\" = ? AND session_id = ?", (sample.user, sample.session_id)
                 ).fetchone()
                 if row is not None:
                     sample = rescore(sample, float(row[0])) or sample
             sample_id = self._insert_sample(sample)
             if transition_id is not None:
-                self._conn.execute("UPDATE transitions SET status = 'done' WHERE id = ?", (transition_id,))
+                self._db.execute("UPDATE transitions SET status = 'done' WHERE id = ?", (transition_id,))
         return sample.model_copy(update={"id": sample_id})
 
     def _insert_sample(self, sample: Sample, conflict: str = "") -> int | None:
-        return self._conn.insert(
+        return self._db.insert(
             "INSERT INTO samples (created_at, \"user\", session_id, turn_index, policy_version, mode, track, "
             "status, reason, reward, response_id, accepted_from, data) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)" + conflict,
             (sample.created_at, sample.user, sample.session_id, sample.turn_index, sample.policy_version, sample.mode,
@@ -286,7 +282,7 @@ class SampleStore:
     def add_accepted_sample(self, sample: Sample) -> Sample | None:
         """Store a sample built from a reply accepted after a correction (judge/accepted.py);
         None if its corrected turn has one already."""
-        with self._lock, self._conn.transaction():
+        with self._transaction():
             sample_id = self._insert_sample(sample, " ON CONFLICT DO NOTHING")
         return None if sample_id is None else sample.model_copy(update={"id": sample_id})
 
@@ -294,8 +290,7 @@ class SampleStore:
         sql = f"SELECT {_SELECTED}, data FROM samples WHERE {where} ORDER BY id"
         if limit is not None:
             sql += f" LIMIT {int(limit)}"
-        with self._lock:
-            rows = self._conn.execute(sql, params).fetchall()
+        rows = self._all(sql, params)
         return [_sample_from_row(row) for row in rows]
 
     def sample_for_response(self, user: str, response_id: str) -> Sample | None:
@@ -306,7 +301,7 @@ class SampleStore:
         """What the judge looks up before it judges a turn, in one trip to this thread: whether
         the reply has a sample already (its user rated it), and its session's outcome."""
         with self._lock:
-            rated = bool(response_id) and self._conn.execute(
+            rated = bool(response_id) and self._db.execute(
                 "SELECT 1 FROM samples WHERE \"user\" = ? AND response_id = ? LIMIT 1", (user, response_id)
             ).fetchone() is not None
         return rated, self.get_outcome(user, session_id)
@@ -315,7 +310,7 @@ class SampleStore:
         """Give a stored, not yet trained sample new contents (its turn was rated); False if it
         was trained meanwhile."""
         with self._lock:
-            cur = self._conn.execute(
+            cur = self._db.execute(
                 "UPDATE samples SET status = ?, track = ?, reason = ?, reward = ?, mode = ?, data = ? "
                 "WHERE id = ? AND status != 'consumed'",
                 (sample.status, sample.track, sample.reason, sample.reward, sample.mode, _data(sample), sample_id),
@@ -327,7 +322,7 @@ class SampleStore:
     def set_feedback(self, user: str, response_id: str, rating: int, correction: str | None) -> None:
         """Keep a rating (a second one replaces the first) before it is applied."""
         with self._lock:
-            self._conn.execute(
+            self._db.execute(
                 "INSERT INTO feedback (response_id, \"user\", rating, correction, created_at) VALUES (?, ?, ?, ?, ?) "
                 "ON CONFLICT (response_id) DO UPDATE SET rating = excluded.rating, correction = excluded.correction, "
                 "created_at = excluded.created_at",
@@ -335,10 +330,9 @@ class SampleStore:
             )
 
     def get_feedback(self, user: str, response_id: str) -> dict[str, Any] | None:
-        with self._lock:
-            row = self._conn.execute(
-                "SELECT rating, correction FROM feedback WHERE response_id = ? AND \"user\" = ?", (response_id, user)
-            ).fetchone()
+        row = self._one(
+            "SELECT rating, correction FROM feedback WHERE response_id = ? AND \"user\" = ?", (response_id, user)
+        )
         return None if row is None else {"rating": int(row[0]), "correction": row[1]}
 
     def samples(self, status: str | None = None, limit: int | None = None) -> list[Sample]:
@@ -367,70 +361,65 @@ class SampleStore:
         if user is not None:
             where, params = where + " AND \"user\" = ?", (user,)
         sql = f"SELECT {_SELECTED}, data FROM samples WHERE {where} ORDER BY id DESC LIMIT {int(limit + len(exclude))}"
-        with self._lock:
-            rows = self._conn.execute(sql, params).fetchall()
+        rows = self._all(sql, params)
         return [s for s in map(_sample_from_row, rows) if s.id not in exclude][:limit]
 
     def training_users(self, since: float) -> set[str]:
         """Users with samples ready to train, or with samples trained that were made since `since`."""
-        with self._lock:
-            rows = self._conn.execute(
-                "SELECT DISTINCT \"user\" FROM samples WHERE status = 'ready' OR (status = 'consumed' AND created_at >= ?)",
-                (since,),
-            ).fetchall()
+        rows = self._all(
+            "SELECT DISTINCT \"user\" FROM samples WHERE status = 'ready' OR (status = 'consumed' AND created_at >= ?)",
+            (since,),
+        )
         return {user for (user,) in rows}
 
     def ready_counts_by_user(self) -> dict[str, int]:
-        with self._lock:
-            rows = self._conn.execute("SELECT \"user\", COUNT(*) FROM samples WHERE status = 'ready' GROUP BY \"user\" ORDER BY MIN(id)").fetchall()
+        rows = self._all("SELECT \"user\", COUNT(*) FROM samples WHERE status = 'ready' GROUP BY \"user\" ORDER BY MIN(id)")
         return {user: count for user, count in rows}
 
     def mark_consumed(self, ids: list[int]) -> None:
         with self._lock:
-            self._conn.executemany("UPDATE samples SET status = 'consumed' WHERE id = ?", [(i,) for i in ids])
+            self._db.executemany("UPDATE samples SET status = 'consumed' WHERE id = ?", [(i,) for i in ids])
 
     def mark_returned(self, ids: list[int], reason: str) -> None:
         """Samples an update trained on that was not published: they stay ready, one try more,
         with the reason (the learner tries them again; a person's rating is never lost to it)."""
         with self._lock:
-            self._conn.executemany(
+            self._db.executemany(
                 "UPDATE samples SET reason = ?, tries = tries + 1 WHERE id = ? AND status = 'ready'", [(reason, i) for i in ids]
             )
 
     def returned_counts(self) -> dict[str, int]:
         """Ready samples that came back from an unpublished update, by the reason they came back."""
-        with self._lock:
-            rows = self._conn.execute(
-                "SELECT reason, COUNT(*) FROM samples WHERE status = 'ready' AND tries > 0 GROUP BY reason"
-            ).fetchall()
+        rows = self._all(
+            "SELECT reason, COUNT(*) FROM samples WHERE status = 'ready' AND tries > 0 GROUP BY reason"
+        )
         return {reason: count for reason, count in rows}
 
     def mark_dropped(self, ids: list[int], reason: str) -> None:
         """Samples the learner will not train on (not finite, no signal), with the reason."""
         with self._lock:
-            self._conn.executemany(
+            self._db.executemany(
                 "UPDATE samples SET status = 'dropped', reason = ? WHERE id = ? AND status = 'ready'", [(reason, i) for i in ids]
             )
 
     # ---------------------------------------------------------------- outcomes (general agents)
 
     def get_outcome(self, user: str, session_id: str) -> float | None:
-        with self._lock:
-            row = self._conn.execute(
-                "SELECT reward FROM outcomes WHERE \"user\" = ? AND session_id = ?", (user, session_id)
-            ).fetchone()
+        row = self._one(
+            "SELECT reward FROM outcomes WHERE \"user\" = ? AND session_id = ?", (user, session_id)
+        )
         return None if row is None else float(row[0])
 
     def set_outcome(self, user: str, session_id: str, outcome: float, rescore: Rescore) -> int:
         """Record a session's outcome and pass its not-yet-trained samples through `rescore`,
         atomically. Returns how many samples changed."""
-        with self._lock, self._conn.transaction():
-            self._conn.execute(
+        with self._transaction():
+            self._db.execute(
                 "INSERT INTO outcomes (\"user\", session_id, reward, created_at) VALUES (?, ?, ?, ?) "
                 "ON CONFLICT (\"user\", session_id) DO UPDATE SET reward = excluded.reward, created_at = excluded.created_at",
                 (user, session_id, outcome, time.time()),
             )
-            rows = self._conn.execute(
+            rows = self._db.execute(
                 f"SELECT {_SELECTED}, data FROM samples WHERE \"user\" = ? AND session_id = ? "
                 "AND status IN ('ready', 'awaiting_outcome') ORDER BY id",
                 (user, session_id),
@@ -441,7 +430,7 @@ class SampleStore:
                 if changed is None:
                     continue
                 updated += 1
-                self._conn.execute(
+                self._db.execute(
                     "UPDATE samples SET status = ?, track = ?, reason = ?, reward = ?, data = ? WHERE id = ?",
                     (changed.status, changed.track, changed.reason, changed.reward, _data(changed), sample.id),
                 )
@@ -450,17 +439,15 @@ class SampleStore:
     def session_expects_outcome(self, user: str, session_id: str) -> bool:
         """Whether a session's turns were served with X-Outcome-Expected (their samples are on
         the outcome track)."""
-        with self._lock:
-            row = self._conn.execute(
-                "SELECT 1 FROM samples WHERE \"user\" = ? AND session_id = ? AND track = 'outcome' LIMIT 1", (user, session_id)
-            ).fetchone()
+        row = self._one(
+            "SELECT 1 FROM samples WHERE \"user\" = ? AND session_id = ? AND track = 'outcome' LIMIT 1", (user, session_id)
+        )
         return row is not None
 
     def session_known(self, user: str, session_id: str) -> bool:
-        with self._lock:
-            row = self._conn.execute(
-                "SELECT 1 FROM samples WHERE \"user\" = ? AND session_id = ? LIMIT 1", (user, session_id)
-            ).fetchone()
+        row = self._one(
+            "SELECT 1 FROM samples WHERE \"user\" = ? AND session_id = ? LIMIT 1", (user, session_id)
+        )
         return row is not None
 
     # ---------------------------------------------------------------- privacy
@@ -468,23 +455,23 @@ class SampleStore:
     def forget(self, user: str) -> int:
         """Delete everything of `user`: samples, outcomes, the judge's inbox. Returns the count."""
         with self._lock:
-            with self._conn.transaction():
-                count = sum(self._conn.execute(f'DELETE FROM {table} WHERE "user" = ?', (user,)).rowcount
+            with self._db.transaction():
+                count = sum(self._db.execute(f'DELETE FROM {table} WHERE "user" = ?', (user,)).rowcount
                             for table in ("samples", "outcomes", "feedback", "transitions"))
-            self._conn.scrub()
+            self._db.scrub()
         return count
 
     def expire(self, before: float) -> int:
         """Delete what is done with and older than `before` (a timestamp): trained or dropped
         samples, judged transitions. Samples still waiting to train are kept."""
         with self._lock:
-            count = self._conn.execute(
+            count = self._db.execute(
                 "DELETE FROM samples WHERE status IN ('consumed', 'dropped') AND created_at < ?", (before,)
             ).rowcount
-            count += self._conn.execute(
+            count += self._db.execute(
                 "DELETE FROM transitions WHERE status IN ('done', 'unjudged') AND created_at < ?", (before,)
             ).rowcount
-            count += self._conn.execute("DELETE FROM feedback WHERE created_at < ?", (before,)).rowcount
+            count += self._db.execute("DELETE FROM feedback WHERE created_at < ?", (before,)).rowcount
         return count
 
     # ---------------------------------------------------------------- facts about the server
@@ -492,14 +479,13 @@ class SampleStore:
     def set_meta(self, key: str, value: Any) -> None:
         """A small fact kept with the samples (the judge's calibration), for `nextstate status`."""
         with self._lock:
-            self._conn.execute(
+            self._db.execute(
                 "INSERT INTO meta (key, value) VALUES (?, ?) ON CONFLICT (key) DO UPDATE SET value = excluded.value",
                 (key, json.dumps(value)),
             )
 
     def get_meta(self, key: str) -> Any:
-        with self._lock:
-            row = self._conn.execute("SELECT value FROM meta WHERE key = ?", (key,)).fetchone()
+        row = self._one("SELECT value FROM meta WHERE key = ?", (key,))
         return None if row is None else json.loads(row[0])
 
     # ---------------------------------------------------------------- stats
@@ -510,16 +496,15 @@ class SampleStore:
         explicit ratings among them."""
         scope = '"user"' if per_user else "'shared'"
         group = '"user", policy_version' if per_user else "policy_version"  # PostgreSQL groups by no constant
-        rating = f"CAST({self._conn.json_text('data', 'feedback', 'rating')} AS INTEGER)"
-        with self._lock:
-            rows = self._conn.execute(
-                f"SELECT {scope}, policy_version, COUNT(*), "
-                "COUNT(*) FILTER (WHERE status != 'dropped'), COUNT(*) FILTER (WHERE status = 'dropped'), "
-                "AVG(CASE WHEN status != 'dropped' THEN reward END), "
-                f"COUNT(*) FILTER (WHERE {rating} = 1), COUNT(*) FILTER (WHERE {rating} = -1) "
-                # a sample built from an accepted reply repeats that reply's reward: counted once
-                f"FROM samples WHERE accepted_from IS NULL GROUP BY {group} ORDER BY {group}"
-            ).fetchall()
+        rating = f"CAST({self._db.json_text('data', 'feedback', 'rating')} AS INTEGER)"
+        rows = self._all(
+            f"SELECT {scope}, policy_version, COUNT(*), "
+            "COUNT(*) FILTER (WHERE status != 'dropped'), COUNT(*) FILTER (WHERE status = 'dropped'), "
+            "AVG(CASE WHEN status != 'dropped' THEN reward END), "
+            f"COUNT(*) FILTER (WHERE {rating} = 1), COUNT(*) FILTER (WHERE {rating} = -1) "
+            # a sample built from an accepted reply repeats that reply's reward: counted once
+            f"FROM samples WHERE accepted_from IS NULL GROUP BY {group} ORDER BY {group}"
+        )
         return [
             {"scope": sc, "policy_version": v, "samples": n, "accepted": int(acc or 0), "dropped": int(drop or 0),
              "mean_reward": None if mean is None else round(mean, 4), "feedback_up": int(up or 0),
@@ -529,25 +514,25 @@ class SampleStore:
 
     def feedback_counts(self) -> dict[str, int]:
         with self._lock:
-            up, down, corrections = self._conn.execute(
+            up, down, corrections = self._db.execute(
                 "SELECT COUNT(*) FILTER (WHERE rating = 1), COUNT(*) FILTER (WHERE rating = -1), COUNT(correction) FROM feedback"
             ).fetchone()
         return {"up": int(up or 0), "down": int(down or 0), "with_correction": int(corrections or 0)}
 
     def stats(self) -> dict[str, Any]:
         with self._lock:
-            by_mode = self._conn.execute(
+            by_mode = self._db.execute(
                 "SELECT mode, status, accepted_from IS NOT NULL, COUNT(*) FROM samples "
                 "GROUP BY mode, status, accepted_from IS NOT NULL"
             ).fetchall()
-            by_version = self._conn.execute(
+            by_version = self._db.execute(
                 "SELECT policy_version, COUNT(*), AVG(reward) FROM samples WHERE status != 'dropped' AND accepted_from IS NULL "
                 "GROUP BY policy_version ORDER BY policy_version"
             ).fetchall()
-            reasons = self._conn.execute(
+            reasons = self._db.execute(
                 "SELECT reason, COUNT(*) FROM samples WHERE status = 'dropped' GROUP BY reason"
             ).fetchall()
-            pending = self._conn.execute("SELECT COUNT(*) FROM transitions WHERE status = 'pending'").fetchone()[0]
+            pending = self._db.execute("SELECT COUNT(*) FROM transitions WHERE status = 'pending'").fetchone()[0]
         modes: dict[str, dict[str, int]] = {}
         for mode, status, built, count in by_mode:
             entry = modes.setdefault(mode, {"judged": 0, "accepted": 0, "dropped": 0, "awaiting_outcome": 0,

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from nextstate.core.stores.database import Database
+from nextstate.core.stores.base import Store
 
 log = logging.getLogger(__name__)
 
@@ -71,29 +71,32 @@ class Write:
     done: Callable[[bool], None] | None = None
 
 
-class SessionDB:
+class SessionDB(Store):
+    """Open sessions: written by one writer thread in the order they were queued, read by the
+    server's threads (they share the store's connection and its lock)."""
+
+    SCHEMA = _SCHEMA
+    PRAGMAS = ("synchronous=NORMAL",)
+
     def __init__(self, path: Path, database_url: str | None = None) -> None:
-        """The SQLite file at `path`, or the PostgreSQL database at `database_url` (shared)."""
-        self._db = Database.open(path, _SCHEMA, "synchronous=NORMAL", url=database_url)
-        self._db.add_missing_columns("sessions", _LATER_COLUMNS)
-        self.shared = self._db.dialect == "postgres"
-        self._lock = threading.Lock()  # the writer thread and readers share one connection
+        super().__init__(path, database_url)
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._idle = threading.Event()
         self._idle.set()
         self._pending = 0
         self._count_lock = threading.Lock()
-        self._thread = threading.Thread(target=self._run, name="nextstate-sessions", daemon=True)
+        self._thread = threading.Thread(target=self._write_queued, name="nextstate-sessions", daemon=True)
         self._thread.start()
+
+    def _upgrade(self) -> None:
+        self._db.add_missing_columns("sessions", _LATER_COLUMNS)
 
     # ------------------------------------------------------------------ reads
 
     def load(self, user: str | None = None) -> Iterator[dict[str, Any]]:
         """Every open session (of `user`), least recently active first."""
         where, params = ('WHERE "user" = ?', (user,)) if user is not None else ("", ())
-        with self._lock:
-            rows = self._db.execute(f"SELECT data, rev FROM sessions {where} ORDER BY active_at", params).fetchall()
-        for data, rev in rows:
+        for data, rev in self._all(f"SELECT data, rev FROM sessions {where} ORDER BY active_at", params):
             yield dict(json.loads(data), rev=rev)
 
     def changed(self, user: str, hashes: Iterable[str], ids: Iterable[str], every: bool,
@@ -103,13 +106,12 @@ class SessionDB:
         where, params = self._candidates(user, hashes, ids, every)
         if where is None:
             return {}, []
-        with self._lock:
-            rows = self._db.execute(
-                "SELECT s.id, s.rev, CASE WHEN k.rev IS NOT DISTINCT FROM s.rev THEN NULL ELSE s.data END "
-                "FROM sessions s LEFT JOIN unnest(?::text[], ?::text[]) AS k(id, rev) ON k.id = s.id "
-                f'WHERE s."user" = ? AND ({where})',
-                [list(known), list(known.values()), user, *params],
-            ).fetchall()
+        rows = self._all(
+            "SELECT s.id, s.rev, CASE WHEN k.rev IS NOT DISTINCT FROM s.rev THEN NULL ELSE s.data END "
+            "FROM sessions s LEFT JOIN unnest(?::text[], ?::text[]) AS k(id, rev) ON k.id = s.id "
+            f'WHERE s."user" = ? AND ({where})',
+            [list(known), list(known.values()), user, *params],
+        )
         return ({i: rev for i, rev, _ in rows},
                 [dict(json.loads(data), rev=rev) for _, rev, data in rows if data is not None])
 
@@ -136,10 +138,7 @@ class SessionDB:
         where, params = self._candidates(user, hashes, ids, every)
         if where is None:
             return {}
-        with self._lock:
-            rows = self._db.execute(f'SELECT s.id, s.rev FROM sessions s WHERE s."user" = ? AND ({where})',
-                                    [user, *params]).fetchall()
-        return dict(rows)
+        return dict(self._all(f'SELECT s.id, s.rev FROM sessions s WHERE s."user" = ? AND ({where})', [user, *params]))
 
     def claim_idle(self, active_before: float, worker: str, max_per_user: int | None = None,
                    max_sessions: int | None = None, limit: int = 100) -> list[dict[str, Any]]:
@@ -149,10 +148,10 @@ class SessionDB:
         already; their rows, which the claimer closes and deletes."""
         now = time.time()
         free = "(closer IS NULL OR close_until < ?)"
-        with self._lock, self._db.transaction():
+        with self._transaction() as db:
             # the lease is checked again on the row itself: a process that waited for another's
             # claim of the same row sees it taken (PostgreSQL re-reads an updated row)
-            rows = self._db.execute(
+            rows = db.execute(
                 f'UPDATE sessions SET closer = ?, close_until = ? WHERE {free} AND ("user", id) IN ('
                 'SELECT "user", id FROM (SELECT "user", id, active_at, closer, close_until, '
                 'ROW_NUMBER() OVER (PARTITION BY "user" ORDER BY active_at DESC) AS nth_of_user, '
@@ -195,9 +194,9 @@ class SessionDB:
         self.flush()
         self._queue.put(None)
         self._thread.join(10)
-        self._db.close()
+        super().close()
 
-    def _run(self) -> None:
+    def _write_queued(self) -> None:
         while True:
             item = self._queue.get()
             if item is None:

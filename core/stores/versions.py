@@ -12,12 +12,10 @@ stop serving the user's adapter as soon as its row is gone.
 
 from __future__ import annotations
 
-import threading
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
-from nextstate.core.stores.database import Database
+from nextstate.core.stores.base import Store
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS published_versions (
@@ -41,43 +39,35 @@ class Published:
     path: str
 
 
-class VersionRegistry:
-    def __init__(self, path: Path, database_url: str | None = None) -> None:
-        self._db = Database.open(path, _SCHEMA, "busy_timeout=5000", url=database_url)
-        self._lock = threading.Lock()
+class VersionRegistry(Store):
+    SCHEMA = _SCHEMA
+    PRAGMAS = ("busy_timeout=5000",)
 
     def publish(self, scope: str, version: int, name: str, path: str) -> None:
-        with self._lock:
-            self._db.execute(
-                "INSERT INTO published_versions (scope, version, name, path, published_at) VALUES (?, ?, ?, ?, ?) "
-                "ON CONFLICT (scope) DO UPDATE SET version = excluded.version, name = excluded.name, "
-                "path = excluded.path, published_at = excluded.published_at",
-                (scope, version, name, path, time.time()),
-            )
+        self._execute(
+            "INSERT INTO published_versions (scope, version, name, path, published_at) VALUES (?, ?, ?, ?, ?) "
+            "ON CONFLICT (scope) DO UPDATE SET version = excluded.version, name = excluded.name, "
+            "path = excluded.path, published_at = excluded.published_at",
+            (scope, version, name, path, time.time()),
+        )
 
     def published(self) -> dict[str, Published]:
-        with self._lock:
-            rows = self._db.execute("SELECT scope, version, name, path FROM published_versions").fetchall()
+        rows = self._all("SELECT scope, version, name, path FROM published_versions")
         return {scope: Published(int(version), name, path) for scope, version, name, path in rows}
 
     def forget(self, scope: str) -> bool:
         """Stop serving `scope` everywhere and ask the learner to delete it; whether it had a
         published version."""
-        with self._lock, self._db.transaction():
-            had = self._db.execute("DELETE FROM published_versions WHERE scope = ?", (scope,)).rowcount > 0
-            self._db.execute("INSERT INTO forgotten_scopes (scope, asked_at) VALUES (?, ?) ON CONFLICT (scope) DO NOTHING",
-                             (scope, time.time()))
+        with self._transaction() as db:
+            had = db.execute("DELETE FROM published_versions WHERE scope = ?", (scope,)).rowcount > 0
+            db.execute("INSERT INTO forgotten_scopes (scope, asked_at) VALUES (?, ?) ON CONFLICT (scope) DO NOTHING",
+                       (scope, time.time()))
         return had
 
     def forgotten(self) -> list[str]:
         """The scopes whose forgetting was asked and not yet done (by the learner)."""
-        with self._lock:
-            return [scope for (scope,) in self._db.execute("SELECT scope FROM forgotten_scopes ORDER BY asked_at").fetchall()]
+        return [scope for (scope,) in self._all("SELECT scope FROM forgotten_scopes ORDER BY asked_at")]
 
     def forgot(self, scope: str) -> None:
         """The learner deleted `scope`'s versions and its state of them."""
-        with self._lock:
-            self._db.execute("DELETE FROM forgotten_scopes WHERE scope = ?", (scope,))
-
-    def close(self) -> None:
-        self._db.close()
+        self._execute("DELETE FROM forgotten_scopes WHERE scope = ?", (scope,))
