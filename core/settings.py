@@ -459,6 +459,14 @@ class LearnerSettings(BaseSettings):
             same time (bench.learner_memory, before the LM head's chunks were sized by bytes:
             16 such samples now add 1.07 GiB); on a GPU an 8k-token pass keeps it busy. The
             memory plan may lower it for a step (learner_memory_mb).
+        held_out_every, held_out_max: one in `held_out_every` of a person's judged or rated
+            turns (the 8th, 16th, ...: never their first few) is held out — never trained on —
+            up to `held_out_max` of them; each version is scored on its user's held-out turns
+            (its gain, learner/held_out.py) before it may serve. 0 holds out none.
+        gate_max_gain_drop, gate_max_forgetting: the gate refuses a version whose gain on its
+            user's held-out turns is more than this many nats per token below the serving
+            version's, or whose perplexity on the shipped general-text probe is more than this
+            share above the base model's (its forgetting).
         opd_topk: with NEXTSTATE_OPD_LOSS=topk, the teacher's most likely tokens kept at each
             position (the rest is one bin): 32 hold all but a sliver of a small model's mass.
         learner_memory_mb: the most a training pass may add to memory; 0 = what the machine
@@ -515,6 +523,16 @@ class LearnerSettings(BaseSettings):
     )
     max_train_tokens: int = Field(32768, ge=16, description="Longest sample trained; the prompt is cut from the left.")
     micro_batch_tokens: int = Field(8192, ge=1, description="Padded tokens per training forward pass (samples packed).")
+    held_out_every: int = Field(
+        8, ge=0, description="One in this many of a person's judged or rated turns is held out, never trained; 0 = none."
+    )
+    held_out_max: int = Field(32, ge=0, description="Most held-out turns kept per user.")
+    gate_max_gain_drop: float = Field(
+        0.05, ge=0, description="Gate: most nats/token a version's held-out gain may fall below the serving version's."
+    )
+    gate_max_forgetting: float = Field(
+        0.05, ge=0, description="Gate: most a version's perplexity on the general-text probe may rise over the base model's."
+    )
     opd_topk: int = Field(32, ge=1, description="opd_loss=topk: the teacher's top tokens kept per position.")
     learner_memory_mb: int = Field(
         0, ge=0, description="Most memory a training pass may add (MB); 0 = what is free. A step that would not fit waits."

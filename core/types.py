@@ -78,7 +78,8 @@ class Transition(BaseModel):
         }
 
 
-SampleStatus = Literal["ready", "dropped", "awaiting_outcome", "consumed"]
+# held_out: never trained; what each version of its user's scope is scored on (learner/held_out.py)
+SampleStatus = Literal["ready", "dropped", "awaiting_outcome", "consumed", "held_out"]
 
 
 class Sample(BaseModel):

@@ -35,14 +35,13 @@ from typing import TYPE_CHECKING, Any
 from nextstate.core.stores.samples import SampleStore
 from nextstate.core.settings import LearnerSettings
 from nextstate.core.types import Sample
+from nextstate.learner.held_out import MIN_HELD_OUT, VersionFigures
 
 if TYPE_CHECKING:  # the trainer loads torch; the gate's figures and verdicts do not need it
     from nextstate.learner.trainer import LoraTrainer
 
 log = logging.getLogger(__name__)
 
-# A check needs at least this many held-out samples (liked replies, or prompts) to run.
-MIN_HELD_OUT = 2
 # The held-out set: the newest accepted samples of the scope outside the batch, the rewarded
 # ones among them for likelihood, the newest prompts answered greedily. Eight prompts, not
 # four: one greedy reply that happens to loop moves a mean of four by a quarter of its
@@ -58,6 +57,7 @@ class GateFigures:
 
     liked_logprob: float | None  # mean per-token logprob of held-out rewarded replies
     repetition: float | None  # mean share of repeated trigrams in greedy replies (not measured for the serving version)
+    version: VersionFigures | None = None  # gain, kl and forgetting on the scope's held-out turns (learner/held_out.py)
 
 
 @dataclass
@@ -93,8 +93,19 @@ def mean(values: list[float | None]) -> float | None:
 def verdict_from_figures(
     serving: GateFigures, candidate: GateFigures, base_repetition: float | None, *,
     max_likelihood_drop: float, max_repetition_rise: float, held_out: int, prompts: int,
+    max_gain_drop: float | None = None, max_forgetting: float | None = None,
 ) -> GateVerdict:
     reasons = []
+    now, was = candidate.version, serving.version
+    if (max_gain_drop is not None and now is not None and was is not None and now.gain is not None
+            and was.gain is not None and now.held_out >= MIN_HELD_OUT):
+        drop = was.gain - now.gain
+        if drop > max_gain_drop:
+            reasons.append(f"worse for its user: gain on {now.held_out} held-out turns {now.gain:+.3f} against the "
+                           f"serving version's {was.gain:+.3f} nats/token (limit -{max_gain_drop:g})")
+    if max_forgetting is not None and now is not None and now.forgetting is not None and now.forgetting > max_forgetting:
+        reasons.append(f"forgets: perplexity on general text {now.forgetting:+.1%} over the base model's "
+                       f"(limit +{max_forgetting:.0%})")
     if serving.liked_logprob is not None and candidate.liked_logprob is not None:
         drop = serving.liked_logprob - candidate.liked_logprob
         if drop > max_likelihood_drop:
@@ -115,6 +126,7 @@ class HeldOut:
     liked: list[Sample]  # rewarded replies, for likelihood (empty: too few to check)
     prompts: list[list[int]]  # prompt ids to answer greedily, for repetition
     serving: GateFigures
+    turns: list[Sample] = field(default_factory=list)  # the scope's held-out turns (never trained on)
 
 
 class PublishGate:
@@ -135,13 +147,19 @@ class PublishGate:
         recent = self.store.recent_samples(GATE_SAMPLES, scope if self.per_user else None, batch_ids)
         liked = [x for x in recent if x.reward > 0][:GATE_LIKED]
         prompts = [x.prompt_ids for x in recent[:GATE_PROMPTS]]
-        if len(liked) < MIN_HELD_OUT and len(prompts) < MIN_HELD_OUT:
+        turns = self.held_out_turns(scope)
+        if len(liked) < MIN_HELD_OUT and len(prompts) < MIN_HELD_OUT and not turns:
             return None
         liked = liked if len(liked) >= MIN_HELD_OUT else []
         # The serving version's repetition is not compared with anything (the anchor is the
         # base model's), and greedy replies are most of the gate's cost: likelihood only.
         serving = self.trainer.gate_figures(scope, liked, [], GATE_NEW_TOKENS)
-        return HeldOut(liked, prompts, serving)
+        serving.version = self.trainer.version_figures(scope, turns)
+        return HeldOut(liked, prompts, serving, turns)
+
+    def held_out_turns(self, scope: str) -> list[Sample]:
+        """The turns of the scope's users that no version trains on (one user's, per user)."""
+        return self.store.held_out_samples(scope if self.per_user else None)
 
     def review(self, scope: str, held: HeldOut, step_index: int) -> GateVerdict:
         """The trained step's verdict. A failing step is tried again at a shorter length
@@ -166,11 +184,13 @@ class PublishGate:
     def _check(self, scope: str, held: HeldOut) -> GateVerdict:
         started = time.monotonic()
         candidate = self.trainer.gate_figures(scope, held.liked, held.prompts, GATE_NEW_TOKENS)
+        candidate.version = self.trainer.version_figures(scope, held.turns)
         base = self.trainer.base_repetition(held.prompts, GATE_NEW_TOKENS) if held.prompts else None
         s = self.settings
         verdict = verdict_from_figures(
             held.serving, candidate, base, max_likelihood_drop=s.gate_max_likelihood_drop,
             max_repetition_rise=s.gate_max_repetition_rise, held_out=len(held.liked), prompts=len(held.prompts),
+            max_gain_drop=s.gate_max_gain_drop, max_forgetting=s.gate_max_forgetting,
         )
         verdict.seconds = round(time.monotonic() - started, 2)
         return verdict

@@ -29,6 +29,7 @@ from nextstate.engine.devices import resolve_device
 from nextstate.learner.batching import Waiting, choose_batch, ready_by_scope
 from nextstate.learner.follower import load_version
 from nextstate.learner.gate import PublishGate
+from nextstate.learner.held_out import VersionFigures
 from nextstate.learner.memory_budget import Refusal
 from nextstate.core.stores.versions import VersionRegistry
 from nextstate.learner.trainer import LoraTrainer, StepResult
@@ -270,13 +271,19 @@ class Learner:
             await asyncio.to_thread(self.store.mark_dropped, result.dropped, "loss not finite: dropped by the learner")
         record.update({**result.to_dict(), "sample_ids": ids, "dropped": record["dropped"] + result.dropped})
         scale = result.step_scale
+        figures: VersionFigures | None = None
         if not result.skipped and held:
             self._phase(scope, len(batch), "gate")
             verdict = await asyncio.to_thread(self.gate.review, scope, held, step_index)
             record["gate"] = verdict.to_dict()
             scale *= verdict.step_scale
+            figures = verdict.candidate.version if verdict.candidate else None
             if not verdict.passed:
                 result.skipped = record["skipped"] = "gate: " + "; ".join(verdict.reasons)
+        if not result.skipped and figures is None and self.gate is not None:  # the gate is off, or had nothing else to check
+            figures = await asyncio.to_thread(self.trainer.version_figures, scope, self.gate.held_out_turns(scope))
+        if figures is not None:
+            record["figures"] = figures.to_dict()  # what this version gained for its user, and forgot
         result.step_scale = record["step_scale"] = round(scale, 6)  # what serves, if it does: in the manifest too
         self.trainer.step_sizes.settle(scope, scale, published=not result.skipped)
         if result.skipped:
@@ -338,7 +345,7 @@ class Learner:
         try:
             path = await asyncio.to_thread(
                 self.versions.publish, scope, version, lambda p: self.trainer.save(scope, p),
-                {"sample_ids": ids, "step_index": step_index, "step": result.to_dict()},
+                {"sample_ids": ids, "step_index": step_index, "step": result.to_dict(), "figures": record.get("figures")},
             )
         except Exception:
             # the samples stay ready, and the weights go back to the published version

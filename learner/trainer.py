@@ -32,6 +32,7 @@ from nextstate.core.types import Sample
 from nextstate.learner.distillation import teacher_topk, topk_reverse_kl
 from nextstate.learner.gate import GateFigures, mean, repetition
 from nextstate.learner.learning_rate import resolve_learning_rate
+from nextstate.learner.held_out import VersionFigures, figures as held_out_figures, probe_sentences
 from nextstate.learner.host_memory import release_freed_memory
 from nextstate.learner.memory_budget import MemoryBudget, Refusal
 from nextstate.learner.micro_batches import micro_batches
@@ -97,6 +98,8 @@ class StepResult:
 LOGITS_CHUNK_BYTES = 64 << 20
 # Base-model repetition figures the publish gate keeps (one per recent prompt).
 BASE_REPLIES_KEPT = 256
+# Base-model logprobs of held-out turns kept (NEXTSTATE_HELD_OUT_MAX per user, several users).
+BASE_HELD_OUT_KEPT = 4096
 
 
 def logit_rows(vocab_size: int) -> int:
@@ -145,6 +148,10 @@ class LoraTrainer:
         self.step_sizes = StepSizes(settings.max_kl, settings.kl_backtracks)  # per scope: where a step starts
         # the gate's base-model repetition per prompt, the most recently used BASE_REPLIES_KEPT
         self._base_replies: OrderedDict[tuple, float | None] = OrderedDict()
+        # the base model's side of the held-out figures (learner/held_out.py): per sample id, and the probe
+        self._base_held_out: OrderedDict[int, torch.Tensor] = OrderedDict()
+        self._base_probe_nll: float | None = None
+        self._probe: list[list[int]] | None = None
 
     # ---------------------------------------------------------------- scopes
 
@@ -353,6 +360,52 @@ class LoraTrainer:
         if not plain or backbone is None or not isinstance(head, torch.nn.Linear):
             return None
         return backbone, head
+
+    # ---------------------------------------------------------------- what a version gained and forgot
+
+    def version_figures(self, scope: str, held_out: list[Sample]) -> VersionFigures:
+        """The scope's weights as they are now, scored on `held_out` and the general-text probe
+        (learner/held_out.py). The base model's side of both is computed once and kept."""
+        self._activate(scope)
+        self.model.eval()
+        with torch.no_grad():
+            now = self._logprobs_each(held_out) if held_out else []
+            base: list[torch.Tensor | None] = [self._base_held_out.get(s.id) if s.id is not None else None for s in held_out]
+            missing = [i for i, b in enumerate(base) if b is None]
+            if missing or self._base_probe_nll is None:
+                with self.model.disable_adapter():
+                    for i, lp in zip(missing, self._logprobs_each([held_out[i] for i in missing]) if missing else []):
+                        base[i] = lp
+                        if held_out[i].id is not None:
+                            self._base_held_out[held_out[i].id] = lp
+                    if self._base_probe_nll is None:
+                        self._base_probe_nll = self._probe_nll()
+            probe = self._probe_nll()
+        while len(self._base_held_out) > BASE_HELD_OUT_KEPT:
+            self._base_held_out.popitem(last=False)
+        return held_out_figures(held_out, now, base, probe, self._base_probe_nll)  # type: ignore[arg-type]
+
+    def _probe_nll(self) -> float:
+        """Mean NLL per token of the general-text probe under the active weights (no grad)."""
+        if self._probe is None:
+            from transformers import AutoTokenizer
+
+            tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
+            self._probe = [ids for text in probe_sentences()
+                           if len(ids := tokenizer.encode(text, add_special_tokens=False)) > 1]
+        total, tokens = 0.0, 0
+        for group in micro_batches([len(ids) - 1 for ids in self._probe], self._pass_tokens):
+            rows = [self._probe[i] for i in group]
+
+            def at(logits: torch.Tensor, i: int, part: slice) -> torch.Tensor:
+                targets = torch.tensor(rows[i][1:], device=self.device)[part]
+                return tempered_log_softmax(logits, 1.0).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+
+            for pieces in self._over_responses([r[:-1] for r in rows], [len(r) - 1 for r in rows], at):
+                scores = torch.cat(pieces)
+                total -= float(scores.sum())
+                tokens += scores.numel()
+        return total / max(1, tokens)
 
     # ---------------------------------------------------------------- the publish gate
 

@@ -45,6 +45,7 @@ from nextstate.core.records import RecordWriter
 from nextstate.proxy.admin_routes import router as admin_router
 from nextstate.proxy.info_routes import router as info_router
 from nextstate.dashboard import router as dashboard_router
+from nextstate.me_routes import router as me_router
 from nextstate.proxy.feedback_routes import router as feedback_router
 from nextstate.proxy.session_routes import router as session_router
 from nextstate.proxy.session_chain import VolatileText
@@ -166,6 +167,7 @@ def create_app(settings: Settings | None = None, *, engine_factory: EngineFactor
     app.include_router(session_router)
     app.include_router(feedback_router)
     app.include_router(dashboard_router)
+    app.include_router(me_router)
     app.include_router(admin_router)
     return app
 

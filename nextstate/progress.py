@@ -37,6 +37,24 @@ def _published_steps(versions: AdapterVersions, scope: str) -> list[dict[str, An
     return steps
 
 
+FIGURES = ("gain", "forgetting", "kl", "held_out")
+
+
+def version_figures(versions: AdapterVersions, scope: str) -> list[dict[str, Any]]:
+    """Each published version of `scope` with what it gained for its user and what it forgot
+    (learner/held_out.py), as its manifest keeps them; oldest first."""
+    serving = versions.current(scope) or 0
+    out = []
+    for version in versions.versions(scope):
+        try:
+            figures = versions.manifest(scope, version).get("figures") or {}
+        except (OSError, ValueError):
+            continue
+        out.append({"scope": scope, "version": version, "serving": version == serving,
+                    **{k: figures.get(k) for k in FIGURES}})
+    return out
+
+
 def progress_report(
     samples: SampleStore,
     versions: AdapterVersions,
@@ -59,10 +77,12 @@ def progress_report(
         waiting = [w.to_dict() for w in waiting_in_store(samples, learner_settings, per_user)]
     scopes = []
     steps: list[dict[str, Any]] = []
+    figures: list[dict[str, Any]] = []
     for scope in versions.scopes():
         scope_versions = versions.versions(scope)
         scopes.append({"scope": scope, "serving": versions.current(scope) or 0, "versions": len(scope_versions)})
         steps += _published_steps(versions, scope)
+        figures += version_figures(versions, scope)
     if live_steps is not None:  # the live list has skipped steps (the gate's verdicts) and swap times
         published = {(s["scope"], s["version"]) for s in live_steps if s.get("published")}
         steps = [s for s in steps if (s["scope"], s["version"]) not in published]
@@ -74,7 +94,7 @@ def progress_report(
     for step in steps:
         step["summary"] = describe_step(step)
     stats = samples.stats()
-    totals = {"judged": 0, "accepted": 0, "dropped": 0, "awaiting_outcome": 0, "from_accepted_replies": 0}
+    totals = {"judged": 0, "accepted": 0, "dropped": 0, "awaiting_outcome": 0, "from_accepted_replies": 0, "held_out": 0}
     for entry in stats["modes"].values():
         for k in totals:
             totals[k] += entry.get(k, 0)
@@ -91,6 +111,7 @@ def progress_report(
                     "transitions_pending": stats["transitions_pending"], "returned": samples.returned_counts()},
         "by_version": samples.by_version(per_user),
         "scopes": scopes,
+        "versions": figures,
         "steps": steps,
         "waiting": _waiting(waiting, judge),
         "training": training if live_steps is not None else versions.read_training(),
@@ -212,6 +233,8 @@ def render_text(report: dict[str, Any], where: str) -> str:
     lines.append(f"samples: {s['judged']} judged, {s['accepted']} accepted, {s['dropped']} dropped"
                  + (f" ({reasons})" if reasons else "")
                  + (f", {built} more from replies accepted after a correction" if built else "")
+                 + (f", {s['held_out']} of them held out (never trained: each version is scored on them)"
+                    if s.get("held_out") else "")
                  + f"; {s['transitions_pending']} waiting for the judge")
     if report["scopes"]:
         lines.append("adapters: " + ", ".join(f"{x['scope']} serves v{x['serving']} of {x['versions']}" for x in report["scopes"]))
@@ -235,6 +258,18 @@ def render_text(report: dict[str, Any], where: str) -> str:
             now = "  (serving now)" if serving.get(v["scope"], 0) == v["policy_version"] else ""
             lines.append(f"{str(v['scope'])[:10]:<10} {'v' + str(v['policy_version']):>9}  {v['samples']:>7}  {v['accepted']:>8}  "
                          f"{_fmt(v['mean_reward']):>11}  {str(v['feedback_up']) + '/' + str(v['feedback_down']):>9}{now}")
+    if any(v.get("gain") is not None or v.get("forgetting") is not None for v in report.get("versions", [])):
+        lines.append("")
+        lines.append("what each version gained for its user (held-out turns) and what it forgot (general text):")
+        lines.append(f"{'scope':<10} {'version':>9}  {'gain':>8}  {'forgetting':>10}  {'KL':>7}  {'held out':>8}")
+        for v in report["versions"][-30:]:
+            now = "  (serving now)" if v.get("serving") else ""
+            forgetting = f"{v['forgetting']:+.1%}" if v.get("forgetting") is not None else "-"
+            gain = f"{v['gain']:+.3f}" if v.get("gain") is not None else "-"
+            lines.append(f"{str(v['scope'])[:10]:<10} {'v' + str(v['version']):>9}  {gain:>8}  {forgetting:>10}  "
+                         f"{_fmt(v.get('kl')):>7}  {_fmt(v.get('held_out')):>8}{now}")
+        lines.append("gain: nats per token the version moved your held-out replies the way your reactions point "
+                     "(0 = the base model); forgetting: its perplexity on plain text over the base model's")
     if report["steps"]:
         lines.append("")
         lines.append(f"{'update':>8}  {'scope':<10} {'samples':>7}  {'loss':>8}  {'KL':>8}  {'clip':>6}  outcome")

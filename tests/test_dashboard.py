@@ -52,9 +52,9 @@ def test_progress_report_has_the_figures(learned):
     # the table is by the version that answered the turns: v0's row is not "served by v0" now
     from nextstate.progress import render_text
 
-    def table(report: dict) -> dict[str, bool]:  # version → marked as serving now
-        return {line.split()[1]: line.endswith("(serving now)") for line in render_text(report, "here").splitlines()
-                if line.startswith("shared ")}
+    def table(report: dict) -> dict[str, bool]:  # version → marked as serving now, in the judged turns' table
+        section = render_text(report, "here").split("judged turns, by the version that answered them:")[1].split("\n\n")[0]
+        return {line.split()[1]: line.endswith("(serving now)") for line in section.splitlines() if line.startswith("shared ")}
 
     assert "judged turns, by the version that answered them:" in render_text(report, "here")
     assert not any(table(report).values()), "v2 serves, and answered no judged turn yet"

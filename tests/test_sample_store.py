@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from nextstate.core.stores.opener import Stores
-from nextstate.core.stores.samples import SampleStore
+from nextstate.core.stores.samples import HoldOut, SampleStore
 from nextstate.core.types import NextState, Sample, Transition, Turn
 from nextstate.judge.advantages import with_outcome
 
@@ -17,8 +17,8 @@ from nextstate.judge.advantages import with_outcome
 def open_store(tmp_path, database_url):
     opened = []
 
-    def open_(worker: str = "w1") -> SampleStore:
-        opened.append(SampleStore(tmp_path / "samples.sqlite3", database_url, worker=worker))
+    def open_(worker: str = "w1", hold_out: HoldOut | None = None) -> SampleStore:
+        opened.append(SampleStore(tmp_path / "samples.sqlite3", database_url, worker=worker, hold_out=hold_out))
         return opened[-1]
 
     yield open_
@@ -263,3 +263,25 @@ def test_a_corrected_turn_gets_one_sample_from_its_accepted_successor(open_store
     found = first.turn_samples("alice", "s1", 1, 2)
     assert [(s.id, s.accepted_from) for s in found] == [(own.id, None), (added.id, 2)]
     assert first.sample_for_response("alice", own.response_id).id == own.id
+
+
+def test_every_eighth_sample_of_a_person_is_held_out_up_to_a_cap_and_stays_held_out(open_store):
+    store = open_store(hold_out=HoldOut(every=4, most=2))
+    added = [store.add_sample(sample("alice", i, session=f"s{i}")) for i in range(1, 13)]
+    assert [s.status for s in added].count("held_out") == 2
+    assert [s.turn_index for s in added if s.status == "held_out"] == [4, 8], "the 4th and 8th, then the cap"
+    # not counted: a sample with nothing to teach, one built from another turn, another person's
+    store.add_sample(sample("alice", 20, reward=0.0, session="s20"))
+    assert [store.add_sample(sample("bob", i, session=f"b{i}")).status for i in range(1, 5)] == ["ready"] * 3 + ["held_out"]
+    assert [s.turn_index for s in store.held_out_samples("alice")] == [4, 8]
+    assert {s.user for s in store.held_out_samples(exclude_user="alice")} == {"bob"}
+    assert all(s.status == "ready" for s in store.ready_samples(100)), "never handed to the learner"
+    # a rating of a held-out turn changes its verdict, not whether it trains
+    held = store.held_out_samples("alice")[0]
+    assert store.replace_sample(held.id, held.model_copy(update={"status": "ready", "reward": -1.0, "reason": "rated"}))
+    again = store.held_out_samples("alice")[0]
+    assert (again.status, again.reward) == ("held_out", -1.0) and again.reason.startswith("held out")
+    # retention and forgetting take them with the rest
+    assert store.forget("bob") > 0 and store.held_out_samples(exclude_user="alice") == []
+    store.expire(before=2e9)
+    assert store.held_out_samples() == []

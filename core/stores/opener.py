@@ -23,7 +23,7 @@ from nextstate.core.stores.keys import KeyStore
 from nextstate.core.stores.parallel_slots import LocalSlots, SharedSlots, Slots
 from nextstate.core.stores.rate_windows import MemoryWindows, SharedWindows, Windows
 from nextstate.core.stores.responses import ResponseStore
-from nextstate.core.stores.samples import SampleStore
+from nextstate.core.stores.samples import HoldOut, SampleStore
 from nextstate.core.stores.sessions import SessionDB
 from nextstate.core.stores.versions import VersionRegistry
 
@@ -64,7 +64,9 @@ class Stores:
 
     @cached_property
     def samples(self) -> SampleStore:
-        return SampleStore(self.path("samples"), self.url, worker=self.worker if self.claims_inbox else "")
+        learner = self.settings.learner
+        return SampleStore(self.path("samples"), self.url, worker=self.worker if self.claims_inbox else "",
+                           hold_out=HoldOut(learner.held_out_every, learner.held_out_max))
 
     @cached_property
     def sessions(self) -> SessionDB:

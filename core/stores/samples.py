@@ -15,6 +15,7 @@ the learner consumes in order and the admin stats summarise. Calls are blocking;
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -75,6 +76,8 @@ CREATE TABLE IF NOT EXISTS outcomes (
 );
 """
 
+HELD_OUT_REASON = "held out: never trained, each version of its scope is scored on it"
+
 # How long a worker's claim on a transition lasts unless renewed (`renew_claims`, which a live
 # worker calls every quarter of it, however long its judge takes): a worker that died has its
 # transitions judged by another after this.
@@ -107,14 +110,32 @@ def _sample_from_row(row: tuple) -> Sample:
     return Sample(**dict(zip(_COLUMNS, row[:-1])), **json.loads(row[-1]))
 
 
+@dataclass(frozen=True)
+class HoldOut:
+    """Which of a person's samples are held out: the `every`-th, 2·`every`-th, ... of those that
+    could teach (a verdict or a hint, on their own turn), up to `most` (NEXTSTATE_HELD_OUT_*).
+    Counted in the same transaction as the insert, so every process sharing the database holds
+    out the same ones, and a person's first few samples always train."""
+
+    every: int = 8
+    most: int = 32
+
+    def applies(self, sample: Sample) -> bool:
+        return (self.every > 0 and sample.status == "ready" and sample.track == "personal"
+                and sample.accepted_from is None and (sample.reward != 0 or sample.hint is not None))
+
+
 class SampleStore(Store):
     SCHEMA = _SCHEMA
     PRAGMAS = ("synchronous=NORMAL",)
 
-    def __init__(self, path: Path, database_url: str | None = None, worker: str = "") -> None:
+    def __init__(self, path: Path, database_url: str | None = None, worker: str = "",
+                 hold_out: HoldOut | None = None) -> None:
         """`worker` names this process among those sharing the database (its claims); the same
-        name after a restart takes its claims back at once."""
+        name after a restart takes its claims back at once. `hold_out`: which samples are never
+        trained (None: none)."""
         self.worker = worker
+        self.hold_out = hold_out
         super().__init__(path, database_url)
 
     def _upgrade(self) -> None:
@@ -265,10 +286,26 @@ class SampleStore(Store):
                 ).fetchone()
                 if row is not None:
                     sample = rescore(sample, float(row[0])) or sample
+            sample = self._held_out(sample)
             sample_id = self._insert_sample(sample)
             if transition_id is not None:
                 self._db.execute("UPDATE transitions SET status = 'done' WHERE id = ?", (transition_id,))
         return sample.model_copy(update={"id": sample_id})
+
+    def _held_out(self, sample: Sample) -> Sample:
+        """The sample as it is to be stored: held out if its turn is its person's every-th
+        (`HoldOut`). Inside the insert's transaction."""
+        if self.hold_out is None or not self.hold_out.applies(sample):
+            return sample
+        held, total = self._db.execute(
+            "SELECT COUNT(*) FILTER (WHERE status = 'held_out'), COUNT(*) FROM samples WHERE \"user\" = ? "
+            "AND track = 'personal' AND accepted_from IS NULL AND status IN ('ready', 'consumed', 'held_out') "
+            "AND (reward != 0 OR " + self._db.json_text("data", "hint") + " IS NOT NULL)",
+            (sample.user,),
+        ).fetchone()
+        if (total + 1) % self.hold_out.every == 0 and held < self.hold_out.most:
+            return sample.model_copy(update={"status": "held_out", "reason": HELD_OUT_REASON})
+        return sample
 
     def _insert_sample(self, sample: Sample, conflict: str = "") -> int | None:
         return self._db.insert(
@@ -310,8 +347,10 @@ class SampleStore(Store):
         """Give a stored, not yet trained sample new contents (its turn was rated); False if it
         was trained meanwhile."""
         with self._lock:
+            # a held-out turn stays held out, whatever its new verdict: it was never trained on
             cur = self._db.execute(
-                "UPDATE samples SET status = ?, track = ?, reason = ?, reward = ?, mode = ?, data = ? "
+                "UPDATE samples SET status = CASE WHEN status = 'held_out' THEN status ELSE ? END, track = ?, "
+                "reason = CASE WHEN status = 'held_out' THEN reason ELSE ? END, reward = ?, mode = ?, data = ? "
                 "WHERE id = ? AND status != 'consumed'",
                 (sample.status, sample.track, sample.reason, sample.reward, sample.mode, _data(sample), sample_id),
             )
@@ -363,6 +402,18 @@ class SampleStore(Store):
         sql = f"SELECT {_SELECTED}, data FROM samples WHERE {where} ORDER BY id DESC LIMIT {int(limit + len(exclude))}"
         rows = self._all(sql, params)
         return [s for s in map(_sample_from_row, rows) if s.id not in exclude][:limit]
+
+    def held_out_samples(self, user: str | None = None, exclude_user: str | None = None) -> list[Sample]:
+        """The held-out samples of one user (or everyone's, or everyone's but one user's),
+        oldest first: what each version is scored on."""
+        if user is not None:
+            return self._rows("status = 'held_out' AND \"user\" = ?", (user,))
+        if exclude_user is not None:
+            return self._rows("status = 'held_out' AND \"user\" != ?", (exclude_user,))
+        return self._rows("status = 'held_out'")
+
+    def held_out_count(self, user: str) -> int:
+        return int(self._one("SELECT COUNT(*) FROM samples WHERE status = 'held_out' AND \"user\" = ?", (user,))[0])
 
     def training_users(self, since: float) -> set[str]:
         """Users with samples ready to train, or with samples trained that were made since `since`."""
@@ -466,7 +517,7 @@ class SampleStore(Store):
         samples, judged transitions. Samples still waiting to train are kept."""
         with self._lock:
             count = self._db.execute(
-                "DELETE FROM samples WHERE status IN ('consumed', 'dropped') AND created_at < ?", (before,)
+                "DELETE FROM samples WHERE status IN ('consumed', 'dropped', 'held_out') AND created_at < ?", (before,)
             ).rowcount
             count += self._db.execute(
                 "DELETE FROM transitions WHERE status IN ('done', 'unjudged') AND created_at < ?", (before,)
@@ -536,7 +587,7 @@ class SampleStore(Store):
         modes: dict[str, dict[str, int]] = {}
         for mode, status, built, count in by_mode:
             entry = modes.setdefault(mode, {"judged": 0, "accepted": 0, "dropped": 0, "awaiting_outcome": 0,
-                                            "from_accepted_replies": 0})
+                                            "from_accepted_replies": 0, "held_out": 0})
             if built:  # no judgement of its own: a reply accepted after a correction, on the corrected turn
                 entry["from_accepted_replies"] += count
                 continue
@@ -545,6 +596,9 @@ class SampleStore(Store):
                 entry["dropped"] += count
             elif status == "awaiting_outcome":
                 entry["awaiting_outcome"] += count
+            elif status == "held_out":  # accepted too, but never trained: what versions are scored on
+                entry["accepted"] += count
+                entry["held_out"] += count
             else:
                 entry["accepted"] += count
         return {

@@ -1,0 +1,88 @@
+"""What a version gained for its user, and what it forgot: the figures each version is scored on.
+
+Every person's every-th judged or rated turn is held out — never trained on (NEXTSTATE_HELD_OUT_
+EVERY, core/stores/samples.py's `HoldOut`) — with the evidence about it: the reply, its verdict
+(accepted or rejected, by a rating or the judge), and the hint or correction where there was one.
+Those turns are the truth a version is measured against, since no version saw them.
+
+**gain** (nats per token; 0 for the base model): how far the version moved the held-out replies'
+likelihood the way the person's reactions point, against the base model:
+
+    gain = Σ_i Σ_t A_i,t · (log π_v(a_i,t) − log π_base(a_i,t)) / Σ_i Σ_t |A_i,t|
+
+A_i,t is the advantage the turn would have trained with (learner/ppo.py's): +r on every token of a
+reply the person accepted, −r on one they rejected, plus the OPD teacher's token-level gap where a
+hint or correction said what should change. So an accepted reply made likelier, a rejected one made
+less likely, and the tokens the hinted teacher prefers made likelier all count up; the opposite
+counts down. It is the quantity the learner's own loss pushes on, measured where it never trained.
+
+**kl** (nats per token): k3 estimate of KL(π_v ‖ π_base) on the held-out replies' tokens — how far
+the version is from the base model on this person's own prompts.
+
+**forgetting** (a share; 0 for the base model): exp(NLL_v − NLL_base) − 1 on the general-text probe
+shipped with the package (learner/probe/general_text.txt, 195 plain sentences): how much more
+surprised the version is than the base model by ordinary text. 0.05 is a perplexity 5% above the
+base model's.
+
+Cheap by construction: one forward pass without gradients per held-out turn (its base-model
+logprobs are computed once and kept) and one over the probe (~3,000 tokens) per version.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from importlib import resources
+from typing import TYPE_CHECKING, Any
+
+from nextstate.core.types import Sample
+
+if TYPE_CHECKING:  # the gate and the status read the figures without loading torch
+    import torch
+
+# At least this many held-out turns before a version's gain is compared with another's.
+MIN_HELD_OUT = 2
+
+
+@dataclass
+class VersionFigures:
+    gain: float | None  # None: no held-out turn of the scope yet
+    kl: float | None
+    forgetting: float | None
+    held_out: int  # turns scored
+
+    def to_dict(self) -> dict[str, Any]:
+        return {k: (round(v, 5) if isinstance(v, float) else v) for k, v in asdict(self).items()}
+
+
+def probe_sentences() -> list[str]:
+    """The general-text probe: one sentence a line, comments (#) left out."""
+    text = resources.files("nextstate.learner").joinpath("probe/general_text.txt").read_text(encoding="utf-8")
+    return [line.strip() for line in text.splitlines() if line.strip() and not line.startswith("#")]
+
+
+def figures(samples: list[Sample], now: list[torch.Tensor], base: list[torch.Tensor],
+            probe_nll: float | None, base_probe_nll: float | None) -> VersionFigures:
+    """The figures from the version's and the base model's logprobs of each held-out reply
+    (`now`, `base`) and their mean NLL per token on the probe."""
+    import torch
+
+    from nextstate.learner.ppo import k3_kl
+
+    weighted = weight = kl = tokens = 0.0
+    for sample, v, b in zip(samples, now, base):
+        mask = torch.tensor(sample.loss_mask or [1] * len(sample.response_ids), dtype=torch.float32, device=v.device)
+        advantages = torch.tensor(sample.advantages, dtype=torch.float32, device=v.device) * mask
+        weighted += float((advantages * (v - b)).sum())
+        weight += float(advantages.abs().sum())
+        kl += float((k3_kl(v, b) * mask).sum())
+        tokens += float(mask.sum())
+    forgetting = None
+    if probe_nll is not None and base_probe_nll is not None:
+        forgetting = math.exp(probe_nll - base_probe_nll) - 1
+    return VersionFigures(
+        gain=weighted / weight if weight else None,
+        kl=kl / tokens if tokens else None,
+        forgetting=forgetting,
+        held_out=len(samples),
+    )

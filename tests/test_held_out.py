@@ -1,0 +1,106 @@
+"""Each version shows what it gained for its user and what it forgot, and the gate decides on it
+(learner/held_out.py): held-out turns are never trained, the figures are kept with the version,
+a version made worse on purpose is refused, forget takes the figures, a user reads only theirs."""
+
+from __future__ import annotations
+
+import math
+
+import httpx
+import pytest
+import torch
+
+from nextstate.core.settings import LearnerSettings
+from nextstate.learner.held_out import figures, probe_sentences
+from nextstate.learner.trainer import LoraTrainer
+from nextstate.progress import render_text
+from tests.test_learner import (  # noqa: F401  (engine: a fixture)
+    engine, feed, generate, learning_server, make_sample, served_samples, wait_for,
+)
+
+
+def test_the_probe_is_plain_text_of_a_few_hundred_sentences():
+    sentences = probe_sentences()
+    assert len(sentences) >= 150 and all(s[0].isupper() and s[-1] in ".?!" for s in sentences)
+
+
+def test_gain_weighs_each_token_by_what_the_person_wanted():
+    up = make_sample([], advantage=1.0).model_copy(update={"response_ids": [1, 2], "advantages": [1.0, 1.0], "loss_mask": [1, 1]})
+    down = up.model_copy(update={"advantages": [-1.0, -1.0], "reward": -1.0})
+    base = [torch.tensor([-2.0, -2.0]), torch.tensor([-2.0, -2.0])]
+    learnt = [torch.tensor([-1.5, -1.5]), torch.tensor([-2.5, -2.5])]  # accepted likelier, rejected less likely
+    result = figures([up, down], learnt, base, 3.1, 3.0)
+    assert result.gain == pytest.approx(0.5) and result.held_out == 2
+    assert figures([up, down], base, base, 3.0, 3.0).gain == 0.0, "the base model gains nothing"
+    assert figures([up, down], [learnt[1], learnt[0]], base, None, None).gain == pytest.approx(-0.5)
+    assert result.forgetting == pytest.approx(math.exp(0.1) - 1) and result.kl > 0
+    assert figures([], [], [], None, None).gain is None
+
+
+async def test_a_version_is_scored_against_the_base_model_and_forgets_nothing_at_first(tiny_model_dir, engine):
+    trainer = LoraTrainer(tiny_model_dir, LearnerSettings(lr=5e-3, lora_r=4, lora_alpha=8))
+    held = [make_sample(t).model_copy(update={"id": i + 1}) for i, t in enumerate(await generate(engine, 3))]
+    fresh = trainer.version_figures("alice", held)  # a new adapter is the base model (LoRA's B starts at zero)
+    assert fresh.gain == pytest.approx(0.0, abs=1e-6) and fresh.forgetting == pytest.approx(0.0, abs=1e-6)
+    trainer.step("alice", held)  # trained on them (not what a held-out turn ever is: here, to move it)
+    moved = trainer.version_figures("alice", held)
+    assert moved.gain > 0 and moved.kl > 0 and moved.forgetting != 0
+
+
+def test_held_out_turns_are_never_trained_and_each_version_keeps_its_figures(server_factory):
+    server = learning_server(server_factory, batch_size=3, held_out_every=4)
+    feed(server, served_samples(server, 8))  # the 4th and the 8th are held out: two updates of three
+    wait_for(lambda: server.app.state.services.policies.current("alice").version == 2)
+    store = server.app.state.services.samples
+    held = store.held_out_samples("alice")
+    assert len(held) == 2 and not {s.id for s in held} & {i for r in server.records() if r["kind"] == "train_step"
+                                                           for i in r.get("sample_ids", [])}
+    assert len(store.samples("consumed")) == 6
+    report = httpx.get(f"{server.root}/v1/admin/progress", headers={"Authorization": f"Bearer {server.key('root', admin=True)}"}).json()
+    versions = [v for v in report["versions"] if v["scope"] == "shared"]  # one adapter for all (the default here)
+    assert [v["version"] for v in versions] == [1, 2] and versions[-1]["serving"]
+    assert all(v["held_out"] == 2 and v["gain"] is not None and v["forgetting"] is not None for v in versions)
+    assert report["samples"]["held_out"] == 2
+    text = render_text(report, "here")  # `nextstate status`
+    header = next(line for line in text.splitlines() if "forgetting" in line and "gain" in line)
+    assert header.split()[:4] == ["scope", "version", "gain", "forgetting"] and "2 of them held out" in text
+
+
+def test_a_version_made_worse_on_purpose_is_refused_for_its_user_with_the_reason_shown(server_factory):
+    """Replies the person accepted are held out; an update then trains the same replies with the
+    reward reversed: the version makes what they accepted less likely, and may not serve."""
+    server = learning_server(server_factory, batch_size=4, held_out_every=1, held_out_max=4, lr=3e-2,
+                             publish_gate=True, gate_max_gain_drop=0.01, gate_backtracks=0, max_kl=100.0)
+    accepted = served_samples(server, 4, advantage=1.0)
+    feed(server, accepted)  # every one held out (held_out_every=1), up to four
+    store = server.app.state.services.samples
+    wait_for(lambda: len(store.held_out_samples("alice")) == 4)
+    reversed_ = [s.model_copy(update={"advantages": [-1.0] * len(s.advantages), "reward": -1.0, "response_id": None})
+                 for s in accepted]
+    feed(server, reversed_)  # the cap is reached: these are ready, and train
+    learner = server.app.state.services.learner
+    wait_for(lambda: any(s.get("skipped") for s in learner.steps))
+    step = next(s for s in learner.steps if s.get("skipped"))
+    assert "worse for its user" in step["skipped"] and server.app.state.services.policies.current("alice").version == 0
+    assert all(s.status == "ready" for s in store.samples() if s.reward < 0), "its samples wait, ready"
+    text = httpx.get(f"{server.root}/v1/admin/progress", headers={"Authorization": f"Bearer {server.key('root', admin=True)}"}).json()
+    assert any("worse for its user" in (s.get("summary") or "") for s in text["steps"])
+
+
+def test_a_user_key_reads_only_its_own_figures_and_forget_takes_them(server_factory):
+    server = learning_server(server_factory, batch_size=3, held_out_every=4, adapter_scope="user")
+    feed(server, served_samples(server, 4))
+    feed(server, served_samples(server, 4, user="bob", seed0=10))
+    wait_for(lambda: all(server.app.state.services.policies.current(u).version == 1 for u in ("alice", "bob")))
+    mine = httpx.get(f"{server.root}/v1/me/progress", headers={"Authorization": f"Bearer {server.key('alice')}"}).json()
+    assert mine["user"] == "alice" and mine["scope"] == "alice" and mine["serving"] == 1 and mine["held_out"] == 1
+    assert [v["version"] for v in mine["versions"]] == [1] and mine["versions"][0]["held_out"] == 1
+    assert "bob" not in str(mine)
+    assert httpx.get(f"{server.root}/v1/me/progress").status_code == 401
+    schema = server.app.openapi()
+    assert "/v1/me/progress" in schema["paths"]
+    admin = server.key("root", admin=True)
+    assert httpx.delete(f"{server.root}/v1/admin/users/alice", headers={"Authorization": f"Bearer {admin}"}).status_code == 200
+    assert server.app.state.services.samples.held_out_samples("alice") == []
+    gone = httpx.get(f"{server.root}/v1/admin/progress", headers={"Authorization": f"Bearer {admin}"}).json()
+    assert not [v for v in gone["versions"] if v["scope"] == "alice"] and [v for v in gone["versions"] if v["scope"] == "bob"]
