@@ -548,7 +548,10 @@ def seeds_report(paths: list[str]) -> None:
         scores = [t["score"] for t in run["tasks"]]
         return [statistics.fmean(scores[i:i + WINDOW]) for i in range(0, len(scores), WINDOW)]
 
+    pooled: list[dict] = []
     for (instruction, mode, setting), runs in groups.items():
+        for _, run, _ in runs:
+            pooled += figures_against_success(run["tasks"], run.get("steps", []))
         curves = [by_window(run) for _, run, _ in runs]
         curve = " · ".join(spread([c[i] for c in curves if i < len(c)]) for i in range(max(map(len, curves))))
         finals = [s["final"] for _, _, s in runs if s.get("final")]
@@ -558,6 +561,9 @@ def seeds_report(paths: list[str]) -> None:
         print(f"| {instruction} | {mode} | {setting or '—'} | {', '.join(str(seed) for seed, _, _ in runs)} | {curve} | "
               f"{reach} | {versions} | {spread([f['score'] for f in finals])} | {spread([f.get('repetition') for f in finals])} | "
               f"{spread([f.get('perplexity_ratio') for f in finals])} |")
+    if (r := gain_correlation(pooled)) is not None:
+        versions = sum(1 for row in pooled if row.get("gain") is not None)
+        print(f"\nheld-out gain against measured success, over {versions} versions of these runs: Pearson's r = {r}")
 
 
 def _places(value: float | None, places: int = 3) -> str:
@@ -592,6 +598,29 @@ def report(paths: list[str]) -> None:
                   f"| {evaluated} |")
 
 
+def figures_against_success(tasks: list[dict], steps: list[dict]) -> list[dict]:
+    """Per version (v0, the base model, included with gain and forgetting 0): what the learner
+    measured on the held-out turns (learner/held_out.py) beside what the simulated user got
+    from it — the mean first-reply success of the tasks that version answered."""
+    served: dict[int, list[float]] = {}
+    for t in tasks:
+        served.setdefault(t["version"], []).append(t["score"])
+    figures = {0: {"gain": 0.0, "forgetting": 0.0}}
+    figures.update({s["version"]: s["figures"] for s in steps if s.get("published") and s.get("figures")})
+    return [{"version": v, "gain": f.get("gain"), "forgetting": f.get("forgetting"), "held_out": f.get("held_out"),
+             "success": round(statistics.fmean(served[v]), 3), "tasks": len(served[v])}
+            for v, f in sorted(figures.items()) if v in served]
+
+
+def gain_correlation(rows: list[dict]) -> float | None:
+    """Pearson's r between each version's held-out gain and its measured success (None under
+    three versions, or with no spread in either)."""
+    pairs = [(r["gain"], r["success"]) for r in rows if r.get("gain") is not None]
+    if len(pairs) < 3 or len({g for g, _ in pairs}) < 2 or len({s for _, s in pairs}) < 2:
+        return None
+    return round(statistics.correlation([g for g, _ in pairs], [s for _, s in pairs]), 3)
+
+
 def summarise(run: ModeRun) -> dict:
     scores = [t.score for t in run.tasks]
     by_version: dict[str, list[float]] = {}
@@ -614,6 +643,8 @@ def summarise(run: ModeRun) -> dict:
         "score_by_window": [round(statistics.fmean(scores[i:i + WINDOW]), 3) for i in range(0, len(scores), WINDOW)],
         "score_by_serving_version": {k: {"score": round(statistics.fmean(v), 3), "tasks": len(v)} for k, v in by_version.items()},
         "final": run.final and {k: v for k, v in run.final.items() if k != "samples"},
+        "versions": (rows := figures_against_success([asdict(t) for t in run.tasks], run.steps)),
+        "gain_vs_success": gain_correlation(rows),
     }
 
 

@@ -10,7 +10,7 @@ import pytest
 
 from bench.personalization import (
     INSTRUCTIONS, THANKS, ChatModel, ModelScorer, ModelUser, Preference, PreferenceJudge, RuleScorer, RuleUser,
-    TASKS, final_evaluation, headline, mean_repetition, report, repetition, run_mode,
+    TASKS, final_evaluation, headline, mean_repetition, report, repetition, run_mode, summarise,
 )
 from bench.models import bench_server
 from bench.report import LOG_HEADING, upsert_row
@@ -163,6 +163,10 @@ def test_personalization_loop_runs_over_http_and_trains(tiny_model_dir):
     assert len(run.steps) >= 3 and run.tasks[-1].version >= 2, [t.version for t in run.tasks]
     assert any(call[0]["content"].startswith("You are a process reward model (PRM)") for call in judge.calls)
     assert run.final["version"] >= run.tasks[-1].version and run.final["replies"] == len(TASKS)
+    # every published version carries its held-out figures; the summary sets them beside its measured success
+    assert all(s.get("figures") and s["figures"]["forgetting"] is not None for s in published)
+    rows = summarise(run)["versions"]
+    assert rows[0]["version"] == 0 and rows[0]["gain"] == 0.0 and all(0 <= r["success"] <= 1 for r in rows)
 
 
 def test_final_evaluation_samples_the_serving_version_on_fixed_seeds_and_leaves_no_trace(tiny_model_dir):
@@ -187,7 +191,7 @@ def test_personalization_with_explicit_feedback_trains_past_a_judge_that_cannot_
     preference = Preference(INSTRUCTIONS["capital"], "capital")
     args = argparse.Namespace(defaults=False, feedback=True, votes=1, batch=2, lr=5e-3, lora_r=4, kl_coef=0.0,
                               max_attempts=2, max_tokens=4, temperature=1.0, seed=0, think_s=0.1, sglang_url=None,
-                              final_samples=0)
+                              final_samples=0, wait_for_learner=True)
     run = run_mode("combined", tiny_model_dir, ["Name a colour."] * 6, args, {}, RuleUser(preference),
                    RuleScorer(preference))
     assert run.calibration["state"] in ("pending", "failed"), "the tiny judge never passes (it may still be trying)"
