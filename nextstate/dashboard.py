@@ -97,7 +97,7 @@ svg text{font-size:10px;fill:#66708a} .legend{font-size:12px;margin-top:4px}
 """
 
 COLORS = {"reward": "#2563eb", "accepted": "#17803d", "dropped": "#d0d5dd", "loss": "#7c3aed", "kl": "#ea580c",
-          "clip": "#0891b2", "swap": "#db2777"}
+          "clip": "#0891b2", "swap": "#db2777", "gain": "#17803d", "forgetting": "#b42318"}
 
 
 def _e(value: Any) -> str:
@@ -205,6 +205,26 @@ def _calibration_html(judge: dict[str, Any]) -> str:
             f'<div class="muted">{_e(calibration.get("detail", ""))}</div><div class="muted">{_e(note)}</div>{table}</div>')
 
 
+def gain_charts(figures: list[dict[str, Any]]) -> list[str]:
+    """One chart per scope (the most recently trained ones): each version's gain on its user's
+    held-out turns and its forgetting on general text (learner/held_out.py), v0 the base at 0."""
+    by_scope: dict[str, list[dict[str, Any]]] = {}
+    for f in figures:
+        by_scope.setdefault(f["scope"], []).append(f)
+    if not by_scope:
+        return [_empty("Gain for its user and forgetting, per version", "gain", "no version trained yet")]
+    newest = sorted(by_scope, key=lambda sc: -max(f["version"] for f in by_scope[sc]))[:MAX_SCOPES_DRAWN]
+    charts = []
+    for scope in newest:
+        rows = sorted(by_scope[scope], key=lambda f: f["version"])
+        charts.append(line_chart(
+            f"Gain for {scope} (held-out turns) and forgetting (general text)", "gain",
+            ["v0"] + [f"v{f['version']}" for f in rows],
+            {"gain": [0.0] + [f.get("gain") for f in rows], "forgetting": [0.0] + [f.get("forgetting") for f in rows]},
+            "no figures yet"))
+    return charts
+
+
 def render_page(report: dict[str, Any]) -> str:
     versions = report["by_version"]
     numbers = sorted({v["policy_version"] for v in versions})
@@ -234,6 +254,7 @@ def render_page(report: dict[str, Any]) -> str:
                    "no update yet"),
         line_chart("Hot swap into serving (seconds)", "swaps", [f"v{s['version']}" for s in published],
                    {"swap": [s.get("swap_s") for s in published]}, "no swap since the server started"),
+        *gain_charts(report.get("versions") or []),
     ]
     fb, samples = report["feedback"], report["samples"]
     scopes = "".join(f"<tr><td>{_e(x['scope'])}</td><td>v{x['serving']}</td><td>{x['versions']}</td></tr>"

@@ -80,6 +80,8 @@ def test_the_dashboard_needs_an_admin_key_and_draws_its_charts(learned):
     points = dict(re.findall(r'data-chart="(\w+)" data-points="(\d+)"', page.text))
     assert int(points["reward"]) >= 1 and int(points["samples"]) >= 1 and int(points["updates"]) >= 2
     assert int(points["swaps"]) == 2
+    # v0 (the base: 0 and 0), then the forgetting of v1 and v2; no turn is held out here, so no gain of theirs
+    assert int(points["gain"]) == 4
     assert "2 good · 2 bad" in page.text and "calibration skipped" in page.text
     assert httpx.get(f"{root}/dashboard", headers={"Authorization": f"Bearer {admin}"}).status_code == 200
 
@@ -120,8 +122,8 @@ def test_the_dashboard_renders_in_a_real_browser(learned, tmp_path):
         driver.find_element(By.CSS_SELECTOR, "button[type=submit]").click()
         wait_for(lambda: "learning" in driver.title, timeout=30)
         charts = {c.get_attribute("data-chart"): c for c in driver.find_elements(By.CSS_SELECTOR, "svg.chart")}
-        assert set(charts) == {"reward", "samples", "updates", "clip", "swaps"}
-        for name in ("reward", "samples", "updates", "swaps"):
+        assert set(charts) == {"reward", "samples", "updates", "clip", "swaps", "gain"}
+        for name in ("reward", "samples", "updates", "swaps", "gain"):
             drawn = charts[name].find_elements(By.CSS_SELECTOR, ".point")
             assert drawn and all(p.size["width"] > 0 and p.size["height"] > 0 for p in drawn), f"{name} chart is empty"
         shot = Path(os.environ.get("NEXTSTATE_DASHBOARD_SCREENSHOT", tmp_path / "dashboard.png"))
