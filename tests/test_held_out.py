@@ -104,3 +104,21 @@ def test_a_user_key_reads_only_its_own_figures_and_forget_takes_them(server_fact
     assert server.app.state.services.samples.held_out_samples("alice") == []
     gone = httpx.get(f"{server.root}/v1/admin/progress", headers={"Authorization": f"Bearer {admin}"}).json()
     assert not [v for v in gone["versions"] if v["scope"] == "alice"] and [v for v in gone["versions"] if v["scope"] == "bob"]
+
+
+def test_the_figures_and_the_held_out_turns_survive_a_restart(server_factory):
+    from tests.conftest import start_server
+
+    server = learning_server(server_factory, batch_size=3, held_out_every=4, adapter_scope="user")
+    feed(server, served_samples(server, 4))
+    wait_for(lambda: server.app.state.services.policies.current("alice").version == 1)
+    key = server.key("alice")
+    before = httpx.get(f"{server.root}/v1/me/progress", headers={"Authorization": f"Bearer {key}"}).json()
+    settings = server.settings
+    server.stop()
+    restarted = start_server(settings)
+    try:
+        after = httpx.get(f"{restarted.root}/v1/me/progress", headers={"Authorization": f"Bearer {key}"}).json()
+        assert after == before and after["held_out"] == 1 and after["versions"][0]["forgetting"] is not None
+    finally:
+        restarted.stop()
