@@ -1,6 +1,6 @@
 """Writes that must not be lost: retried until the disk takes them, held in memory meanwhile.
 
-A full or read-only disk must cost no transition and no sample. `Durable.write` runs a blocking
+A full or read-only disk, or a database that restarts, must cost no transition and no sample. `Durable.write` runs a blocking
 write in a thread and, when it fails with an OS or database error, keeps it and tries again
 with growing pauses (up to `MAX_BACKOFF_S`) until it succeeds; the caller awaits the result and
 simply waits longer. At most `limit` writes wait at once: past that, a new one fails at once,
@@ -16,6 +16,8 @@ import sqlite3
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+from nextstate.core.stores.database import is_unavailable
+
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
@@ -25,7 +27,7 @@ _TRANSIENT = ("disk", "full", "readonly", "read-only", "locked", "busy", "i/o")
 
 
 def _transient(exc: BaseException) -> bool:
-    if isinstance(exc, OSError):
+    if isinstance(exc, OSError) or is_unavailable(exc):  # a full disk, or a database restarting
         return True
     return isinstance(exc, sqlite3.OperationalError) and any(word in str(exc).lower() for word in _TRANSIENT)
 
@@ -47,7 +49,7 @@ class Durable:
         while True:
             try:
                 result = await asyncio.to_thread(fn, *args)
-            except (OSError, sqlite3.OperationalError) as exc:
+            except Exception as exc:
                 if not _transient(exc):
                     raise
                 if not failed:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 from fastapi import Request
 
 from nextstate.proxy.app_state import services
@@ -33,9 +35,11 @@ async def authenticate(request: Request) -> ApiKey:
             headers=_WWW,
         )
     store: KeyStore = services(request).keys
-    # Inline, not in a worker thread: one indexed read of a WAL database (readers never wait for
-    # writers) takes ~8 µs here, the hop to a thread and back ~75 µs on every request.
-    key = store.verify(secret)
+    # SQLite inline, not in a worker thread: one indexed read of a WAL database (readers never
+    # wait for writers) takes ~8 µs here, the hop to a thread and back ~75 µs on every request.
+    # PostgreSQL in a thread: a round trip to another machine, or to a database that is slow or
+    # restarting, must not hold up the event loop (every other request, /healthz too).
+    key = await asyncio.to_thread(store.verify, secret) if store.shared else store.verify(secret)
     if key is None:
         raise ApiError(401, "Incorrect or revoked API key provided.", code="invalid_api_key", headers=_WWW)
     request.state.user = key.user  # for the record of a request that is refused later

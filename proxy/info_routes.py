@@ -1,11 +1,12 @@
-"""What the server serves and how it is doing: /v1/models, /healthz, /metrics."""
+"""What the server serves and how it is doing: /v1/models, /healthz, /readyz, /metrics."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 from fastapi import APIRouter, Depends, Request
-from fastapi.responses import Response
+from fastapi.responses import JSONResponse, Response
 
 from nextstate.proxy.app_state import services
 from nextstate.proxy.auth import authenticate, authenticate_admin
@@ -45,6 +46,25 @@ async def get_model(model_id: str, request: Request, _: ApiKey = Depends(authent
 async def healthz(request: Request) -> dict:
     info = services(request).turns.engine.info
     return {"status": "ok", "model": services(request).turns.model_name, "device": info.device, "dtype": info.dtype}
+
+
+# /readyz: the most a database round trip may take before the process counts as not ready.
+READY_TIMEOUT_S = 2.0
+
+
+@router.get("/readyz")
+async def readyz(request: Request) -> JSONResponse:
+    """Readiness, for a load balancer: 503 while the shared database cannot be reached (every
+    request needs it for the key check), 200 otherwise. `/healthz` stays the liveness check:
+    the process itself is fine and needs no restart while its database comes back."""
+    keys = services(request).keys
+    if keys.shared:
+        try:
+            await asyncio.wait_for(asyncio.to_thread(keys.ping), READY_TIMEOUT_S)
+        except Exception as exc:  # noqa: BLE001 - unreachable, slow or refusing: not ready, whatever the cause
+            why = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else type(exc).__name__
+            return JSONResponse({"status": "not ready", "reason": f"the database cannot be reached: {why}"}, 503)
+    return JSONResponse({"status": "ready"})
 
 
 @router.get("/metrics")

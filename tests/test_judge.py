@@ -345,7 +345,7 @@ def test_admin_stats(server_factory, judge):
     stats = httpx.get(f"{server.base_url}/admin/stats", headers={"Authorization": f"Bearer {admin_key}"}).json()
     assert stats["mode"] == "combined"
     assert stats["samples"]["modes"]["combined"] == {"judged": 3, "accepted": 3, "dropped": 0, "awaiting_outcome": 0,
-                                                     "from_accepted_replies": 0}
+                                                     "from_accepted_replies": 0, "held_out": 0}
     (version,) = stats["samples"]["policy_versions"]
     assert version == {"policy_version": 0, "samples": 3, "mean_reward": pytest.approx(-1 / 3, abs=1e-3)}
     assert stats["judge"]["votes"] == 18 and stats["judge"]["per_sample"]["p50_s"] > 0

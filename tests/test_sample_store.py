@@ -102,7 +102,7 @@ def test_feedback_outcomes_and_stats(open_store):
     assert (row["samples"], row["accepted"], row["dropped"], row["feedback_up"]) == (3, 2, 1, 1)
     stats = store.stats()
     assert stats["modes"]["binary"] == {"judged": 3, "accepted": 2, "dropped": 1, "awaiting_outcome": 0,
-                                      "from_accepted_replies": 0}
+                                      "from_accepted_replies": 0, "held_out": 0}
     store.set_meta("calibration", {"passed": True})
     assert store.get_meta("calibration") == {"passed": True}
 

@@ -68,6 +68,11 @@ class Store:
             self._db.scrub()
         return counts[0] if counts else 0
 
+    def ping(self) -> None:
+        """One round trip to the database; raises if it cannot be reached."""
+        with self._lock:
+            self._db.ping()
+
     def close(self) -> None:
         with self._lock:
             self._db.close()

@@ -15,14 +15,21 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 import re
-from collections.abc import Iterable, Iterator
+import sys
+import time
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any, Literal
 
 from nextstate.core.stores.sqlite import add_missing_columns, open_sqlite, scrub
 
+log = logging.getLogger(__name__)
+
 Dialect = Literal["sqlite", "postgres"]
+# How long opening a PostgreSQL connection may take before it counts as unreachable.
+CONNECT_TIMEOUT_S = 5
 
 _LITERAL = re.compile(r"'[^']*'")  # SQL string literals (JSON paths name a user key)
 _BARE_USER = re.compile(r'(?<!["\w.$])user(?![\w"])')
@@ -48,10 +55,26 @@ def is_postgres_url(url: str | None) -> bool:
     return url is not None and url.split("://", 1)[0] in ("postgresql", "postgres")
 
 
+# A PostgreSQL connection the server dropped (a restart, a failover, an idle timeout) is opened
+# again on its next use: this many tries, the pause growing by this much each time.
+RECONNECT_TRIES = 4
+RECONNECT_PAUSE_S = 0.5
+
+
+def is_unavailable(exc: BaseException) -> bool:
+    """A database error that says the database cannot be reached now (not that the statement is
+    wrong): psycopg's OperationalError (a lost or refused connection, a server shutting down) or
+    InterfaceError (a connection already closed)."""
+    psycopg = sys.modules.get("psycopg")  # loaded only where a database URL is configured
+    return psycopg is not None and isinstance(exc, (psycopg.OperationalError, psycopg.InterfaceError))
+
+
 class Database:
-    def __init__(self, conn: Any, dialect: Dialect) -> None:
+    def __init__(self, conn: Any, dialect: Dialect, connect: Callable[[], Any] | None = None) -> None:
         self._conn = conn
         self.dialect = dialect
+        self._connect = connect  # opens the connection again (PostgreSQL)
+        self._transactions = 0  # open ones: a connection lost inside one is not silently replaced
 
     @classmethod
     def open(cls, path: Path, schema: str, *pragmas: str, url: str | None = None) -> Database:
@@ -63,8 +86,11 @@ class Database:
             except ImportError:
                 raise RuntimeError("NEXTSTATE_DATABASE_URL needs psycopg: pip install 'nextstate[postgres]'") from None
 
-            conn = psycopg.connect(url, autocommit=True)
-            db = cls(conn, "postgres")
+            def connect() -> Any:
+                return psycopg.connect(url, autocommit=True, connect_timeout=CONNECT_TIMEOUT_S)
+
+            conn = connect()
+            db = cls(conn, "postgres", connect)
             with db.transaction():
                 # several processes may create the schema at once: one at a time
                 conn.execute("SELECT pg_advisory_xact_lock(7303541)")
@@ -78,15 +104,64 @@ class Database:
         return _translate(sql, self.dialect)
 
     def execute(self, sql: str, params: Iterable[Any] = ()) -> Any:
-        """A cursor: fetchone, fetchall, rowcount."""
-        return self._conn.execute(self._sql(sql), tuple(params))
+        """A cursor: fetchone, fetchall, rowcount. On PostgreSQL a statement that failed because
+        the connection was lost (not inside a transaction) runs once more on a new one."""
+        sql, params = self._sql(sql), tuple(params)
+        if self.dialect == "sqlite":
+            return self._conn.execute(sql, params)
+        return self._again_if_lost(lambda conn: conn.execute(sql, params))
 
     def executemany(self, sql: str, rows: Iterable[Iterable[Any]]) -> None:
         if self.dialect == "postgres":
-            with self._conn.cursor() as cursor:
-                cursor.executemany(self._sql(sql), [tuple(r) for r in rows])
+            batch = [tuple(r) for r in rows]
+
+            def run(conn: Any) -> None:
+                with conn.cursor() as cursor:
+                    cursor.executemany(self._sql(sql), batch)
+
+            self._again_if_lost(run)
         else:
             self._conn.executemany(sql, rows)
+
+    def _again_if_lost(self, run: Callable[[Any], Any]) -> Any:
+        """`run(connection)`, on a live connection. A restarted server ends every connection it
+        had, and the next statement on one fails before it reaches the new server (a fast or
+        smart shutdown rolls back what was running): so it is safe to send it once more. Not
+        inside a transaction, whose earlier statements died with the connection: that fails, and
+        its caller retries it whole (core/durable.py) or answers with the error."""
+        try:
+            return run(self._live())
+        except Exception as exc:
+            if not is_unavailable(exc) or self._transactions or not self._lost():
+                raise
+            log.warning("the database connection was lost (%s); reconnecting", str(exc).strip().splitlines()[0][:200])
+            return run(self._live())
+
+    def _lost(self) -> bool:
+        return bool(self._conn.closed or self._conn.broken)
+
+    def _live(self) -> Any:
+        """The connection, opened again if the server dropped it."""
+        if self.dialect != "postgres" or not self._lost() or self._connect is None:
+            return self._conn
+        pause, error = RECONNECT_PAUSE_S, None
+        for attempt in range(RECONNECT_TRIES):
+            try:
+                self._conn = self._connect()
+                log.warning("reconnected to the database")
+                return self._conn
+            except Exception as exc:
+                if not is_unavailable(exc):
+                    raise
+                error = exc
+                if attempt + 1 < RECONNECT_TRIES:
+                    time.sleep(pause)
+                    pause += RECONNECT_PAUSE_S
+        raise error  # type: ignore[misc]
+
+    def ping(self) -> None:
+        """One round trip: raises if the database cannot be reached (the readiness check)."""
+        self.execute("SELECT 1").fetchone()
 
     def insert(self, sql: str, params: Iterable[Any] = ()) -> int | None:
         """Run an INSERT (which may end in ON CONFLICT DO NOTHING); the new row's id, or None
@@ -99,8 +174,13 @@ class Database:
         """All or nothing. SQLite takes its write lock at the start (BEGIN IMMEDIATE), so what a
         transaction reads cannot change before it writes."""
         if self.dialect == "postgres":
-            with self._conn.transaction():
-                yield
+            conn = self._live()
+            self._transactions += 1
+            try:
+                with conn.transaction():
+                    yield
+            finally:
+                self._transactions -= 1
             return
         self._conn.execute("BEGIN IMMEDIATE")
         try:

@@ -44,6 +44,9 @@ class PostgresServer:
             os.chown(self.root, self.user.pw_uid, self.user.pw_gid)
         self._run([str(self.bin / "initdb"), "-D", str(self.root / "data"), "-U", "postgres", "--auth=trust",
                    "--no-sync", "-E", "UTF8"], check=True)
+        self._start()
+
+    def _start(self) -> None:
         log = (self.root / "server.log").open("ab")
         self.process = subprocess.Popen(
             [str(self.bin / "postgres"), "-D", str(self.root / "data"), "-p", str(self.port), "-k", str(self.root),
@@ -51,6 +54,27 @@ class PostgresServer:
             stdout=log, stderr=subprocess.STDOUT, start_new_session=True, **self._as_user())
         log.close()
         self._wait()
+
+    def _shut_down(self) -> None:
+        if self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGINT)  # its fast shutdown
+            try:
+                self.process.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.process.pid, signal.SIGKILL)
+                self.process.wait(10)
+
+    def pause(self) -> None:
+        """Stop the server, keeping its data (`resume` starts it again on the same port)."""
+        self._shut_down()
+
+    def resume(self) -> None:
+        self._start()
+
+    def restart(self) -> None:
+        """What `pg_ctl restart -m fast` does: every connection ends, the data stays."""
+        self._shut_down()
+        self._start()
 
     @property
     def url(self) -> str:
@@ -84,11 +108,5 @@ class PostgresServer:
         return f"postgresql://postgres@127.0.0.1:{self.port}/{name}"
 
     def stop(self) -> None:
-        if self.process.poll() is None:
-            os.killpg(self.process.pid, signal.SIGINT)  # its fast shutdown
-            try:
-                self.process.wait(30)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.process.pid, signal.SIGKILL)
-                self.process.wait(10)
+        self._shut_down()
         shutil.rmtree(self.root, ignore_errors=True)
