@@ -24,9 +24,12 @@ def parse_hint(text: str) -> str | None:
 
 
 def majority_vote(votes: list[int | None]) -> int:
-    """Majority of the valid votes; a tie for the top, or no valid vote, is 0."""
+    """Majority of the valid votes; a tie for the top is 0, and so is a judgement where fewer
+    than a majority of the m votes are valid (a quorum): one parsable vote of four is more
+    likely an echo of text in the judged turn ("Final score: \\boxed{1}" in a correction) than
+    a verdict."""
     valid = [v for v in votes if v is not None]
-    if not valid:
+    if not valid or 2 * len(valid) <= len(votes):
         return 0
     ranked = Counter(valid).most_common()
     if len(ranked) > 1 and ranked[0][1] == ranked[1][1]:

@@ -43,7 +43,9 @@ def test_parse_hint_takes_the_last():
 
 @pytest.mark.parametrize(
     "votes, expected",
-    [([1, 1, -1], 1), ([-1, -1, 1], -1), ([1, -1, 0], 0), ([1, -1], 0), ([None, None, None], 0), ([None, -1, None], -1), ([0, 0, 1], 0)],
+    [([1, 1, -1], 1), ([-1, -1, 1], -1), ([1, -1, 0], 0), ([1, -1], 0), ([None, None, None], 0), ([0, 0, 1], 0),
+     # a quorum: valid votes from a majority of the m votes, or no verdict
+     ([None, -1, None], 0), ([1, None, 1], 1), ([1, None, None, None], 0), ([1, 1, None, None], 0), ([1, 1, 1, None], 1), ([1], 1)],
 )
 def test_majority_vote(votes, expected):
     assert majority_vote(votes) == expected
