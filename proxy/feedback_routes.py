@@ -39,6 +39,14 @@ class FeedbackRequest(BaseModel):
         description="How the reply should have been, in words (becomes the hint the OPD teacher reads).",
     )
 
+    @field_validator("correction")
+    @classmethod
+    def _no_nul(cls, value: str | None) -> str | None:
+        # PostgreSQL's text cannot hold a NUL character: refused here, for both backends alike
+        if value is not None and "\x00" in value:
+            raise ValueError("must not contain a NUL character (\\u0000)")
+        return value
+
     @field_validator("rating", mode="before")
     @classmethod
     def _an_integer(cls, value: Any) -> Any:

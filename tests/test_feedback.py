@@ -108,6 +108,8 @@ def test_only_the_user_who_got_the_reply_may_rate_it(server_factory):
         refused = rate(server, alice, reply.id, rating=loose)
         assert refused.status_code == 400 and "rating" in refused.text, loose
     assert rate(server, alice, reply.id, correction="").status_code == 400
+    nul = rate(server, alice, reply.id, correction="Shorter\x00please")
+    assert nul.status_code == 400 and "NUL" in nul.text, "refused on every backend (PostgreSQL's text cannot hold it)"
     assert rate(server, alice, "not-an-id").status_code == 400
     body = {"response_id": reply.id, "rating": 1}
     assert httpx.post(f"{server.base_url}/feedback", json=body).status_code == 401

@@ -274,7 +274,11 @@ def test_every_eighth_sample_of_a_person_is_held_out_up_to_a_cap_and_stays_held_
     store.add_sample(sample("alice", 20, reward=0.0, session="s20"))
     assert [store.add_sample(sample("bob", i, session=f"b{i}")).status for i in range(1, 5)] == ["ready"] * 3 + ["held_out"]
     assert [s.turn_index for s in store.held_out_samples("alice")] == [4, 8]
-    assert {s.user for s in store.held_out_samples(exclude_user="alice")} == {"bob"}
+    # a hint teaches without a reward (a benched judge's hindsight sample): it counts, and may be held out
+    carol = [store.add_sample(sample("carol", i, session=f"c{i}")) for i in range(1, 4)]
+    hinted = store.add_sample(sample("carol", 4, reward=0.0, session="c4").model_copy(update={"hint": 'say "hi"\x00'}))
+    assert [s.status for s in carol] == ["ready"] * 3 and hinted.status == "held_out"
+    assert {s.user for s in store.held_out_samples(exclude_user="alice")} == {"bob", "carol"}
     assert all(s.status == "ready" for s in store.ready_samples(100)), "never handed to the learner"
     # a rating of a held-out turn changes its verdict, not whether it trains
     held = store.held_out_samples("alice")[0]
@@ -282,6 +286,6 @@ def test_every_eighth_sample_of_a_person_is_held_out_up_to_a_cap_and_stays_held_
     again = store.held_out_samples("alice")[0]
     assert (again.status, again.reward) == ("held_out", -1.0) and again.reason.startswith("held out")
     # retention and forgetting take them with the rest
-    assert store.forget("bob") > 0 and store.held_out_samples(exclude_user="alice") == []
+    assert store.forget("bob") > 0 and store.forget("carol") > 0 and store.held_out_samples(exclude_user="alice") == []
     store.expire(before=2e9)
     assert store.held_out_samples() == []

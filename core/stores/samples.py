@@ -300,8 +300,10 @@ class SampleStore(Store):
         held, total = self._db.execute(
             "SELECT COUNT(*) FILTER (WHERE status = 'held_out'), COUNT(*) FROM samples WHERE \"user\" = ? "
             "AND track = 'personal' AND accepted_from IS NULL AND status IN ('ready', 'consumed', 'held_out') "
-            "AND (reward != 0 OR " + self._db.json_text("data", "hint") + " IS NOT NULL)",
-            (sample.user,),
+            # a hint, read as text: json.dumps writes a missing one as `"hint": null` (a cast to
+            # jsonb would fail on a sample whose text holds an escaped NUL, on PostgreSQL)
+            "AND (reward != 0 OR data NOT LIKE ?)",
+            (sample.user, '%"hint": null%'),
         ).fetchone()
         if (total + 1) % self.hold_out.every == 0 and held < self.hold_out.most:
             return sample.model_copy(update={"status": "held_out", "reason": HELD_OUT_REASON})
