@@ -92,6 +92,9 @@ class ServerSettings(BaseSettings):
             HTTPS only.
         records_retention_days: how long conversations are kept (records, samples, the judge's
             inbox); 0 keeps everything. `nextstate forget --user NAME` deletes one user's data.
+        stored_responses_max, stored_responses_max_mb: the most Responses (`store: true`, for
+            `previous_response_id`) kept per user, by count and by size; past either the oldest
+            go first. A client storing responses in a loop fills its own quota, not the disk.
         data_dir: keys, samples, records, adapters and the converted default model.
         adapters_dir: where the learner writes adapter versions and every process and engine
             worker reads them (a shared volume when there are several); a process that does not
@@ -139,6 +142,10 @@ class ServerSettings(BaseSettings):
         0, ge=0, description="Records, judged samples and done transitions older than this are deleted; 0 keeps them."
     )
     default_max_tokens: int = Field(512, ge=1, description="Used when a request sets no max_tokens.")
+    stored_responses_max: int = Field(1000, ge=1, description="Most stored Responses kept per user; the oldest go first.")
+    stored_responses_max_mb: float = Field(
+        64.0, gt=0, description="Most MB of stored Responses kept per user; the oldest go first."
+    )
     max_body_bytes: int = Field(
         16 * 1024 * 1024, ge=1024, description="A request body larger than this is refused (413) before it is read."
     )

@@ -36,3 +36,20 @@ def test_the_command_line_closes_without_a_running_loop(tmp_path):
     stores.close()
     assert stores.opened() == []
     assert Stores(Settings(data_dir=tmp_path)).responses.conversation("alice", "resp_1") == [{"role": "user", "content": "hi"}]
+
+
+def test_stored_responses_keep_to_each_users_quota_the_oldest_going_first(tmp_path, database_url):
+    from nextstate.core.stores.responses import ResponseStore
+
+    store = ResponseStore(tmp_path / "responses.sqlite3", database_url, max_per_user=3, max_bytes_per_user=400)
+    try:
+        for i in range(5):
+            store.save("alice", f"resp_{i}", [{"role": "user", "content": f"question {i}"}])
+        store.save("bob", "resp_b", [{"role": "user", "content": "mine"}])
+        kept = [i for i in range(5) if store.conversation("alice", f"resp_{i}") is not None]
+        assert kept == [2, 3, 4] and store.conversation("bob", "resp_b") is not None, "a quota is per user"
+        store.save("alice", "resp_big", [{"role": "user", "content": "x" * 350}])  # over the bytes with any other
+        assert [i for i in range(5) if store.conversation("alice", f"resp_{i}") is not None] == []
+        assert store.conversation("alice", "resp_big") is not None, "the newest stays, however large"
+    finally:
+        store.close()

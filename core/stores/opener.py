@@ -74,7 +74,9 @@ class Stores:
 
     @cached_property
     def responses(self) -> ResponseStore:
-        return ResponseStore(self.path("responses"), self.url)
+        server = self.settings.server
+        return ResponseStore(self.path("responses"), self.url, max_per_user=server.stored_responses_max,
+                             max_bytes_per_user=int(server.stored_responses_max_mb * 2**20))
 
     @cached_property
     def versions(self) -> VersionRegistry | None:
