@@ -92,6 +92,9 @@ class ServerSettings(BaseSettings):
             HTTPS only.
         records_retention_days: how long conversations are kept (records, samples, the judge's
             inbox); 0 keeps everything. `nextstate forget --user NAME` deletes one user's data.
+        trusted_proxies: addresses or CIDR ranges (JSON list) of the reverse proxies in front of
+            nextstate whose X-Forwarded-For is believed (for the dashboard's sign-in throttle);
+            empty: the peer's address is the client's, whatever a header claims.
         stored_responses_max, stored_responses_max_mb: the most Responses (`store: true`, for
             `previous_response_id`) kept per user, by count and by size; past either the oldest
             go first. A client storing responses in a loop fills its own quota, not the disk.
@@ -142,6 +145,9 @@ class ServerSettings(BaseSettings):
         0, ge=0, description="Records, judged samples and done transitions older than this are deleted; 0 keeps them."
     )
     default_max_tokens: int = Field(512, ge=1, description="Used when a request sets no max_tokens.")
+    trusted_proxies: list[str] = Field(
+        default_factory=list, description="Reverse proxies (JSON list of addresses or CIDRs) whose X-Forwarded-For is believed."
+    )
     stored_responses_max: int = Field(1000, ge=1, description="Most stored Responses kept per user; the oldest go first.")
     stored_responses_max_mb: float = Field(
         64.0, gt=0, description="Most MB of stored Responses kept per user; the oldest go first."
@@ -192,6 +198,18 @@ class ServerSettings(BaseSettings):
     @classmethod
     def _expand(cls, value: Path | None) -> Path | None:
         return value.expanduser() if value is not None else None
+
+    @field_validator("trusted_proxies")
+    @classmethod
+    def _networks(cls, value: list[str]) -> list[str]:
+        import ipaddress
+
+        for entry in value:
+            try:
+                ipaddress.ip_network(entry.strip(), strict=False)
+            except ValueError:
+                raise ValueError(f"{entry!r} is not an address or a CIDR range (e.g. 10.0.0.0/8)") from None
+        return value
 
     @model_validator(mode="after")
     def _session_caps_agree(self) -> ServerSettings:

@@ -82,7 +82,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         print(warning, file=sys.stderr, flush=True)
     print(text, flush=True)
     server = settings.server
-    uvicorn.run(create_app(settings), host=server.host, port=server.port, log_level=server.log_level)
+    # proxy headers are read by the app, from NEXTSTATE_TRUSTED_PROXIES only (proxy/client_address.py)
+    uvicorn.run(create_app(settings), host=server.host, port=server.port, log_level=server.log_level,
+                proxy_headers=False)
     return 0
 
 

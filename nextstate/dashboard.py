@@ -21,6 +21,7 @@ from fastapi.responses import HTMLResponse, RedirectResponse, Response
 from nextstate.progress import describe_training, live_report
 from nextstate.services import app_services
 from nextstate.proxy.auth import authenticate_admin, bearer_secret
+from nextstate.proxy.client_address import client_address, trusted_networks
 from nextstate.core.stores.keys import ApiKey, KeyStore
 
 router = APIRouter()
@@ -69,7 +70,8 @@ async def dashboard(request: Request) -> Response:
 @router.post("/dashboard/login", include_in_schema=False)
 async def login(request: Request) -> Response:
     services = app_services(request)
-    if not await services.stores.dashboard_sessions.may_try(request.client.host if request.client else "?"):
+    proxies = trusted_networks(services.settings.server.trusted_proxies)
+    if not await services.stores.dashboard_sessions.may_try(client_address(request, proxies)):
         return _page(_login_page("Too many attempts: wait a minute."), 429)
     # a one-field form, parsed here rather than through python-multipart for one field
     key = parse_qs((await request.body()).decode("utf-8", "replace")).get("key", [""])[0]

@@ -112,7 +112,8 @@ class RunningServer:
 def serve_in_thread(app, port: int, name: str = "nextstate-server") -> tuple[uvicorn.Server, threading.Thread, asyncio.AbstractEventLoop]:
     """Start any ASGI app with uvicorn on 127.0.0.1:port in a daemon thread; return once it listens."""
     config = uvicorn.Config(
-        app, host="127.0.0.1", port=port, log_level="warning", lifespan="on", timeout_graceful_shutdown=5
+        app, host="127.0.0.1", port=port, log_level="warning", lifespan="on", timeout_graceful_shutdown=5,
+        proxy_headers=False,  # as `nextstate serve` runs it: the app reads them (proxy/client_address.py)
     )
     server = uvicorn.Server(config)
     holder: dict = {}

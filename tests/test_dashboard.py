@@ -209,7 +209,9 @@ def test_the_dashboard_cannot_be_framed_guessed_at_or_kept_open_with_a_stolen_co
     assert ended.status_code == 401 and "session has ended" in ended.text
     # guesses: ten a minute from one address, then 429 even for the right key
     other = server.key("root2", admin=True)
-    codes = [httpx.post(f"{root}/dashboard/login", data={"key": f"ns-guess-{i}"}).status_code for i in range(8)]
+    # each from a "new" address by X-Forwarded-For: no proxy is trusted, so the header counts for nothing
+    codes = [httpx.post(f"{root}/dashboard/login", data={"key": f"ns-guess-{i}"},
+                        headers={"X-Forwarded-For": f"203.0.113.{i}"}).status_code for i in range(8)]
     assert codes == [401] * 8, codes  # two sign-ins were made above
     assert httpx.post(f"{root}/dashboard/login", data={"key": other}).status_code == 429
 
@@ -343,3 +345,16 @@ def test_a_running_update_shows_its_pass_progress_live_and_from_the_data_dir(ser
         hold.set()
     wait_for(lambda: server.app.state.services.policies.current("alice").version == 1, timeout=120)
     assert httpx.get(f"{server.base_url}/admin/progress", headers=headers).json()["training"] is None
+
+
+def test_behind_a_trusted_proxy_the_throttle_counts_the_forwarded_client(server_factory):
+    from tests.test_learner import learning_server
+
+    server = learning_server(server_factory, learn=False, trusted_proxies=["127.0.0.0/8"])
+    root = server.root
+    spoofed = [httpx.post(f"{root}/dashboard/login", data={"key": "ns-guess"},
+                          headers={"X-Forwarded-For": f"198.51.100.7, 203.0.113.{i}"}).status_code for i in range(12)]
+    assert spoofed == [401] * 12, "twelve clients (the proxy's nearest hop), one try each"
+    one = [httpx.post(f"{root}/dashboard/login", data={"key": "ns-guess"},
+                      headers={"X-Forwarded-For": "203.0.113.99"}).status_code for _ in range(11)]
+    assert one == [401] * 10 + [429]
