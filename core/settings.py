@@ -460,6 +460,10 @@ class LearnerSettings(BaseSettings):
             while other users train the adapter too (samples waiting, or trained within the
             hour; a key alone does not count, learner/batching.py): one user's feedback alone
             never publishes a version everyone is served. A lone user trains as before.
+        shared_min_contributors: in the shared scope, an update's batch holds samples of at least
+            this many users: a lone user's ratings, however many, never move everyone's model
+            alone (they wait, ready, for a second contributor; `nextstate status` says so). 1
+            lifts the rule (one person's team of one).
         lora_r, lora_alpha, lora_target_modules: r 16, α 32 on every attention and MLP
             projection, as the authors' LoRA scripts.
         publish_gate, gate_max_likelihood_drop, gate_max_repetition_rise: before a version
@@ -524,6 +528,9 @@ class LearnerSettings(BaseSettings):
     max_staleness: int = Field(8, ge=0, description="Samples served more than this many versions ago are dropped; 0 = any.")
     max_user_share: float = Field(
         0.5, gt=0, le=1, description="Shared scope: most of a batch one user's samples may fill (with several users)."
+    )
+    shared_min_contributors: int = Field(
+        2, ge=1, description="Shared scope: distinct users an update's batch must hold samples of (a lone user waits)."
     )
     ppo_epochs: int = Field(1, ge=1)
     minibatch_size: int = Field(

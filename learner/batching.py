@@ -5,8 +5,9 @@ batch answers either with the batch or with a `Waiting`: the reason in a word, a
 sentence what would release it, which `nextstate status`, `/v1/admin/progress` and the
 dashboard show.
 
-The shared scope's cap on one user's share of a batch keeps one person's feedback from
-steering everyone's model. It counts as "other users" only those who are training the adapter
+Two rules keep one person's feedback from steering a shared adapter, everyone's model: a batch
+holds samples of at least `shared_min_contributors` users (2 by default: a lone rater waits for
+a second), and no user fills more than `max_user_share` of it. The cap counts as "other users" only those who are training the adapter
 — with samples waiting, or trained within `RECENT_USER_S` — never someone who merely holds a
 key: an admin key made for the dashboard, or a colleague's idle key, stalled a lone user's
 training for good.
@@ -30,7 +31,7 @@ RECENT_USER_S = 3600.0
 @dataclass(frozen=True)
 class Waiting:
     scope: str
-    reason: str  # batch_wait, min_batch, partial_off, user_share; the learner's own: memory (a step did not fit), unpublished (an update was not published)
+    reason: str  # batch_wait, min_batch, partial_off, user_share, contributors; the learner's own: memory (a step did not fit), unpublished (an update was not published)
     detail: str  # what it waits for, and what would release it
     ready: int  # ready samples of the scope
 
@@ -57,7 +58,16 @@ def choose_batch(
             taken[sample.user] = taken.get(sample.user, 0) + 1
             batch.append(sample)
             if len(batch) == size:
-                return batch
+                break
+    needed = settings.shared_min_contributors if scope == "shared" else 1
+    if len(taken) < needed:  # the cap bounds a share; this, that nobody moves everyone's model alone
+        who = ", ".join(sorted(taken))
+        detail = (f"every ready sample is {who}'s; a shared adapter trains on batches of at least {needed} users' "
+                  "samples, so that no one moves everyone's model alone (NEXTSTATE_SHARED_MIN_CONTRIBUTORS; a "
+                  "personal model per user: NEXTSTATE_ADAPTER_SCOPE=user)")
+        return Waiting(scope, "contributors", detail, len(ready))
+    if len(batch) == size:
+        return batch
     oldest = min(x.created_at for x in batch)
     waited = settings.batch_wait_s > 0 and now - oldest >= settings.batch_wait_s
     within_share = not capped or max(taken.values()) <= share * len(batch)

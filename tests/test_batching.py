@@ -22,15 +22,33 @@ def settings(**overrides) -> LearnerSettings:
 
 
 def test_a_lone_user_trains_whoever_else_holds_a_key():
+    """With the contributors rule lifted (a team of one), a lone user's samples train."""
+    lone = settings(shared_min_contributors=1)
     ready = [sample(age_s=200, i=i) for i in range(4)]
-    assert choose_batch("shared", ready, settings(), training_users={"alice"}, now=NOW) == ready
+    assert choose_batch("shared", ready, lone, training_users={"alice"}, now=NOW) == ready
     full = [sample(i=i) for i in range(16)]
-    assert choose_batch("shared", full, settings(), training_users=set(), now=NOW) == full
+    assert choose_batch("shared", full, lone, training_users=set(), now=NOW) == full
+
+
+def test_a_lone_rater_cannot_move_a_shared_adapter_and_two_can():
+    """mallory rates twelve replies: at the defaults the shared adapter waits for a second user
+    (it used to train on batches that were all hers); with alice's samples in, it trains, and
+    neither fills more than half."""
+    mallory = [sample("mallory", age_s=500, i=i) for i in range(16)]
+    waiting = choose_batch("shared", mallory, settings(), training_users=set(), now=NOW)
+    assert isinstance(waiting, Waiting) and waiting.reason == "contributors" and "mallory" in waiting.detail
+    assert isinstance(choose_batch("shared", mallory[:4], settings(), {"mallory"}, now=NOW), Waiting)
+    both = mallory + [sample("alice", age_s=400, i=100 + i) for i in range(8)]
+    batch = choose_batch("shared", both, settings(), training_users={"mallory", "alice"}, now=NOW)
+    assert isinstance(batch, list) and {x.user for x in batch} == {"mallory", "alice"}
+    assert sum(x.user == "mallory" for x in batch) <= len(batch) / 2
+    # a user's own adapter is theirs alone: the rule is the shared scope's
+    assert choose_batch("mallory", mallory, settings(), set(), now=NOW) == mallory
 
 
 def test_the_share_cap_holds_while_another_user_trains_the_adapter_and_says_so():
     ready = [sample(age_s=500, i=i) for i in range(12)]
-    waiting = choose_batch("shared", ready, settings(), training_users={"alice", "bob"}, now=NOW)
+    waiting = choose_batch("shared", ready, settings(shared_min_contributors=1), training_users={"alice", "bob"}, now=NOW)
     assert isinstance(waiting, Waiting) and waiting.reason == "user_share" and waiting.ready == 12
     assert "alice" in waiting.detail and "bob" in waiting.detail and "NEXTSTATE_ADAPTER_SCOPE=user" in waiting.detail
     # bob's samples arrive: half and half
