@@ -27,6 +27,7 @@ rather than refused (lenient), so any tool a client declares can be forced.
 from __future__ import annotations
 
 import json
+import re
 import threading
 from pathlib import Path
 from typing import Any
@@ -38,7 +39,42 @@ _LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator"
 
 
 class ConstraintError(ValueError):
-    """The schema cannot be compiled, or the model's tokens left the grammar."""
+    """The schema cannot be compiled, or the grammar engine cannot serve it (a 400)."""
+
+
+# What a schema may ask of the grammar engine, checked before it is compiled so that the error
+# names the construct. llguidance's own limits (LLParserLimits: 2,000 items in a row, 50,000
+# items a step, 250,000 lexer states) stop what is past these mid-reply, with an error no client
+# can act on: an anyOf of 5,000 objects, or a pattern "^a{1000000}$", failed after the first token.
+MAX_BRANCHES = 256  # members of one anyOf / oneOf / allOf / enum
+MAX_PATTERN_CHARS = 2_000
+MAX_REPEAT = 10_000  # a {n} / {n,m} bound in a pattern
+_REPEAT = re.compile(r"\{(\d+)(?:,(\d*))?\}")
+
+
+def schema_limits(schema: Any, path: str = "#") -> str | None:
+    """The first construct of `schema` past the limits above, by its JSON pointer; None if none."""
+    if isinstance(schema, list):
+        for i, item in enumerate(schema):
+            if (found := schema_limits(item, f"{path}/{i}")) is not None:
+                return found
+        return None
+    if not isinstance(schema, dict):
+        return None
+    for key in ("anyOf", "oneOf", "allOf", "enum"):
+        if isinstance(schema.get(key), list) and len(schema[key]) > MAX_BRANCHES:
+            return f"{path}/{key} has {len(schema[key])} members (at most {MAX_BRANCHES})"
+    pattern = schema.get("pattern")
+    if isinstance(pattern, str):
+        if len(pattern) > MAX_PATTERN_CHARS:
+            return f"{path}/pattern is {len(pattern)} characters long (at most {MAX_PATTERN_CHARS})"
+        for low, high in _REPEAT.findall(pattern):
+            if max(int(low), int(high or 0)) > MAX_REPEAT:
+                return f"{path}/pattern repeats {max(int(low), int(high or 0))} times (at most {MAX_REPEAT})"
+    for key, value in schema.items():
+        if isinstance(value, (dict, list)) and (found := schema_limits(value, f"{path}/{key}")) is not None:
+            return found
+    return None
 
 
 def masked_logits(logits: torch.Tensor, bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
@@ -67,11 +103,13 @@ class JsonConstraint:
         import llguidance.torch as llt
 
         llt.fill_next_token_bitmask(self._matcher, self._bitmask, 0)
+        if self._matcher.is_error():  # a limit of the grammar engine was reached: nothing is allowed
+            raise ConstraintError(f"the JSON schema cannot be served: {self._matcher.get_error()}")
         return masked_logits(logits, self._bitmask[0], self._vocab)
 
     def advance(self, token_id: int) -> None:
         if not self._matcher.consume_token(token_id):
-            raise ConstraintError(f"token {token_id} left the grammar: {self._matcher.get_error()}")
+            raise ConstraintError(f"the JSON schema cannot be served: {self._matcher.get_error()}")
 
 
 class ConstraintCompiler:
@@ -104,6 +142,8 @@ class ConstraintCompiler:
 
         self.warm()
         schema = json.loads(json_schema)
+        if (past := schema_limits(schema)) is not None:
+            raise ConstraintError(f"the JSON schema asks more than the grammar engine serves: {past}")
         schema = {**schema, "x-guidance": {**_LAYOUT, **schema.get("x-guidance", {})}}
         matcher = llguidance.LLMatcher(self._tokenizer, llguidance.LLMatcher.grammar_from_json_schema(json.dumps(schema)))
         if matcher.is_error():

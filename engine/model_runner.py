@@ -168,10 +168,16 @@ class ModelRunner:
             self.prefix.put(job.adapter, job.sampling.cache_salt, ids[:n], kv)
 
     def _sample(self, job: Job, logits: torch.Tensor) -> bool:
-        allowed = job.constraint.apply(logits) if job.constraint is not None else None
-        token, logprob, top = sample_token(logits, job.sampling, job.generator, allowed)
-        if job.constraint is not None and token not in job.sampling.stop_token_ids:
-            job.constraint.advance(token)
+        try:
+            allowed = job.constraint.apply(logits) if job.constraint is not None else None
+            token, logprob, top = sample_token(logits, job.sampling, job.generator, allowed)
+            if job.constraint is not None and token not in job.sampling.stop_token_ids:
+                job.constraint.advance(token)
+        except ConstraintError as exc:
+            # the schema outgrew what the grammar engine serves: this request's failure (a 400),
+            # never its decode batch's — the other rows go on
+            job.deliver(EngineRejected(str(exc)))
+            return True
         job.last_token = token
         job.output_ids.append(token)
         finish = None
