@@ -48,9 +48,11 @@ log = logging.getLogger(__name__)
 RENDER_CONCURRENCY = 2
 
 
-def cache_salt(user: str) -> str:
-    """The user's prefix-cache partition, named without their name (it reaches the engine)."""
-    return hashlib.sha256(b"nextstate-cache:" + user.encode()).hexdigest()[:24]
+def cache_salt(key: ApiKey) -> str:
+    """The user's prefix-cache partition, named without their name (it reaches the engine).
+    It changes with `user_since`: a forgotten user's cached prefixes are out of reach of a new
+    user given the same name, on every engine, with nothing to delete anywhere."""
+    return hashlib.sha256(f"nextstate-cache:{key.user}:{key.user_since}".encode()).hexdigest()[:24]
 
 _END = object()  # in a turn's token queue: the engine finished
 _QUIET = object()  # in a turn's token queue: `keepalive_s` passed without a token
@@ -148,7 +150,7 @@ class TurnService:
 
     async def prepare(self, request: TurnRequest, key: ApiKey) -> PreparedTurn:
         prompt = await self.render(request)
-        sampling = self._sampling(request, len(prompt.ids), key.user)
+        sampling = self._sampling(request, len(prompt.ids), key)
         if key.tpm and request.max_tokens is None:
             # no max_tokens asked: the reply may take what the key's per-minute budget leaves
             room = max(1, min(sampling.max_new_tokens, key.tpm - len(prompt.ids)))
@@ -196,7 +198,7 @@ class TurnService:
         async with self._rendering:
             return await asyncio.to_thread(self.renderer.render, request.messages, request.tools, request.tool_choice)
 
-    def _sampling(self, request: TurnRequest, prompt_len: int, user: str) -> SamplingParams:
+    def _sampling(self, request: TurnRequest, prompt_len: int, key: ApiKey) -> SamplingParams:
         limit = self.engine.info.max_context
         room = limit - prompt_len
         requested = request.max_tokens
@@ -218,7 +220,7 @@ class TurnService:
             json_schema=(forced_call_schema(request.tools or [], request.tool_choice) if request.forced_tool_call
                          else None if request.parse_tools else request.reply_schema),
             # one prefix-cache partition per user: a hit must not tell them what others sent
-            cache_salt=cache_salt(user),
+            cache_salt=cache_salt(key),
         )
 
     # ------------------------------------------------------------------ generation

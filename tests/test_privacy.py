@@ -143,3 +143,25 @@ def test_a_cached_prefix_never_tells_one_user_what_another_sent(server):
     assert probe.usage.prompt_tokens_details.cached_tokens == 0
     again = alice.chat.completions.create(messages=[{"role": "user", "content": guess}], **ask)
     assert again.usage.prompt_tokens_details.cached_tokens > 300, "a user's own prefix is still reused"
+
+
+def test_a_forgotten_users_cached_prefixes_are_out_of_reach_of_the_next_user_of_the_name(server_factory):
+    """Forget alice, give the name alice a new key, resend her prompt: nothing of it comes back
+    from the prefix cache (492 of 502 tokens did), since the cache partition follows the name's
+    first key (`user_since`), which forgetting deletes."""
+    import httpx
+
+    server = server_factory(learn=False, judge_enabled=False)
+    prompt = [{"role": "user", "content": "My bank PIN is 4921 and my street is Elm Road. " * 8}]
+    alice = server.client(server.key("alice"))
+    alice.chat.completions.create(model="tiny", messages=prompt, max_tokens=2)
+    again = alice.chat.completions.create(model="tiny", messages=prompt, max_tokens=2)
+    assert again.usage.prompt_tokens_details.cached_tokens > 0, "her own prefix is reused"
+    alice.chat.completions.create(model="tiny", messages=prompt, max_tokens=2)  # and a second key of hers shares it:
+    second = server.client(server.key("alice"))
+    assert second.chat.completions.create(model="tiny", messages=prompt, max_tokens=2).usage.prompt_tokens_details.cached_tokens > 0
+    admin = server.key("root", admin=True)
+    assert httpx.delete(f"{server.root}/v1/admin/users/alice", headers={"Authorization": f"Bearer {admin}"}).status_code == 200
+    newcomer = server.client(server.key("alice"))
+    reply = newcomer.chat.completions.create(model="tiny", messages=prompt, max_tokens=2)
+    assert reply.usage.prompt_tokens_details.cached_tokens == 0

@@ -9,6 +9,7 @@ at once, even when `nextstate keys revoke` runs in another process.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import hmac
 import secrets
@@ -29,11 +30,12 @@ CREATE TABLE IF NOT EXISTS api_keys (
     created_at {float} NOT NULL,
     revoked_at {float},
     rpm INTEGER,
-    tpm INTEGER
+    tpm INTEGER,
+    user_since {float}
 );
 """
 # Columns added since the first release, with their type: added to an older database on open.
-_ADDED_COLUMNS = {"rpm": "INTEGER", "tpm": "INTEGER"}
+_ADDED_COLUMNS = {"rpm": "INTEGER", "tpm": "INTEGER", "user_since": "{float}"}
 
 
 @dataclass(frozen=True)
@@ -46,6 +48,9 @@ class ApiKey:
     revoked_at: float | None
     rpm: int | None = None  # requests per minute; None: no limit
     tpm: int | None = None  # tokens per minute; None: no limit
+    # When this user name got its first key: a name forgotten (every key deleted) and given a
+    # new key is a new user, whose prefix-cache partition the old one's entries are not in.
+    user_since: float | None = None
 
     @property
     def active(self) -> bool:
@@ -53,11 +58,11 @@ class ApiKey:
 
 
 # The columns an ApiKey is read from, in its fields' order (`_key`).
-_KEY_COLUMNS = 'id, "user", hint, admin, created_at, revoked_at, rpm, tpm'
+_KEY_COLUMNS = 'id, "user", hint, admin, created_at, revoked_at, rpm, tpm, user_since'
 
 
 def _key(row: tuple) -> ApiKey:
-    return ApiKey(row[0], row[1], row[2], bool(row[3]), row[4], row[5], row[6], row[7])
+    return ApiKey(row[0], row[1], row[2], bool(row[3]), row[4], row[5], row[6], row[7], row[8])
 
 
 def _hash(secret: str) -> str:
@@ -69,7 +74,9 @@ class KeyStore(Store):
     PRAGMAS = ("busy_timeout=5000",)
 
     def _upgrade(self) -> None:
-        self._db.add_missing_columns("api_keys", _ADDED_COLUMNS)
+        if "user_since" in self._db.add_missing_columns("api_keys", _ADDED_COLUMNS):
+            self._db.execute('UPDATE api_keys SET user_since = (SELECT MIN(k.created_at) FROM api_keys k '
+                             'WHERE k."user" = api_keys."user")')
 
     def create(self, user: str, admin: bool = False, rpm: int | None = None, tpm: int | None = None) -> tuple[ApiKey, str]:
         user = user.strip()
@@ -88,17 +95,21 @@ class KeyStore(Store):
             rpm=rpm,
             tpm=tpm,
         )
-        self._execute(
-            'INSERT INTO api_keys (id, "user", key_hash, hint, admin, created_at, rpm, tpm) VALUES (?, ?, ?, ?, ?, ?, ?, ?)',
-            (key.id, key.user, _hash(secret), key.hint, int(admin), key.created_at, rpm, tpm),
-        )
+        with self._transaction() as db:
+            (since,) = db.execute('SELECT MIN(user_since) FROM api_keys WHERE "user" = ?', (user,)).fetchone()
+            key = dataclasses.replace(key, user_since=key.created_at if since is None else since)
+            db.execute(
+                'INSERT INTO api_keys (id, "user", key_hash, hint, admin, created_at, rpm, tpm, user_since) '
+                "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                (key.id, key.user, _hash(secret), key.hint, int(admin), key.created_at, rpm, tpm, key.user_since),
+            )
         return key, secret
 
     def verify(self, secret: str) -> ApiKey | None:
         """The active key matching `secret`, or None. Compared in constant time."""
         digest = _hash(secret)
         row = self._one(f"SELECT {_KEY_COLUMNS}, key_hash FROM api_keys WHERE key_hash = ?", (digest,))
-        if row is None or not hmac.compare_digest(row[8], digest):
+        if row is None or not hmac.compare_digest(row[9], digest):
             return None
         key = _key(row)
         return key if key.active else None
