@@ -33,7 +33,7 @@ def main() -> None:
     batch = 4
     # one shared adapter: the chatting clients are other users, and must be served each new version
     with bench_server(model_dir, judge_enabled=False, batch_size=batch, lr=1e-4 if args.smol else 1e-3,
-                      adapter_scope="shared") as server:
+                      adapter_scope="shared", shared_min_contributors=1) as server:
         stop = threading.Event()
         outcomes: list[tuple[int, float, int | None, str | None]] = []  # thread, latency, version, error
         lock = threading.Lock()

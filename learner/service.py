@@ -17,7 +17,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import math
 import shutil
 import time
 from collections.abc import Callable
@@ -31,6 +30,7 @@ from nextstate.learner.follower import load_version
 from nextstate.learner.gate import PublishGate
 from nextstate.learner.held_out import VersionFigures
 from nextstate.learner.memory_budget import Refusal
+from nextstate.learner.screening import NO_SIGNAL_IN_BATCH, NOT_FINITE, batch_teaches, drop_reason, finite
 from nextstate.core.stores.versions import VersionRegistry
 from nextstate.learner.trainer import LoraTrainer, StepResult
 from nextstate.learner.versions import AdapterVersions
@@ -191,23 +191,15 @@ class Learner:
         return found
 
     def _screen(self, ready: list[Sample]) -> list[Sample]:
-        """Drop, with the reason, ready samples that must not take a batch slot: those with no
-        signal when there is no KL term (advantage 0 everywhere: the at-least-one rule's),
-        which would only dilute the token mean; those too long to train; and those served too
-        many versions ago. Returns the ones kept, oldest first."""
+        """Drop, with the reason, ready samples that must not take a batch slot
+        (learner/screening.py). Returns the ones kept, oldest first."""
         reasons: dict[str, list[int]] = {}
         for sample in ready:
             if sample.id is None:
                 continue
             scope = sample.user if self.policies.per_user else "shared"
             behind = self.policies.current_scope(scope).version - sample.policy_version
-            # outcome samples get their advantages only when their batch is assembled
-            if self.settings.kl_coef == 0 and sample.track != "outcome" and not _teaches(sample):
-                reasons.setdefault("no signal: advantage 0, no teacher to distil and no KL term", []).append(sample.id)
-            elif len(sample.response_ids) >= self.settings.max_train_tokens:
-                reasons.setdefault("response longer than NEXTSTATE_MAX_TRAIN_TOKENS", []).append(sample.id)
-            elif self.settings.max_staleness and behind > self.settings.max_staleness:
-                why = f"stale: served by a version more than {self.settings.max_staleness} behind (NEXTSTATE_MAX_STALENESS)"
+            if (why := drop_reason(sample, self.settings, behind)) is not None:
                 reasons.setdefault(why, []).append(sample.id)
         for why, ids in reasons.items():
             self.store.mark_dropped(ids, why)
@@ -318,22 +310,20 @@ class Learner:
         return result
 
     async def _screen_batch(self, scope: str, samples: list[Sample], record: dict[str, Any]) -> list[Sample] | None:
-        """The batch with its final advantages, samples with non-finite values dropped; None
-        (its samples consumed, the record saying why) when nothing in it could teach."""
+        """The batch with its final advantages, screened again now that it has them
+        (learner/screening.py); None (its samples dropped, the record saying why) when nothing
+        in it could teach."""
         batch = self.prepare_batch(samples)
-        bad = [x.id for x in batch if not _finite(x)]
+        bad = [x.id for x in batch if not finite(x)]
         record["dropped"] = bad
         if bad:
-            await asyncio.to_thread(self.store.mark_dropped, bad, "not finite: dropped by the learner")
+            await asyncio.to_thread(self.store.mark_dropped, bad, NOT_FINITE)
             log.warning("learner %s: %d sample(s) with non-finite values dropped; the batch trains on", scope, len(bad))
             batch = [x for x in batch if x.id not in bad]
-        if self.settings.kl_coef == 0 and not any(_teaches(x) for x in batch):
-            # nothing to learn: a step would only move the weights by momentum and weight decay
-            # (outcome samples whose batch rewards were all equal: standardised, they say nothing)
+        if not batch_teaches(batch, self.settings):
             ids = [x.id for x in batch]
-            why = "no signal: every advantage of its batch is zero, no teacher to distil and no KL term"
-            await asyncio.to_thread(self.store.mark_dropped, ids, why)
-            record.update(version=None, published=False, skipped=why)
+            await asyncio.to_thread(self.store.mark_dropped, ids, NO_SIGNAL_IN_BATCH)
+            record.update(version=None, published=False, skipped=NO_SIGNAL_IN_BATCH)
             log.info("learner step %d (%s): no signal in %d samples, nothing published", record["step"], scope, len(ids))
             return None
         return batch
@@ -442,13 +432,3 @@ class Learner:
             self.records.write("rollback", {"scope": scope, "to": version, "version": new_version}, version=new_version)
             log.info("learner %s rolled back to v%d as v%d", scope, version, new_version)
             return new_version
-
-
-def _teaches(sample: Sample) -> bool:
-    """A non-zero advantage, or a teacher to distil (NEXTSTATE_OPD_LOSS=topk: a hindsight hint's
-    sample has no reward, so every advantage is 0, and all it teaches is in its distillation)."""
-    return any(sample.advantages) or bool(sample.distill_weight)
-
-
-def _finite(sample: Sample) -> bool:
-    return all(map(math.isfinite, sample.advantages)) and all(map(math.isfinite, sample.old_logprobs))

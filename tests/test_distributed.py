@@ -74,7 +74,8 @@ class Deployment:
             "NEXTSTATE_SGLANG_URL": self.router.url, "NEXTSTATE_SGLANG_ROUTER": "true",
             "NEXTSTATE_JUDGE_BASE_URL": self.judge_model.base_url, "NEXTSTATE_JUDGE_MODEL": "judge",
             "NEXTSTATE_JUDGE_CALIBRATION": "false", "NEXTSTATE_JUDGE_CONCURRENCY": "1", "NEXTSTATE_MODE": "binary",
-            "NEXTSTATE_PUBLISH_GATE": "false", "NEXTSTATE_ADAPTER_SCOPE": "shared", "NEXTSTATE_BATCH_SIZE": "2",
+            "NEXTSTATE_PUBLISH_GATE": "false", "NEXTSTATE_ADAPTER_SCOPE": "shared", "NEXTSTATE_SHARED_MIN_CONTRIBUTORS": "1",
+            "NEXTSTATE_BATCH_SIZE": "2",
             "NEXTSTATE_MIN_BATCH_SIZE": "2", "NEXTSTATE_LR": "5e-3", "NEXTSTATE_LORA_R": "4", "NEXTSTATE_LORA_ALPHA": "8",
             "NEXTSTATE_MAX_STALENESS": "0", "NEXTSTATE_LEARNER_DEVICE": "cpu",
         }

@@ -38,7 +38,7 @@ class Server:
             "NEXTSTATE_SERVED_MODEL_NAME": "tiny", "NEXTSTATE_JUDGE_BASE_URL": judge_url, "NEXTSTATE_PRM_VOTES": "1",
             "NEXTSTATE_MODE": "binary", "NEXTSTATE_BATCH_SIZE": "2", "NEXTSTATE_LR": "1e-3", "NEXTSTATE_LORA_R": "4",
             "NEXTSTATE_LORA_ALPHA": "8", "NEXTSTATE_MAX_KL": "1000", "NEXTSTATE_LOG_LEVEL": "warning",
-            "NEXTSTATE_ADAPTER_SCOPE": "shared",
+            "NEXTSTATE_ADAPTER_SCOPE": "shared", "NEXTSTATE_SHARED_MIN_CONTRIBUTORS": "1",
         }
         self.proc: subprocess.Popen | None = None
 
