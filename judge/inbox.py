@@ -17,12 +17,15 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Coroutine
+from contextlib import AbstractAsyncContextManager
+from typing import Any, Protocol
 
 from nextstate.core.durable import Durable, StorageUnavailable
 from nextstate.core.stores.samples import LEASE_S, SampleStore
 from nextstate.core.tasks import Periodic
-from nextstate.core.types import Transition, Turn
-from nextstate.judge.service import Judge
+from nextstate.core.types import Sample, Transition, Turn
+from nextstate.judge.at_least_one import AtLeastOne
 
 log = logging.getLogger(__name__)
 
@@ -31,12 +34,37 @@ log = logging.getLogger(__name__)
 RENEW_S = LEASE_S / 4
 
 
+class InboxJudge(Protocol):
+    """What the inbox asks of the judge (judge/service.py's `Judge` does it), and no more: whether
+    and when it may judge, the judging itself, and a sample for an episode's last step."""
+
+    implicit: bool  # next states are judged (False: the judge is off, or benched with no fallback)
+    calibrated: asyncio.Event  # set once its start-up check is over, passed or not
+    guarantee: AtLeastOne  # the sessions whose turns are being judged (the at-least-one rule)
+
+    def spawn(self, work: Coroutine[Any, Any, Any]) -> Any:
+        """Run `work` in the background, among the judge's own work (drained on shutdown)."""
+
+    def turn_lock(self, response_id: str | None) -> AbstractAsyncContextManager[Any]: ...
+
+    async def quiet(self) -> None:
+        """Wait for a moment when no user's request is being served."""
+
+    async def judge(self, transition_id: int | None, transition: Transition, outcome: float | None) -> Any: ...
+
+    def record_transition(self, transition: Transition) -> None: ...
+
+    def sample(self, turn: Turn, status: str, reason: str, reward: float = 0.0, advantages: list[float] | None = None,
+               track: str | None = None, **extra: Any) -> Sample: ...
+
+    async def store_sample(self, sample: Sample, transition_id: int | None = None) -> Sample: ...
+
+
 class JudgeInbox:
-    def __init__(self, judge: Judge, store: SampleStore, here: bool = True) -> None:
+    def __init__(self, judge: InboxJudge, store: SampleStore, here: bool = True) -> None:
         self.judge = judge
         self.store = store
         self.here = here  # judged in this process; False: by `nextstate judge` processes
-        self.tasks = judge.tasks
         self._judging: set[int] = set()  # transitions this process is judging now
         self._renewer = Periodic(RENEW_S, "renew this worker's claims on the judge's inbox", store.renew_claims)
         # a full or read-only disk holds transitions here until it takes them again
@@ -82,7 +110,7 @@ class JudgeInbox:
             finally:
                 self._judging.discard(transition_id)
 
-        self.tasks.spawn(judged())
+        self.judge.spawn(judged())
 
     async def aclose(self) -> None:
         await self._renewer.stop()
@@ -106,21 +134,21 @@ class JudgeInbox:
         key = (turn.user, turn.session_id)
         if transition.revises:
             # its session settled and went on after all, replacing the next state judged then
-            self.tasks.spawn(self._revise(transition, durable))
+            self.judge.spawn(self._revise(transition, durable))
             return durable
         if transition.next_state is None and transition.reason == "session_closed" and turn.track == "outcome":
             # An episode's last step: no next state to vote on, its next state is the outcome.
-            self.tasks.spawn(self._last_step(transition, durable))
+            self.judge.spawn(self._last_step(transition, durable))
             return durable
         if transition.next_state is None or not self.judge.implicit:
             # Nothing to judge (and the session is over for the guarantee too), but kept so that
             # the turn can still be rated explicitly.
             if transition.reason == "session_closed":
                 self.judge.guarantee.session_over(key)
-            self.tasks.spawn(self._keep(transition, durable))
+            self.judge.spawn(self._keep(transition, durable))
             return durable
         self.judge.guarantee.judging(key)
-        self.tasks.spawn(self._accept(transition, durable, again))
+        self.judge.spawn(self._accept(transition, durable, again))
         return durable
 
     async def _take(self, transition: Transition, status: str = "pending") -> int | None:

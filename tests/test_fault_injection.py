@@ -134,7 +134,7 @@ def test_a_crash_loses_nothing_and_trains_nothing_twice(point, tmp_path, tiny_mo
     trained = [i for ids in after.values() for i in ids]
     assert len(trained) == len(set(trained)), f"a sample went into two versions: {after}"
     assert consumed == set(trained), "every consumed sample is in exactly one published version"
-    assert set(statuses) <= {"ready", "consumed", "dropped"} and statuses.get("ready", 0) < 2
+    assert set(statuses) <= {"ready", "consumed", "dropped", "held_out"} and statuses.get("ready", 0) < 2
     assert len(after) > len(before), f"learning did not go on after the crash at '{point}'"
     versions = sorted(after)
     assert versions == list(range(1, len(versions) + 1)), "version numbers have no gaps or repeats"
