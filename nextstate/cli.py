@@ -7,6 +7,7 @@ import argparse
 import json
 import logging
 import sys
+from pathlib import Path
 from datetime import datetime, timezone
 
 from pydantic import ValidationError
@@ -213,6 +214,20 @@ def cmd_forget(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_export(args: argparse.Namespace) -> int:
+    from nextstate.export import NothingToExport, build_export, write_export
+
+    settings = _settings()
+    try:
+        export = build_export(settings, args.user, args.version)
+        write_export(export, Path(args.dir))
+    except (NothingToExport, FileExistsError) as exc:
+        sys.exit(f"nextstate export: {exc}")
+    print(f"Wrote {args.user}'s adapter (scope {export.scope}, v{export.version}) to {args.dir} as a PEFT adapter; "
+          f"its README.md says how to serve it with vLLM and SGLang.")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="nextstate", description="An OpenAI-compatible proxy that learns online.")
     parser.add_argument("--version", action="version", version=f"nextstate {__version__}")
@@ -246,6 +261,13 @@ def build_parser() -> argparse.ArgumentParser:
     forget.add_argument("--user", required=True, help="the user to forget")
     forget.add_argument("--yes", action="store_true", help="do not ask for confirmation")
     forget.set_defaults(func=cmd_forget)
+
+    export = sub.add_parser("export", help="write a user's adapter as a standard PEFT adapter, to take elsewhere")
+    export.add_argument("--user", required=True, help="whose adapter (the shared one in the shared scope)")
+    export.add_argument("--version", type=int, help="which version (default: the one serving)")
+    export.add_argument("--format", choices=["peft"], default="peft", help="peft: adapter_config.json and safetensors")
+    export.add_argument("dir", help="an empty or new folder to write it to")
+    export.set_defaults(func=cmd_export)
 
     revoke = keys.add_parser("revoke", help="revoke a key by id")
     revoke.add_argument("key_id")

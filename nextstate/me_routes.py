@@ -1,4 +1,5 @@
-"""`GET /v1/me/progress`: a user key reads what each version of its own model gained and forgot.
+"""A user key's own model: what each version gained and forgot (`GET /v1/me/progress`), and the
+adapter itself to take elsewhere (`GET /v1/me/adapter`; an admin's `/v1/admin/users/NAME/adapter`).
 
 A person who lets a proxy retrain the model they depend on asks two questions: is the new
 version better at what I want, and what did it get worse at. This answers both for the caller's
@@ -12,12 +13,17 @@ from __future__ import annotations
 import asyncio
 
 from fastapi import APIRouter, Depends, Request
+from fastapi.responses import Response
 from pydantic import BaseModel, Field
+
+from nextstate.core.settings import Settings
+from nextstate.export import NothingToExport, build_export, export_tar, scope_of
+from nextstate.proxy.errors import ApiError
 
 from nextstate.core.stores.keys import ApiKey
 from nextstate.learner.versions import AdapterVersions
 from nextstate.progress import version_figures
-from nextstate.proxy.auth import authenticate
+from nextstate.proxy.auth import authenticate, authenticate_admin
 from nextstate.services import app_services
 
 router = APIRouter()
@@ -41,6 +47,38 @@ class MyProgress(BaseModel):
     serving: int = Field(description="The version serving you now (0: the base model).")
     held_out: int = Field(description="Your turns held out: never trained on, what each version is scored on.")
     versions: list[VersionProgress]
+
+
+ADAPTER_RESPONSES = {200: {"content": {"application/x-tar": {}}, "description": "A tar of one folder: a PEFT adapter "
+                            "(adapter_config.json, adapter_model.safetensors) and a README with how to serve it."}}
+
+
+def adapter_response(settings: Settings, user: str, version: int | None) -> Response:
+    try:
+        export = build_export(settings, user, version)
+    except NothingToExport as exc:
+        raise ApiError(404, str(exc), code="adapter_not_found") from exc
+    name = f"nextstate-{export.scope}-v{export.version}.tar"
+    return Response(export_tar(export), media_type="application/x-tar",
+                    headers={"Content-Disposition": f'attachment; filename="{name}"'})
+
+
+@router.get("/v1/me/adapter", response_class=Response, responses=ADAPTER_RESPONSES)
+async def my_adapter(request: Request, version: int | None = None, key: ApiKey = Depends(authenticate)) -> Response:
+    """Your adapter, to take with you: the version serving you (or `version`), as a standard
+    PEFT adapter in a tar. In the shared scope the adapter is everyone's: an admin's to export."""
+    settings = app_services(request).settings
+    if scope_of(settings, key.user) != key.user:
+        raise ApiError(403, "One adapter serves every user here (NEXTSTATE_ADAPTER_SCOPE=shared): an admin exports it "
+                       "(GET /v1/admin/users/NAME/adapter).", type="permission_error", code="shared_adapter")
+    return await asyncio.to_thread(adapter_response, settings, key.user, version)
+
+
+@router.get("/v1/admin/users/{user}/adapter", response_class=Response, responses=ADAPTER_RESPONSES)
+async def user_adapter(user: str, request: Request, version: int | None = None,
+                       _: ApiKey = Depends(authenticate_admin)) -> Response:
+    """A user's adapter (the shared one in the shared scope), as `GET /v1/me/adapter` gives it."""
+    return await asyncio.to_thread(adapter_response, app_services(request).settings, user, version)
 
 
 @router.get("/v1/me/progress", response_model=MyProgress)
