@@ -23,7 +23,7 @@ from nextstate.core.activity import Activity
 from nextstate.core.memory import total_bytes
 from nextstate.core.settings import Settings
 from nextstate.core.stores.opener import Stores
-from nextstate.forget import forget_online, keep_for
+from nextstate.forget import follow_forgets, forget_online, keep_for
 from nextstate.server_marker import mark_running, mark_stopped
 from nextstate.services import Services
 from nextstate.user_data import USER_DATA
@@ -129,7 +129,8 @@ def create_app(settings: Settings | None = None, *, engine_factory: EngineFactor
             engine=engine, inbox=inbox, stores=stores,
         )
         app.state.services = services
-        background = [asyncio.create_task(_sweep(sessions, metrics), name="session-sweeper")]
+        background = [asyncio.create_task(_sweep(sessions, metrics), name="session-sweeper"),
+                      asyncio.create_task(follow_forgets(services), name="follow-forgets")]
         if settings.server.records_retention_days > 0:
             background.append(asyncio.create_task(keep_for(services, settings.server.records_retention_days), name="retention"))
         mark_running(settings, settings.server.port)

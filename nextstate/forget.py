@@ -24,9 +24,44 @@ log = logging.getLogger(__name__)
 SHARED_NOTE = "the shared adapter keeps what it learned from this user (roll it back to undo that)"
 
 
+# How often a process sharing a database looks for users forgotten through another one.
+FOLLOW_FORGETS_S = 2.0
+# Forget events are kept this long: a process down for less purges, when it starts again,
+# what it still holds of a user forgotten meanwhile.
+FORGET_EVENTS_KEPT_S = 30 * 86400
+
+
 async def forget_online(services: Services, user: str) -> dict[str, Any]:
     counts = {store.name: await store.forget_online(services, user) for store in USER_DATA}
+    if (events := services.stores.forget_events) is not None:  # the other processes purge what they alone hold
+        await asyncio.to_thread(events.add, user)
     return _summary(user, counts, services.settings.learner.adapter_scope)
+
+
+async def purge_local(services: Services, user: str) -> None:
+    """What this process alone holds of `user`, forgotten through another process: its request
+    records and its copies of their open sessions (the database's rows are gone already)."""
+    await services.records.purge(lambda record: record.get("user") != user)
+    services.sessions.forget(user)
+
+
+async def follow_forgets(services: Services, every_s: float = FOLLOW_FORGETS_S) -> None:
+    """Purge, within `every_s`, what this process holds of every user forgotten through any
+    process on the shared database; at start, of those forgotten in the last
+    FORGET_EVENTS_KEPT_S (this process may have been down then)."""
+    events = services.stores.forget_events
+    if events is None:
+        return
+    await asyncio.to_thread(events.expire, time.time() - FORGET_EVENTS_KEPT_S)
+    last = 0
+    while True:
+        try:
+            for event_id, user in await asyncio.to_thread(events.since, last):
+                await purge_local(services, user)
+                last = event_id
+        except Exception:  # noqa: BLE001 - the database may be back next round
+            log.warning("could not read the users forgotten through other processes", exc_info=True)
+        await asyncio.sleep(every_s)
 
 
 def forget_offline(settings: Settings, user: str) -> dict[str, Any]:

@@ -165,3 +165,29 @@ def test_a_forgotten_users_cached_prefixes_are_out_of_reach_of_the_next_user_of_
     newcomer = server.client(server.key("alice"))
     reply = newcomer.chat.completions.create(model="tiny", messages=prompt, max_tokens=2)
     assert reply.usage.prompt_tokens_details.cached_tokens == 0
+
+
+def test_forget_through_one_process_reaches_what_another_holds_alone(server_factory, postgres):
+    """alice chats through B; her forgetting is asked of A. The database forgets her at once;
+    B's own request records and its copies of her sessions go within seconds, by the forget
+    event A leaves in the database (nextstate/forget.py)."""
+    import time
+
+    import httpx
+
+    url = postgres.fresh_database("forgetting")
+    a, b = (server_factory(database_url=url, judge_enabled=False, learn=False) for _ in range(2))
+    alice = b.client(b.key("alice"))
+    alice.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "My PIN is 4921."}], max_tokens=2)
+    b.key("bob")
+    b.client(b.key("bob")).chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+    assert any(r.get("user") == "alice" for r in b.records())
+    admin = a.key("root", admin=True)
+    assert httpx.delete(f"{a.root}/v1/admin/users/alice", headers={"Authorization": f"Bearer {admin}"}).status_code == 200
+    deadline = time.monotonic() + 15
+    while any(r.get("user") == "alice" for r in b.records()):
+        assert time.monotonic() < deadline, "B still holds alice's records"
+        time.sleep(0.2)
+    assert "4921" not in "".join(p.read_text() for p in b.settings.records_dir.glob("*.jsonl"))
+    assert any(r.get("user") == "bob" for r in b.records()), "and only hers"
+    assert not [key for key in b.app.state.services.sessions._sessions if key[0] == "alice"], "nor her sessions in memory"

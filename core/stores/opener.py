@@ -19,6 +19,7 @@ from pathlib import Path
 from nextstate.core.settings import Settings
 from nextstate.core.stores.base import Store
 from nextstate.core.stores.dashboard_sessions import DashboardSessions
+from nextstate.core.stores.forget_events import ForgetEvents
 from nextstate.core.stores.keys import KeyStore
 from nextstate.core.stores.parallel_slots import LocalSlots, SharedSlots, Slots
 from nextstate.core.stores.rate_windows import MemoryWindows, SharedWindows, Windows
@@ -38,9 +39,11 @@ FILES = {
     "versions": "versions.sqlite3",
     "windows": "rates.sqlite3",
     "slots": "running.sqlite3",
+    "forget_events": "forgotten.sqlite3",
 }
 # The order they are closed in: what holds the others' rows in flight first.
-_CLOSE_ORDER = ("slots", "dashboard_sessions", "windows", "responses", "sessions", "samples", "versions", "keys")
+_CLOSE_ORDER = ("slots", "dashboard_sessions", "windows", "responses", "sessions", "samples", "versions", "forget_events",
+                "keys")
 
 
 class Stores:
@@ -83,6 +86,12 @@ class Stores:
         """Each scope's serving version, where several processes share a database (one
         process alone reads the adapters folder's files instead)."""
         return VersionRegistry(self.path("versions"), self.url) if self.url else None
+
+    @cached_property
+    def forget_events(self) -> ForgetEvents | None:
+        """Who was forgotten, for the other processes on one database (each purges what it
+        alone holds); one process alone forgets everything itself."""
+        return ForgetEvents(self.path("forget_events"), self.url) if self.url else None
 
     @cached_property
     def windows(self) -> Windows:
