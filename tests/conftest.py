@@ -50,9 +50,12 @@ def make_settings(tmp_path: Path, model_dir: Path, **overrides) -> Settings:
     # expect their updates to serve; tests/test_calibration.py and tests/test_gate.py check those.
     # One shared adapter unless a test asks for per-user ones (the default): most tests train
     # and check one adapter, and the shared scope is the one whose batches mix users. One user
-    # may train it alone here (tests/test_batching.py checks the rule that keeps that from happening).
+    # may train it alone here (tests/test_batching.py checks the rule that keeps that from happening),
+    # and no turn is held out: tests count the samples they feed into versions (tests/test_held_out.py
+    # and tests/test_sample_store.py check holding out).
     values = {"data_dir": tmp_path / "data", "model": str(model_dir), "port": free_port(), "served_model_name": "tiny",
-              "judge_calibration": False, "publish_gate": False, "adapter_scope": "shared", "shared_min_contributors": 1}
+              "judge_calibration": False, "publish_gate": False, "adapter_scope": "shared", "shared_min_contributors": 1,
+              "held_out_every": 0}
     return Settings(**{**values, **overrides})
 
 

@@ -227,7 +227,7 @@ async def test_saved_adapter_serves_what_was_trained(trainer, engine, tmp_path):
 
 
 def learning_server(server_factory, **overrides):
-    values = {"batch_size": 4, "lr": 5e-3, "lora_r": 4, "lora_alpha": 8, "judge_enabled": False, "held_out_every": 0}
+    values = {"batch_size": 4, "lr": 5e-3, "lora_r": 4, "lora_alpha": 8, "judge_enabled": False}
     return server_factory(**{**values, **overrides})
 
 
