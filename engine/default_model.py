@@ -10,11 +10,14 @@ copied into a model built from the same config and saved as a plain HF folder in
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import logging
 import shutil
 import tempfile
+import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 log = logging.getLogger(__name__)
@@ -48,19 +51,70 @@ def ensure_default_model(models_dir: Path) -> Path:
     target = models_dir / DEFAULT_MODEL_NAME
     if (target / _DONE_MARKER).exists():
         return target
-    gguf = find_gguf()
-    log.info("Converting %s from %s into %s (once, under a minute on two cores)…", DEFAULT_MODEL_NAME, gguf.name, target)
+    return ensure_converted(find_gguf(), target)
+
+
+def ensure_converted(gguf: Path, target: Path) -> Path:
+    """`gguf` as a Hugging Face model folder at `target`, converted once (the default model's
+    path and any GGUF a person brings, NEXTSTATE_MODEL=….gguf or ollama:NAME). The
+    architecture is checked first: one transformers cannot read is refused before any work."""
+    if (target / _DONE_MARKER).exists():
+        return target
+    check_architecture(gguf)
+    log.info("Converting %s into %s (once; about a minute on two cores for a 135M model, more for larger ones)…",
+             gguf.name, target)
     started = time.monotonic()
-    models_dir.mkdir(parents=True, exist_ok=True)
+    target.parent.mkdir(parents=True, exist_ok=True)
     # Convert into a sibling temp dir and rename, so a crash mid-way never leaves a half model.
-    with tempfile.TemporaryDirectory(dir=models_dir, prefix=".converting-") as tmp:
+    with tempfile.TemporaryDirectory(dir=target.parent, prefix=".converting-") as tmp, _ticking(gguf.name, started):
         _convert(gguf, Path(tmp) / "model")
         (Path(tmp) / "model" / _DONE_MARKER).write_text(gguf.name + "\n")
         if target.exists():
             shutil.rmtree(target)
         (Path(tmp) / "model").rename(target)
-    log.info("Converted %s in %.1f s.", DEFAULT_MODEL_NAME, time.monotonic() - started)
+    log.info("Converted %s in %.1f s.", gguf.name, time.monotonic() - started)
     return target
+
+
+def gguf_architecture(gguf: Path) -> str:
+    from gguf import GGUFReader
+
+    field = GGUFReader(gguf).fields.get("general.architecture")
+    if field is None:
+        raise DefaultModelUnavailable(f"{gguf} has no general.architecture: not a model GGUF file")
+    return bytes(field.parts[field.data[0]]).decode()
+
+
+def check_architecture(gguf: Path) -> None:
+    """Refuse, naming it, an architecture whose GGUF transformers cannot load."""
+    from transformers.integrations.ggml import GGUF_CONFIG_MAPPING
+
+    architecture = gguf_architecture(gguf)
+    supported = sorted(k for k in GGUF_CONFIG_MAPPING if k not in ("general", "tokenizer"))
+    if architecture not in supported:
+        raise DefaultModelUnavailable(
+            f"{gguf.name} is a '{architecture}' model, which cannot be converted from GGUF here; these can: "
+            f"{', '.join(supported)}. A Hugging Face folder of it works as NEXTSTATE_MODEL instead."
+        )
+
+
+@contextlib.contextmanager
+def _ticking(name: str, started: float, every_s: float = 10.0) -> Iterator[None]:
+    """A line every `every_s` while converting, with the real time so far (a conversion of a
+    larger model takes minutes, and a silent terminal looks hung)."""
+    done = threading.Event()
+
+    def tick() -> None:
+        while not done.wait(every_s):
+            log.info("converting %s… %.0f s so far", name, time.monotonic() - started)
+
+    thread = threading.Thread(target=tick, name="conversion-progress", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join()
 
 
 def _convert(gguf: Path, out: Path) -> None:

