@@ -5,16 +5,20 @@ EVERY, core/stores/samples.py's `HoldOut`) — with the evidence about it: the r
 (accepted or rejected, by a rating or the judge), and the hint or correction where there was one.
 Those turns are the truth a version is measured against, since no version saw them.
 
-**gain** (nats per token; 0 for the base model): how far the version moved the held-out replies'
-likelihood the way the person's reactions point, against the base model:
+**gain** (nats per token): how far the version moved the held-out replies' likelihood the way the
+person's reactions point, from where the version that wrote each reply had it:
 
-    gain = Σ_i Σ_t A_i,t · (log π_v(a_i,t) − log π_base(a_i,t)) / Σ_i Σ_t |A_i,t|
+    gain = Σ_i Σ_t A_i,t · (log π_v(a_i,t) − log π_wrote(a_i,t)) / Σ_i Σ_t |A_i,t|
 
 A_i,t is the advantage the turn would have trained with (learner/ppo.py's): +r on every token of a
 reply the person accepted, −r on one they rejected, plus the OPD teacher's token-level gap where a
 hint or correction said what should change. So an accepted reply made likelier, a rejected one made
 less likely, and the tokens the hinted teacher prefers made likelier all count up; the opposite
 counts down. It is the quantity the learner's own loss pushes on, measured where it never trained.
+The reference is the writer's own logprobs (kept with the turn), not the base model's: a reply is
+likelier under the version that sampled it than under the base model just because that version
+sampled it, so against the base model every rejected reply written by a trained version counted as
+made likelier (measured: −0.2 on every version of a run whose replies were all rejected).
 
 **kl** (nats per token): k3 estimate of KL(π_v ‖ π_base) on the held-out replies' tokens — how far
 the version is from the base model on this person's own prompts.
@@ -64,7 +68,7 @@ def probe_sentences() -> list[str]:
 def figures(samples: list[Sample], now: list[torch.Tensor], base: list[torch.Tensor],
             probe_nll: float | None, base_probe_nll: float | None) -> VersionFigures:
     """The figures from the version's and the base model's logprobs of each held-out reply
-    (`now`, `base`) and their mean NLL per token on the probe."""
+    (`now`, `base`; the writer's are the sample's own) and their mean NLL per token on the probe."""
     import torch
 
     from nextstate.learner.ppo import k3_kl
@@ -73,7 +77,8 @@ def figures(samples: list[Sample], now: list[torch.Tensor], base: list[torch.Ten
     for sample, v, b in zip(samples, now, base):
         mask = torch.tensor(sample.loss_mask or [1] * len(sample.response_ids), dtype=torch.float32, device=v.device)
         advantages = torch.tensor(sample.advantages, dtype=torch.float32, device=v.device) * mask
-        weighted += float((advantages * (v - b)).sum())
+        wrote = torch.tensor(sample.old_logprobs, dtype=torch.float32, device=v.device)
+        weighted += float((advantages * (v - wrote)).sum())
         weight += float(advantages.abs().sum())
         kl += float((k3_kl(v, b) * mask).sum())
         tokens += float(mask.sum())

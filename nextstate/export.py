@@ -58,7 +58,7 @@ def readme(user: str, scope: str, version: int, base: str, rank: int, figures: d
     name = f"nextstate-{scope}-v{version}"
     gain = figures.get("gain")
     forgetting = figures.get("forgetting")
-    measured = (f"- gain on {figures.get('held_out')} held-out turns: {gain:+.3f} nats/token (0 = the base model)\n"
+    measured = (f"- gain on {figures.get('held_out')} held-out turns: {gain:+.3f} nats/token (above 0: better for its user)\n"
                 if gain is not None else "- gain: not measured (no held-out turn yet)\n")
     measured += (f"- forgetting on general text: {forgetting:+.1%} perplexity over the base model's\n"
                  if forgetting is not None else "- forgetting: not measured\n")

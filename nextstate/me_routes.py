@@ -33,7 +33,8 @@ class VersionProgress(BaseModel):
     version: int
     serving: bool = Field(description="This version answers your requests now.")
     gain: float | None = Field(description="Nats per token this version moved your held-out replies the way your "
-                               "ratings and reactions point, against the base model (0); None: nothing held out yet.")
+                               "ratings and reactions point, from where the version that wrote each had it; None: "
+                               "nothing held out yet.")
     forgetting: float | None = Field(description="Its perplexity on plain general text over the base model's, as a "
                                      "share: 0.05 is 5% more surprised by ordinary text.")
     kl: float | None = Field(description="KL from the base model on your held-out replies, nats per token.")

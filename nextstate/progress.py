@@ -268,8 +268,9 @@ def render_text(report: dict[str, Any], where: str) -> str:
             gain = f"{v['gain']:+.3f}" if v.get("gain") is not None else "-"
             lines.append(f"{str(v['scope'])[:10]:<10} {'v' + str(v['version']):>9}  {gain:>8}  {forgetting:>10}  "
                          f"{_fmt(v.get('kl')):>7}  {_fmt(v.get('held_out')):>8}{now}")
-        lines.append("gain: nats per token the version moved your held-out replies the way your reactions point "
-                     "(0 = the base model); forgetting: its perplexity on plain text over the base model's")
+        lines.append("gain: nats per token the version moved the held-out replies the way their reactions point, from "
+                     "where the version that wrote them had them; forgetting: its perplexity on plain text over the base "
+                     "model's")
     if report["steps"]:
         lines.append("")
         lines.append(f"{'update':>8}  {'scope':<10} {'samples':>7}  {'loss':>8}  {'KL':>8}  {'clip':>6}  outcome")

@@ -24,15 +24,20 @@ def test_the_probe_is_plain_text_of_a_few_hundred_sentences():
     assert len(sentences) >= 150 and all(s[0].isupper() and s[-1] in ".?!" for s in sentences)
 
 
-def test_gain_weighs_each_token_by_what_the_person_wanted():
-    up = make_sample([], advantage=1.0).model_copy(update={"response_ids": [1, 2], "advantages": [1.0, 1.0], "loss_mask": [1, 1]})
+def test_gain_weighs_each_token_by_what_the_person_wanted_from_where_its_writer_had_it():
+    # written by a trained version, which found its own replies likelier than the base model does
+    up = make_sample([], advantage=1.0).model_copy(update={"response_ids": [1, 2], "advantages": [1.0, 1.0],
+                                                           "loss_mask": [1, 1], "old_logprobs": [-1.0, -1.0]})
     down = up.model_copy(update={"advantages": [-1.0, -1.0], "reward": -1.0})
     base = [torch.tensor([-2.0, -2.0]), torch.tensor([-2.0, -2.0])]
-    learnt = [torch.tensor([-1.5, -1.5]), torch.tensor([-2.5, -2.5])]  # accepted likelier, rejected less likely
+    learnt = [torch.tensor([-0.5, -0.5]), torch.tensor([-1.5, -1.5])]  # accepted likelier, rejected less likely
     result = figures([up, down], learnt, base, 3.1, 3.0)
     assert result.gain == pytest.approx(0.5) and result.held_out == 2
-    assert figures([up, down], base, base, 3.0, 3.0).gain == 0.0, "the base model gains nothing"
+    writer = [torch.tensor([-1.0, -1.0]), torch.tensor([-1.0, -1.0])]
+    assert figures([up, down], writer, base, 3.0, 3.0).gain == 0.0, "the version that wrote them moved nothing"
     assert figures([up, down], [learnt[1], learnt[0]], base, None, None).gain == pytest.approx(-0.5)
+    assert figures([up, down], base, base, None, None).gain == pytest.approx(0.0), \
+        "the base model is not worse for a rejected reply a trained version wrote"
     assert result.forgetting == pytest.approx(math.exp(0.1) - 1) and result.kl > 0
     assert figures([], [], [], None, None).gain is None
 
