@@ -1,8 +1,9 @@
 """Which samples must not train, and why — every reason in one place.
 
-A sample is screened twice: when it is ready (before it can take a batch slot) and once its
-batch has its final advantages (outcome samples get theirs only then, standardised over the
-batch). Both ask `drop_reason`; a batch is also dropped whole when nothing in it could teach.
+A sample is screened twice: when it is ready (`drop_reason`, before it can take a batch slot)
+and once its batch has its final advantages (outcome samples get theirs only then, standardised
+over the batch): then a sample with a non-finite value is left out alone (`finite`), and the
+batch is dropped whole when nothing in it could teach (`batch_teaches`).
 Each dropped sample keeps its reason in the store, which `nextstate status` counts.
 """
 
@@ -30,12 +31,11 @@ def finite(sample: Sample) -> bool:
 
 
 def drop_reason(sample: Sample, settings: LearnerSettings, behind: int) -> str | None:
-    """Why `sample` must not train, or None. `behind`: versions its scope has published since
-    the one that served it. Without a KL term a sample that teaches nothing would only dilute
-    the token mean (the at-least-one rule's neutral samples); outcome samples are judged by
-    their advantages once their batch gives them theirs."""
-    if not finite(sample):
-        return NOT_FINITE
+    """Why a ready `sample` must not take a batch slot, or None. `behind`: versions its scope
+    has published since the one that served it. Without a KL term a sample that teaches nothing
+    would only dilute the token mean (the at-least-one rule's neutral samples); outcome samples
+    are judged by their advantages once their batch gives them theirs. Non-finite values are
+    looked for in the batch (`finite`), where the rest of the batch then trains without them."""
     if settings.kl_coef == 0 and sample.track != "outcome" and not teaches(sample):
         return NO_SIGNAL
     if len(sample.response_ids) >= settings.max_train_tokens:
