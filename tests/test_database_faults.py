@@ -71,3 +71,22 @@ def test_a_frozen_database_holds_up_no_request_that_does_not_need_it(server_fact
         os.killpg(own_postgres.process.pid, signal.SIGCONT)
     waiting.join(60)
     assert chat(server, key).status_code == 200
+
+
+def test_a_transaction_cut_off_by_a_restart_fails_whole_and_the_next_call_reconnects(own_postgres, tmp_path):
+    """Inside a transaction a lost connection is not replaced: the rest would run alone,
+    committed, on a new one. The transaction fails; the next statement outside one reconnects."""
+    from nextstate.core.stores.database import Database
+
+    db = Database.open(tmp_path / "unused", "CREATE TABLE IF NOT EXISTS t (n INTEGER)", url=own_postgres.fresh_database("tx"))
+    try:
+        with pytest.raises(Exception):
+            with db.transaction():
+                db.execute("INSERT INTO t (n) VALUES (1)")
+                own_postgres.restart()
+                db.execute("INSERT INTO t (n) VALUES (2)")
+        assert db.execute("SELECT COUNT(*) FROM t").fetchone()[0] == 0, "nothing of it was kept"
+        db.execute("INSERT INTO t (n) VALUES (3)")
+        assert [n for (n,) in db.execute("SELECT n FROM t").fetchall()] == [3]
+    finally:
+        db.close()

@@ -141,8 +141,10 @@ class Database:
         return bool(self._conn.closed or self._conn.broken)
 
     def _live(self) -> Any:
-        """The connection, opened again if the server dropped it."""
-        if self.dialect != "postgres" or not self._lost() or self._connect is None:
+        """The connection, opened again if the server dropped it — never inside a transaction,
+        whose next statement must fail on the dead connection rather than run alone, committed,
+        on a new one."""
+        if self.dialect != "postgres" or self._transactions or not self._lost() or self._connect is None:
             return self._conn
         pause, error = RECONNECT_PAUSE_S, None
         for attempt in range(RECONNECT_TRIES):
@@ -174,7 +176,7 @@ class Database:
         """All or nothing. SQLite takes its write lock at the start (BEGIN IMMEDIATE), so what a
         transaction reads cannot change before it writes."""
         if self.dialect == "postgres":
-            conn = self._live()
+            conn = self._live()  # before the transaction counts: a connection dropped since the last call is replaced
             self._transactions += 1
             try:
                 with conn.transaction():
