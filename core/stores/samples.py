@@ -15,9 +15,9 @@ the learner consumes in order and the admin stats summarise. Calls are blocking;
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -114,8 +114,8 @@ def _sample_from_row(row: tuple) -> Sample:
 class HoldOut:
     """Which of a person's samples are held out: the `every`-th, 2·`every`-th, ... of those that
     could teach (a verdict or a hint, on their own turn), up to `most` (NEXTSTATE_HELD_OUT_*).
-    Counted in the same transaction as the insert, so every process sharing the database holds
-    out the same ones, and a person's first few samples always train."""
+    Counted in the insert's transaction, from the rows themselves (no counter that a crash or a
+    second process could leave wrong), and a person's first few samples always train."""
 
     every: int = 8
     most: int = 32
