@@ -338,16 +338,15 @@ class LoraTrainer:
         if not todo:
             return out
         k = self.settings.opd_topk
-
-        def at(logits: torch.Tensor, i: int, part: slice) -> tuple[torch.Tensor, torch.Tensor]:
-            return teacher_topk(logits, group_samples[i].logprob_temperature, k)
-
         lengths = [len(self._teacher_ids(samples[i])) - 1 for i in todo]
         with torch.no_grad(), self.model.disable_adapter():
             for group in micro_batches(lengths, self._pass_tokens):
                 group_samples = [samples[todo[j]] for j in group]
+                temperatures = [s.logprob_temperature for s in group_samples]
                 rows = [self._teacher_ids(s)[:-1] for s in group_samples]
-                results = self._over_responses(rows, [len(s.response_ids) for s in group_samples], at)
+                results = self._over_responses(
+                    rows, [len(s.response_ids) for s in group_samples],
+                    lambda logits, i, part, temperatures=temperatures: teacher_topk(logits, temperatures[i], k))
                 for j, pieces in zip(group, results):
                     out[todo[j]] = (torch.cat([p[0] for p in pieces]), torch.cat([p[1] for p in pieces]))
         return out
