@@ -8,7 +8,8 @@ A store writes its SQL once, in what both understand: `?` placeholders (turned i
 float column types (`{id}`, `{float}` in a schema), a JSON field's text (`json_text`), and how a
 write transaction is taken (`transaction()`: SQLite's BEGIN IMMEDIATE, which takes the write lock
 at once; PostgreSQL's BEGIN). Calls are blocking, one at a time per store (its own lock); async
-callers use `asyncio.to_thread`.
+callers use `asyncio.to_thread`. A PostgreSQL connection the server ended (a restart) is opened
+again on its next use, outside a transaction (`_again_if_lost`).
 """
 
 from __future__ import annotations
@@ -134,7 +135,8 @@ class Database:
         except Exception as exc:
             if not is_unavailable(exc) or self._transactions or not self._lost():
                 raise
-            log.warning("the database connection was lost (%s); reconnecting", str(exc).strip().splitlines()[0][:200])
+            first_line = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+            log.warning("the database connection was lost (%s); reconnecting", first_line[:200])
             return run(self._live())
 
     def _lost(self) -> bool:
