@@ -114,7 +114,8 @@ THANKS = "Thanks, that's exactly how I like it."
 class Preference:
     """What the simulated user wants. `rule` is checkable without a model: "capital" (the reply
     begins with a capital letter), "digit" (it contains a number), "marker:WORD" (it begins with
-    WORD); "" when a model user and scorer judge the words of `instruction` instead."""
+    WORD), "short", "lowercase", "nolist", "list" (two list lines or more), "avoid:WORDS"; "" when
+    a model user and scorer judge the words of `instruction` instead."""
 
     instruction: str  # what the user says when a reply misses, and what the hint judge extracts
     rule: str = ""
@@ -133,6 +134,8 @@ class Preference:
             return bool(text) and not any(c.isupper() for c in text)
         if self.rule == "nolist":
             return bool(text) and not LIST_LINE.search(text)
+        if self.rule == "list":
+            return len(LIST_LINE.findall(text)) >= 2
         if self.rule.startswith("avoid:"):
             return bool(text) and not avoided(self.rule).search(text)
         raise ValueError("a preference without a rule needs a model user and scorer (--user-url, --scorer-url)")
@@ -156,10 +159,15 @@ INSTRUCTIONS = {
     "short": f"Answer in one short sentence of at most {SHORT_WORDS} words.",
     "lowercase": "Write in lowercase letters only, with no capital letters at all.",
     "nolist": "Never use lists or bullet points: answer in plain prose.",
+    "list": "Always answer as a bulleted list: at least two lines, each starting with '- '.",
     "avoid": "Never mention food, eating or cooking.",
 }
-# `--kind NAME`: each preference kind of the issue's table, by name.
-KINDS = {"opening": "marker:auto", "length": "short", "format": "nolist", "case": "lowercase", "topic": AVOIDED_TOPIC}
+# `--kind NAME`: each preference kind of the issue's table, by name. The format is "a bulleted
+# list" rather than "no lists": SmolLM2 answers these tasks without a list 99% of the time
+# (measured over 72 replies, 2026-11-26), so "no lists" measured nothing; a list it writes 1%.
+# The topic to avoid, food, is mentioned in 6% of them (the cooking and picnic tasks): it has
+# little room to learn in, and no everyday topic measured had more (feelings 10%, nature 11%).
+KINDS = {"opening": "marker:auto", "length": "short", "format": "list", "case": "lowercase", "topic": AVOIDED_TOPIC}
 
 
 class ChatModel:

@@ -39,7 +39,8 @@ def test_results_log_rows_are_replaced_by_file_and_stay_in_their_table(tmp_path)
 
 @pytest.mark.parametrize(
     ("rule", "fits", "misses"),
-    [("capital", "  Sure thing", "sure thing"), ("digit", "about 3 cups", "a few cups"), ("marker:The", "The sea", "A sea")],
+    [("capital", "  Sure thing", "sure thing"), ("digit", "about 3 cups", "a few cups"), ("marker:The", "The sea", "A sea"),
+     ("list", "Try:\n- tea\n- a walk", "Try tea, then a walk."), ("nolist", "Try tea, then a walk.", "- tea\n- a walk")],
 )
 def test_rule_preferences(rule, fits, misses):
     preference = Preference("Always do it.", rule)
