@@ -17,13 +17,12 @@ from fastapi.responses import Response
 from pydantic import BaseModel, Field
 
 from nextstate.core.settings import Settings
-from nextstate.export import NothingToExport, build_export, export_tar, scope_of
-from nextstate.proxy.errors import ApiError
-
 from nextstate.core.stores.keys import ApiKey
+from nextstate.export import NothingToExport, build_export, export_tar, scope_of
 from nextstate.learner.versions import AdapterVersions
 from nextstate.progress import version_figures
 from nextstate.proxy.auth import authenticate, authenticate_admin
+from nextstate.proxy.errors import ApiError
 from nextstate.services import app_services
 
 router = APIRouter()
