@@ -154,7 +154,7 @@ class PublishGate:
         # The serving version's repetition is not compared with anything (the anchor is the
         # base model's), and greedy replies are most of the gate's cost: likelihood only.
         serving = self.trainer.gate_figures(scope, liked, [], GATE_NEW_TOKENS)
-        serving.version = self.trainer.version_figures(scope, turns)
+        serving.version = self.trainer.version_figures(scope, turns, probe=False)  # only its gain is compared
         return HeldOut(liked, prompts, serving, turns)
 
     def held_out_turns(self, scope: str) -> list[Sample]:

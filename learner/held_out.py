@@ -75,7 +75,7 @@ def figures(samples: list[Sample], now: list[torch.Tensor], base: list[torch.Ten
 
     weighted = weight = kl = tokens = 0.0
     for sample, v, b in zip(samples, now, base):
-        mask = torch.tensor(sample.loss_mask or [1] * len(sample.response_ids), dtype=torch.float32, device=v.device)
+        mask = torch.tensor(sample.loss_mask, dtype=torch.float32, device=v.device)
         advantages = torch.tensor(sample.advantages, dtype=torch.float32, device=v.device) * mask
         wrote = torch.tensor(sample.old_logprobs, dtype=torch.float32, device=v.device)
         weighted += float((advantages * (v - wrote)).sum())

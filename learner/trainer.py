@@ -38,7 +38,7 @@ from nextstate.learner.memory_budget import MemoryBudget, Refusal
 from nextstate.learner.micro_batches import micro_batches
 from nextstate.learner.ppo import k3_kl, ppo_token_losses
 from nextstate.learner.step_sizes import KlTry, StepSizes
-from nextstate.modelio.logprobs import tempered_log_softmax
+from nextstate.modelio.logprobs import tempered_log_softmax, token_logprobs
 
 log = logging.getLogger(__name__)
 
@@ -362,27 +362,29 @@ class LoraTrainer:
 
     # ---------------------------------------------------------------- what a version gained and forgot
 
-    def version_figures(self, scope: str, held_out: list[Sample]) -> VersionFigures:
-        """The scope's weights as they are now, scored on `held_out` and the general-text probe
-        (learner/held_out.py). The base model's side of both is computed once and kept."""
+    def version_figures(self, scope: str, held_out: list[Sample], probe: bool = True) -> VersionFigures:
+        """The scope's weights as they are now, scored on `held_out` and (`probe`) the
+        general-text probe (learner/held_out.py). The base model's side of both is computed
+        once and kept. The gate scores the serving version without the probe: its forgetting is
+        compared with nothing, and the probe is most of the cost."""
         self._activate(scope)
         self.model.eval()
         with torch.no_grad():
             now = self._logprobs_each(held_out) if held_out else []
             base: list[torch.Tensor | None] = [self._base_held_out.get(s.id) if s.id is not None else None for s in held_out]
             missing = [i for i, b in enumerate(base) if b is None]
-            if missing or self._base_probe_nll is None:
+            if missing or (probe and self._base_probe_nll is None):
                 with self.model.disable_adapter():
                     for i, lp in zip(missing, self._logprobs_each([held_out[i] for i in missing]) if missing else []):
                         base[i] = lp
                         if held_out[i].id is not None:
                             self._base_held_out[held_out[i].id] = lp
-                    if self._base_probe_nll is None:
+                    if probe and self._base_probe_nll is None:
                         self._base_probe_nll = self._probe_nll()
-            probe = self._probe_nll()
+            probe_nll = self._probe_nll() if probe else None
         while len(self._base_held_out) > BASE_HELD_OUT_KEPT:
             self._base_held_out.popitem(last=False)
-        return held_out_figures(held_out, now, base, probe, self._base_probe_nll)  # type: ignore[arg-type]
+        return held_out_figures(held_out, now, base, probe_nll, self._base_probe_nll)  # type: ignore[arg-type]
 
     def _probe_nll(self) -> float:
         """Mean NLL per token of the general-text probe under the active weights (no grad)."""
@@ -397,8 +399,7 @@ class LoraTrainer:
             rows = [self._probe[i] for i in group]
 
             def at(logits: torch.Tensor, i: int, part: slice) -> torch.Tensor:
-                targets = torch.tensor(rows[i][1:], device=self.device)[part]
-                return tempered_log_softmax(logits, 1.0).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+                return token_logprobs(logits, torch.tensor(rows[i][1:], device=self.device)[part], 1.0)
 
             for pieces in self._over_responses([r[:-1] for r in rows], [len(r) - 1 for r in rows], at):
                 scores = torch.cat(pieces)
