@@ -42,8 +42,9 @@ class UserDataStore:
     close: Callable[[Services], Awaitable[None]] | None = None
 
 
-def _of(user: str) -> Callable[[dict[str, Any]], bool]:
-    return lambda record: record.get("user") != user
+def not_of(*users: str) -> Callable[[dict[str, Any]], bool]:
+    """The records to keep when `users` are forgotten: everyone else's."""
+    return lambda record: record.get("user") not in users
 
 
 def _offline(store_of: Callable[[Stores], Any], forget: Callable[[Any, str], int]) -> Callable[[Settings, str], int]:
@@ -100,11 +101,11 @@ async def _expire_samples(s: Services, cutoff: float) -> int:
 
 
 async def _forget_records(s: Services, user: str) -> int:
-    return await s.records.purge(_of(user))
+    return await s.records.purge(not_of(user))
 
 
 def _forget_records_offline(settings: Settings, user: str) -> int:
-    return purge_records(settings.records_dir, _of(user)) if settings.records_dir.is_dir() else 0
+    return purge_records(settings.records_dir, not_of(user)) if settings.records_dir.is_dir() else 0
 
 
 async def _expire_records(s: Services, cutoff: float) -> int:
