@@ -12,6 +12,12 @@ class PolicyRef:
 
 
 BASE_POLICY = PolicyRef(version=0, adapter=None)
+SHARED_SCOPE = "shared"
+
+
+def scope_of(user: str, per_user: bool) -> str:
+    """The scope whose adapter serves `user`: their own, or the one everyone shares."""
+    return user if per_user else SHARED_SCOPE
 
 
 class PolicyDirectory:
@@ -26,7 +32,7 @@ class PolicyDirectory:
         self._current: dict[str, PolicyRef] = {}
 
     def scope_of(self, user: str) -> str:
-        return user if self.per_user else "shared"
+        return scope_of(user, self.per_user)
 
     def current(self, user: str) -> PolicyRef:
         return self._current.get(self.scope_of(user), BASE_POLICY)

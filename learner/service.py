@@ -197,8 +197,7 @@ class Learner:
         for sample in ready:
             if sample.id is None:
                 continue
-            scope = sample.user if self.policies.per_user else "shared"
-            behind = self.policies.current_scope(scope).version - sample.policy_version
+            behind = self.policies.current(sample.user).version - sample.policy_version
             if (why := drop_reason(sample, self.settings, behind)) is not None:
                 reasons.setdefault(why, []).append(sample.id)
         for why, ids in reasons.items():

@@ -16,6 +16,7 @@ import tarfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from nextstate.core.policy import scope_of
 from nextstate.core.settings import Settings
 from nextstate.learner.versions import AdapterVersions
 
@@ -30,14 +31,10 @@ class Export:
     files: dict[str, bytes]  # name → content: the adapter's two files and README.md
 
 
-def scope_of(settings: Settings, user: str) -> str:
-    return user if settings.learner.adapter_scope == "user" else "shared"
-
-
 def build_export(settings: Settings, user: str, version: int | None = None) -> Export:
     """`user`'s adapter (the version serving them unless `version` names another)."""
     versions = AdapterVersions(settings.adapters_dir)
-    scope = scope_of(settings, user)
+    scope = scope_of(user, settings.learner.adapter_scope == "user")
     version = version if version is not None else versions.current(scope)
     if not version or version not in versions.versions(scope):
         have = ", ".join(f"v{v}" for v in versions.versions(scope)) or "none yet"

@@ -18,7 +18,7 @@ from pydantic import BaseModel, Field
 
 from nextstate.core.settings import Settings
 from nextstate.core.stores.keys import ApiKey
-from nextstate.export import NothingToExport, build_export, export_tar, scope_of
+from nextstate.export import NothingToExport, build_export, export_tar
 from nextstate.learner.versions import AdapterVersions
 from nextstate.progress import version_figures
 from nextstate.proxy.auth import authenticate, authenticate_admin
@@ -67,11 +67,11 @@ def adapter_response(settings: Settings, user: str, version: int | None) -> Resp
 async def my_adapter(request: Request, version: int | None = None, key: ApiKey = Depends(authenticate)) -> Response:
     """Your adapter, to take with you: the version serving you (or `version`), as a standard
     PEFT adapter in a tar. In the shared scope the adapter is everyone's: an admin's to export."""
-    settings = app_services(request).settings
-    if scope_of(settings, key.user) != key.user:
+    services = app_services(request)
+    if services.policies.scope_of(key.user) != key.user:
         raise ApiError(403, "One adapter serves every user here (NEXTSTATE_ADAPTER_SCOPE=shared): an admin exports it "
                        "(GET /v1/admin/users/NAME/adapter).", type="permission_error", code="shared_adapter")
-    return await asyncio.to_thread(adapter_response, settings, key.user, version)
+    return await asyncio.to_thread(adapter_response, services.settings, key.user, version)
 
 
 @router.get("/v1/admin/users/{user}/adapter", response_class=Response, responses=ADAPTER_RESPONSES)
