@@ -24,13 +24,20 @@ STEP_FIELDS = ("loss", "policy_kl", "kl_to_base", "clip_fraction", "mean_advanta
                "step_scale", "kl_tries", "max_kl")
 
 
-def _published_steps(versions: AdapterVersions, scope: str) -> list[dict[str, Any]]:
-    steps = []
+def _manifests(versions: AdapterVersions, scope: str) -> list[tuple[int, dict[str, Any]]]:
+    """Each published version of `scope` with its manifest, oldest first (one unreadable is skipped)."""
+    out = []
     for version in versions.versions(scope):
         try:
-            manifest = versions.manifest(scope, version)
+            out.append((version, versions.manifest(scope, version)))
         except (OSError, ValueError):
             continue
+    return out
+
+
+def _published_steps(scope: str, manifests: list[tuple[int, dict[str, Any]]]) -> list[dict[str, Any]]:
+    steps = []
+    for version, manifest in manifests:
         step = manifest.get("step") or {}
         steps.append({"scope": scope, "version": version, "published": True, "skipped": None,
                       **{k: step.get(k) for k in STEP_FIELDS}})
@@ -40,19 +47,14 @@ def _published_steps(versions: AdapterVersions, scope: str) -> list[dict[str, An
 FIGURES = ("gain", "forgetting", "kl", "held_out")
 
 
-def version_figures(versions: AdapterVersions, scope: str) -> list[dict[str, Any]]:
+def version_figures(versions: AdapterVersions, scope: str,
+                    manifests: list[tuple[int, dict[str, Any]]] | None = None) -> list[dict[str, Any]]:
     """Each published version of `scope` with what it gained for its user and what it forgot
-    (learner/held_out.py), as its manifest keeps them; oldest first."""
+    (learner/held_out.py), as its manifest keeps them (`manifests`: read already); oldest first."""
     serving = versions.current(scope) or 0
-    out = []
-    for version in versions.versions(scope):
-        try:
-            figures = versions.manifest(scope, version).get("figures") or {}
-        except (OSError, ValueError):
-            continue
-        out.append({"scope": scope, "version": version, "serving": version == serving,
-                    **{k: figures.get(k) for k in FIGURES}})
-    return out
+    return [{"scope": scope, "version": version, "serving": version == serving,
+             **{k: (manifest.get("figures") or {}).get(k) for k in FIGURES}}
+            for version, manifest in (manifests if manifests is not None else _manifests(versions, scope))]
 
 
 def progress_report(
@@ -81,8 +83,9 @@ def progress_report(
     for scope in versions.scopes():
         scope_versions = versions.versions(scope)
         scopes.append({"scope": scope, "serving": versions.current(scope) or 0, "versions": len(scope_versions)})
-        steps += _published_steps(versions, scope)
-        figures += version_figures(versions, scope)
+        manifests = _manifests(versions, scope)  # read once for both
+        steps += _published_steps(scope, manifests)
+        figures += version_figures(versions, scope, manifests)
     if live_steps is not None:  # the live list has skipped steps (the gate's verdicts) and swap times
         published = {(s["scope"], s["version"]) for s in live_steps if s.get("published")}
         steps = [s for s in steps if (s["scope"], s["version"]) not in published]
