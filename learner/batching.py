@@ -7,10 +7,10 @@ dashboard show.
 
 Two rules keep one person's feedback from steering a shared adapter, everyone's model: a batch
 holds samples of at least `shared_min_contributors` users (2 by default: a lone rater waits for
-a second), and no user fills more than `max_user_share` of it. The cap counts as "other users" only those who are training the adapter
-— with samples waiting, or trained within `RECENT_USER_S` — never someone who merely holds a
-key: an admin key made for the dashboard, or a colleague's idle key, stalled a lone user's
-training for good.
+a second), and no user fills more than `max_user_share` of it. The cap counts as "other users"
+only those who are training the adapter — with samples waiting, or trained within
+`RECENT_USER_S` — never someone who merely holds a key: an admin key made for the dashboard, or
+a colleague's idle key, stalled a lone user's training for good.
 """
 
 from __future__ import annotations
