@@ -314,7 +314,9 @@ class JudgeSettings(BaseSettings):
             track; Agarwal et al. 2024's on-policy distillation over the full distribution), so
             the teacher can also show what it would have written instead (an end of the reply
             where "be brief" makes one likely). The teacher is then the base model in the
-            learner; the weight is `w_opd` (learner/distillation.py).
+            learner; the weight is `w_opd` (learner/distillation.py). `both`: the sampled
+            tokens' advantages and the distillation together — "less of what was written" and
+            "this instead" (BENCHMARKS.md, "What each change to the learner earns").
         judge_in_process: off in serving processes whose transitions `nextstate judge`
             processes judge (their own machines or GPUs; several at once take disjoint
             transitions from the shared inbox, core/stores/samples.py): the serving process
@@ -382,8 +384,8 @@ class JudgeSettings(BaseSettings):
     opd_teacher: Literal["base", "policy"] = Field(
         "base", description="Teacher = the base model, or the adapter that served the turn."
     )
-    opd_loss: Literal["sampled", "topk"] = Field(
-        "sampled", description="OPD as the sampled tokens' advantages, or as a reverse KL to the teacher's top-K distribution."
+    opd_loss: Literal["sampled", "topk", "both"] = Field(
+        "sampled", description="OPD as the sampled tokens' advantages, a reverse KL to the teacher's top-K distribution, or both."
     )
     prompts_dir: Path | None = Field(None, description="Judge prompt folder; unset = the bundled prompts.")
     outcome_min: float = Field(-1.0, description="Lowest outcome reward POST /v1/sessions/{id}/outcome accepts.")
@@ -415,8 +417,8 @@ class JudgeSettings(BaseSettings):
     def _topk_teacher_is_base(self) -> JudgeSettings:
         """The learner distils from its own frozen copy of the base model; the served adapter a
         `policy` teacher would be is not what the learner holds when it trains."""
-        if self.opd_loss == "topk" and self.opd_teacher == "policy":
-            raise ValueError("NEXTSTATE_OPD_LOSS=topk distils from the base model: set NEXTSTATE_OPD_TEACHER=base "
+        if self.opd_loss != "sampled" and self.opd_teacher == "policy":
+            raise ValueError(f"NEXTSTATE_OPD_LOSS={self.opd_loss} distils from the base model: set NEXTSTATE_OPD_TEACHER=base "
                              "or NEXTSTATE_OPD_LOSS=sampled")
         return self
 

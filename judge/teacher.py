@@ -58,8 +58,8 @@ async def teacher_logprobs(engine: Engine, renderer: ChatRenderer, turn: Turn, h
 @dataclass(frozen=True)
 class TeacherSignal:
     """What a hint adds to a sample: the teacher's logprobs of the sampled tokens (`sampled`:
-    their gap to the sampler's is an advantage) or the prompt the learner's teacher reads
-    (`topk`: the gap is a loss of its own, weighted in the sample)."""
+    their gap to the sampler's is an advantage), the prompt the learner's teacher reads
+    (`topk`: the gap is a loss of its own, weighted in the sample), or both (`both`)."""
 
     logprobs: list[float] | None = None
     prompt_ids: list[int] | None = None

@@ -120,6 +120,17 @@ def test_with_the_topk_loss_the_judge_hands_the_learner_the_teachers_prompt(serv
     assert correction.reason == "reward and hint"
 
 
+def test_with_both_losses_the_sample_carries_the_teachers_scores_and_its_prompt(server_factory, judge):
+    """NEXTSTATE_OPD_LOSS=both: the sampled tokens' gap is in the advantages, as with `sampled`,
+    and the hint's prompt goes with the sample for the learner's distillation, as with `topk`."""
+    server = judged_server(server_factory, judge, opd_loss="both", learn=False)
+    converse(server.client(server.key("alice")), SCRIPT)
+    correction = samples_by_turn(server)[1]
+    assert correction.teacher_logprobs is not None and len(correction.teacher_logprobs) == len(correction.response_ids)
+    assert correction.teacher_prompt_ids and correction.distill_weight == 1.0
+    assert correction.advantages != [-1.0] * len(correction.response_ids), "the teacher's gap is in them"
+
+
 def test_binary_mode_ignores_hints(server_factory, judge):
     server = judged_server(server_factory, judge, mode="binary")
     converse(server.client(server.key("alice")), SCRIPT)
