@@ -1,0 +1,249 @@
+"""A person's day with a real OpenClaw on the README's setup: no lost turn, and the wish shows.
+
+    python -m bench.openclaw_day                       # 20 turns, ratings, versions, held-out questions
+    python -m bench.openclaw_day --turns 20 --versions 0   # only the day: does any turn get lost?
+    python -m bench.openclaw_day --openclaw-held-out   # also ask the held-out questions through OpenClaw
+
+Installs Node and OpenClaw as bench/openclaw_e2e does (a scratch folder, the npm registry; never in
+CI), starts `nextstate serve` at every default (the embedded SmolLM2, which judges itself and is
+benched by its start-up check: next states teach as hindsight hints) with a user key and an admin
+key, and writes the json5 block of docs/agents.md's OpenClaw section, key and port put in, as the
+whole `~/.openclaw/openclaw.json`. Then one person's day in one `--session-id`: everyday questions,
+one `openclaw agent --local` run each. The person wants short answers: a reply of more than
+`WISH_WORDS` words is rated -1 through `POST /v1/feedback` with the correction "Too long. One
+sentence please.", a short one +1.
+
+Reports:
+* lost turns: runs that exited non-zero or brought no reply (the issue's "Preflight compaction
+  required but failed" after OpenClaw's summaries failed its own checks), the compaction and
+  memory-flush requests OpenClaw sent, and how nextstate filed them (side turns, sessions);
+* how fast each rating was answered;
+* the wish on `HELD_OUT` questions no rating touched, through the plain API (a second user's key
+  for the base model, the person's own for each version as it is published), and with
+  `--openclaw-held-out` through OpenClaw too: the share of replies of at most `WISH_WORDS` words
+  and their mean length;
+* time from the last rating to each version, and the server's memory peak.
+
+Writes bench/results/openclaw_day-<model>.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+from bench.models import bench_model
+from bench.openclaw_e2e import Nextstate, install, run_turn, tally
+from bench.openclaw_readme import readme_config
+from bench.report import pyplot, save
+
+WISH_WORDS = 20
+CORRECTION = "Too long. One sentence please."
+DAY = [
+    "Good morning! What is a quick healthy breakfast I can make?",
+    "How long should I boil an egg for a soft yolk?",
+    "What is the weather usually like in Lisbon in spring?",
+    "Can you suggest a name for my new goldfish?",
+    "How do I remove a coffee stain from a white shirt?",
+    "What is a good stretch for a stiff neck?",
+    "Give me an idea for a quick lunch at my desk.",
+    "How many cups are in a litre?",
+    "What should I say in an email to reschedule a meeting?",
+    "Why do cats purr?",
+    "How do I keep basil alive on a windowsill?",
+    "What is a polite way to ask a neighbour to turn the music down?",
+    "Suggest a short walk I could take after work.",
+    "How do I convert 30 degrees Celsius to Fahrenheit?",
+    "What is a good book to read on a train?",
+    "How can I fall asleep faster tonight?",
+    "What is the difference between baking soda and baking powder?",
+    "Give me a tip for remembering where I left my keys.",
+    "What can I cook with rice, eggs and spinach?",
+    "Thanks for today. What is one thing I could plan for tomorrow?",
+]
+HELD_OUT = [
+    "What is a good houseplant for a dark room?",
+    "How do I make my tea less bitter?",
+    "What is a fun thing to do on a Sunday morning?",
+    "How should I store fresh bread?",
+    "What is a quick way to tidy a messy desk?",
+    "Why is the sky blue?",
+    "How do I politely end a long phone call?",
+    "What should I pack for a day at the beach?",
+    "How often should I water a cactus?",
+    "What is a good warm-up before running?",
+    "How do I get rid of hiccups?",
+    "Suggest a gift for a friend who likes gardening.",
+]
+
+
+def words(text: str) -> int:
+    return len(text.split())
+
+
+def meets_wish(text: str) -> bool:
+    return 0 < words(text) <= WISH_WORDS
+
+
+def day_config(port: int, key: str) -> str:
+    """The README's file, word for word but for the key and the port."""
+    return readme_config().replace("http://127.0.0.1:8000/v1", f"http://127.0.0.1:{port}/v1").replace('"ns-..."', json.dumps(key))
+
+
+def newest_main_turn(data: Path) -> dict | None:
+    records = [json.loads(line) for path in sorted((data / "records").glob("*.jsonl")) for line in path.read_text().splitlines() if line]
+    main = [r for r in records if r["kind"] == "request" and r["turn_type"] == "main"]
+    return main[-1] if main else None
+
+
+def rate(server: Nextstate, data: Path, key: str, reply: str, seen: str | None) -> dict:
+    """The person's rating of the turn just run: -1 with the correction if it was too long."""
+    turn = newest_main_turn(data)
+    if turn is None or turn["id"] == seen:
+        return {"status": "no new reply to rate"}
+    rating = 1 if meets_wish(reply) else -1
+    body = {"response_id": turn["id"], "rating": rating, **({} if rating > 0 else {"correction": CORRECTION})}
+    started = time.monotonic()
+    answer = httpx.post(f"{server.root}/v1/feedback", json=body, headers={"Authorization": f"Bearer {key}"}, timeout=120)
+    return {"response_id": turn["id"], "rating": rating, "status": answer.json().get("status", answer.text[:200]),
+            "answered_s": round(time.monotonic() - started, 3)}
+
+
+def ask_plain(server: Nextstate, key: str, questions: list[str], max_tokens: int) -> dict:
+    """The questions through the plain Chat Completions API, one fresh conversation each."""
+    replies, versions = [], set()
+    for question in questions:
+        answer = httpx.post(f"{server.root}/v1/chat/completions", headers={"Authorization": f"Bearer {key}"}, timeout=600,
+                            json={"model": "default", "messages": [{"role": "user", "content": question}],
+                                  "max_tokens": max_tokens, "seed": 7})
+        answer.raise_for_status()
+        versions.add(answer.headers.get("x-policy-version"))
+        replies.append(answer.json()["choices"][0]["message"]["content"] or "")
+    return summary(replies) | {"served_by": sorted(v for v in versions if v is not None)}
+
+
+def ask_openclaw(openclaw: Path, env: dict, questions: list[str], tag: str, timeout_s: int) -> dict:
+    """The questions through OpenClaw, one fresh `--session-id` each."""
+    runs = [run_turn(openclaw, env, q, f"held-{tag}-{i}", timeout_s) for i, q in enumerate(questions)]
+    return summary([r["reply"] if not r["exit"] else "" for r in runs]) | {"failed": sum(1 for r in runs if r["exit"])}
+
+
+def summary(replies: list[str]) -> dict:
+    return {"meets_wish": sum(map(meets_wish, replies)), "asked": len(replies),
+            "mean_words": round(statistics.fmean(map(words, replies)), 1) if replies else None,
+            "replies": [r[:300] for r in replies]}
+
+
+def published_versions(server: Nextstate, admin: str) -> tuple[list[dict], dict]:
+    report = httpx.get(f"{server.root}/v1/admin/progress", headers={"Authorization": f"Bearer {admin}"}, timeout=60).json()
+    return [s for s in report.get("steps", []) if s.get("published")], report
+
+
+def home_for(work: Path, name: str, port: int, key: str, env: dict) -> dict:
+    """A fresh OpenClaw home holding the README's file for `key`."""
+    home = work / name
+    shutil.rmtree(home, ignore_errors=True)
+    (home / ".openclaw" / "workspace").mkdir(parents=True)
+    (home / ".openclaw" / "openclaw.json").write_text(day_config(port, key))
+    return {**env, "HOME": str(home)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--turns", type=int, default=len(DAY))
+    parser.add_argument("--versions", type=int, default=2, help="versions to wait for and evaluate after the day (0: none)")
+    parser.add_argument("--train-timeout", type=int, default=5400, help="seconds to wait for those versions")
+    parser.add_argument("--timeout", type=int, default=1800, help="seconds per OpenClaw turn")
+    parser.add_argument("--max-tokens", type=int, default=512, help="the plain API's reply limit (the README's maxTokens)")
+    parser.add_argument("--openclaw-held-out", action="store_true", help="ask the held-out questions through OpenClaw too")
+    parser.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "nextstate-openclaw-e2e",
+                        help="scratch folder (Node and OpenClaw are kept there between runs)")
+    args = parser.parse_args()
+
+    model_dir = bench_model(None, smol=True)
+    args.work.mkdir(parents=True, exist_ok=True)
+    openclaw, env = install(args.work)
+    data = args.work / "day-data"
+    shutil.rmtree(data, ignore_errors=True)
+    server = Nextstate(data, None, None, args.work / "day-nextstate.log")  # every default: the embedded model
+    key, base_key, admin = server.key("dana"), server.key("base-probe"), server.key("admin", admin=True)
+    server.start()
+    person = home_for(args.work, "day-home", server.port, key, env)
+    result: dict = {"benchmark": "openclaw_day", "model": model_dir.name, "openclaw": "openclaw@2026.9.6",
+                    "wish": f"at most {WISH_WORDS} words (correction: {CORRECTION!r})", "config": day_config(server.port, "ns-...")}
+    evaluations = []
+    try:
+        print("held-out questions, base model", flush=True)
+        evaluations.append({"version": 0, "plain": ask_plain(server, base_key, HELD_OUT, args.max_tokens)})
+        if args.openclaw_held_out:
+            base_home = home_for(args.work, "day-home-base", server.port, base_key, env)
+            evaluations[-1]["openclaw"] = ask_openclaw(openclaw, base_home, HELD_OUT, "v0", args.timeout)
+        turns, seen = [], None
+        for i, message in enumerate(DAY[: args.turns], 1):
+            turn = run_turn(openclaw, person, message, "dana-day", args.timeout)
+            lost = bool(turn["exit"]) or not turn["reply"].strip()
+            turn.update(lost=lost, words=words(turn["reply"]))
+            if not lost:
+                turn["rating"] = rate(server, data, key, turn["reply"], seen)
+                seen = turn["rating"].get("response_id", seen)
+            turns.append(turn)
+            told = "LOST" if lost else f"{turn['words']} words"
+            print(f"turn {i}: {turn['seconds']} s, {told}, "
+                  f"rating {turn.get('rating', {}).get('rating')} ({turn.get('rating', {}).get('answered_s')} s): "
+                  f"{turn['reply'][:80]!r}", flush=True)
+        last_rating = time.monotonic()
+        result["turns"] = turns
+        result["lost_turns"] = sum(t["lost"] for t in turns)
+        started, evaluated = time.monotonic(), set()
+        while len(evaluated) < args.versions and time.monotonic() - started < args.train_timeout:
+            steps, report = published_versions(server, admin)
+            for step in steps:
+                version = step.get("version")
+                if version in evaluated or len(evaluated) >= args.versions:
+                    continue
+                evaluated.add(version)
+                waited = round(time.monotonic() - last_rating)
+                print(f"v{version} published {waited} s after the last rating; held-out questions", flush=True)
+                row = {"version": version, "seconds_after_last_rating": waited, "samples": step.get("samples"),
+                       "plain": ask_plain(server, key, HELD_OUT, args.max_tokens)}
+                if args.openclaw_held_out:
+                    row["openclaw"] = ask_openclaw(openclaw, person, HELD_OUT, f"v{version}", args.timeout)
+                evaluations.append(row)
+            time.sleep(15)
+        result["waiting_at_end"] = report.get("waiting") if args.versions else None
+        result["memory_mb"] = server.memory_mb()
+    finally:
+        server.stop()
+    result["evaluations"] = evaluations
+    result.update(tally(data))
+    print(json.dumps({k: v for k, v in result.items() if k not in ("turns", "config")}, indent=1)[:6000])
+    save(result)
+
+
+def headline(result: dict) -> str:
+    evaluation = "; ".join(f"v{e['version']}: {e['plain']['meets_wish']}/{e['plain']['asked']} short "
+                           f"({e['plain']['mean_words']} words)" for e in result.get("evaluations", []))
+    return (f"{len(result['turns'])} OpenClaw turns, {result['lost_turns']} lost; {result['main_turns']} main turns in "
+            f"{result['sessions']} session(s), {result['side_turns']} side turns; held-out questions: {evaluation}")
+
+
+def plot(result: dict):
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(8, 3.5))
+    turns = result["turns"]
+    ax.bar(range(1, len(turns) + 1), [t["seconds"] for t in turns], color=["C3" if t["lost"] else "C0" for t in turns])
+    ax.set_xlabel("turn of the day (red: lost)")
+    ax.set_ylabel("seconds (openclaw agent --local)")
+    ax.set_title(f"A day with OpenClaw 2026.9.6 on nextstate — {result['model']}, CPU")
+    return fig
+
+
+if __name__ == "__main__":
+    main()
