@@ -496,8 +496,10 @@ class LearnerSettings(BaseSettings):
             (its gain, learner/held_out.py) before it may serve. 0 holds out none.
         gate_max_gain_drop, gate_max_forgetting: the gate refuses a version whose gain on its
             user's held-out turns is more than this many nats per token below the serving
-            version's, or whose perplexity on the shipped general-text probe is more than this
-            share above the base model's (its forgetting).
+            version's (compared turn by turn, from four held-out turns on, and only when the
+            drop is over two standard errors: learner/gate.py), or whose perplexity on the
+            shipped general-text probe is more than this share above the base model's (its
+            forgetting).
         opd_topk: with NEXTSTATE_OPD_LOSS=topk, the teacher's most likely tokens kept at each
             position (the rest is one bin): 32 hold all but a sliver of a small model's mass.
         learner_memory_mb: the most a training pass may add to memory; 0 = what the machine

@@ -49,6 +49,11 @@ log = logging.getLogger(__name__)
 GATE_SAMPLES, GATE_LIKED, GATE_PROMPTS, GATE_NEW_TOKENS = 24, 8, 8, 32
 # Each backtrack of a version the gate refused keeps this share of the step tried before.
 BACKTRACK_FACTOR = 0.5
+# A version is worse for its user only if its gain fell past the limit by more than this many
+# standard errors of the per-turn differences (a one-sided test at about 97.5%): on the two to
+# eight held-out turns a new user has, one reply's swing refused a first update of the opening-word
+# bench (-0.09 on 2 turns), and the steps after it restarted at an eighth of their length.
+GAIN_DROP_ERRORS = 2.0
 
 
 @dataclass
@@ -99,10 +104,12 @@ def verdict_from_figures(
     now, was = candidate.version, serving.version
     if (max_gain_drop is not None and now is not None and was is not None and now.gain is not None
             and was.gain is not None and now.held_out >= MIN_HELD_OUT):
-        drop = was.gain - now.gain
-        if drop > max_gain_drop:
+        paired = now.drop_from(was)
+        drop, error = paired if paired is not None else (was.gain - now.gain, None)
+        if drop > max_gain_drop and (error is None or drop > GAIN_DROP_ERRORS * error):
             reasons.append(f"worse for its user: gain on {now.held_out} held-out turns {now.gain:+.3f} against the "
-                           f"serving version's {was.gain:+.3f} nats/token (limit -{max_gain_drop:g})")
+                           f"serving version's {was.gain:+.3f} nats/token (limit -{max_gain_drop:g}"
+                           + (f"; per turn {drop:.3f} ± {error:.3f})" if error is not None else ")"))
     if max_forgetting is not None and now is not None and now.forgetting is not None and now.forgetting > max_forgetting:
         reasons.append(f"forgets: perplexity on general text {now.forgetting:+.1%} over the base model's "
                        f"(limit +{max_forgetting:.0%})")

@@ -35,7 +35,7 @@ logprobs are computed once and kept) and one over the probe (~3,000 tokens) per 
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from importlib import resources
 from typing import TYPE_CHECKING, Any
 
@@ -45,7 +45,7 @@ if TYPE_CHECKING:  # the gate and the status read the figures without loading to
     import torch
 
 # At least this many held-out turns before a version's gain is compared with another's.
-MIN_HELD_OUT = 2
+MIN_HELD_OUT = 4
 
 
 @dataclass
@@ -54,9 +54,26 @@ class VersionFigures:
     kl: float | None
     forgetting: float | None
     held_out: int  # turns scored
+    turn_gains: list[float | None] = field(default_factory=list, repr=False)  # each turn's own gain, in order
 
     def to_dict(self) -> dict[str, Any]:
-        return {k: (round(v, 5) if isinstance(v, float) else v) for k, v in asdict(self).items()}
+        return {k: (round(v, 5) if isinstance(v, float) else v) for k, v in asdict(self).items() if k != "turn_gains"}
+
+    def drop_from(self, serving: VersionFigures) -> tuple[float, float | None] | None:
+        """How much less this version gained than `serving` on the same held-out turns: the mean
+        of the per-turn differences and its standard error (None under two turns), or None when
+        they were not scored on the same turns. A gate compares these, not the two pooled
+        gains: on a few turns one reply's swing is the whole difference."""
+        if len(self.turn_gains) != len(serving.turn_gains) or not self.turn_gains:
+            return None
+        diffs = [was - now for now, was in zip(self.turn_gains, serving.turn_gains) if now is not None and was is not None]
+        if not diffs:
+            return None
+        mean = sum(diffs) / len(diffs)
+        if len(diffs) < 2:
+            return mean, None
+        variance = sum((d - mean) ** 2 for d in diffs) / (len(diffs) - 1)
+        return mean, math.sqrt(variance / len(diffs))
 
 
 def probe_sentences() -> list[str]:
@@ -74,12 +91,15 @@ def figures(samples: list[Sample], now: list[torch.Tensor], base: list[torch.Ten
     from nextstate.learner.ppo import k3_kl
 
     weighted = weight = kl = tokens = 0.0
+    turn_gains: list[float | None] = []
     for sample, v, b in zip(samples, now, base):
         mask = torch.tensor(sample.loss_mask, dtype=torch.float32, device=v.device)
         advantages = torch.tensor(sample.advantages, dtype=torch.float32, device=v.device) * mask
         wrote = torch.tensor(sample.old_logprobs, dtype=torch.float32, device=v.device)
-        weighted += float((advantages * (v - wrote)).sum())
-        weight += float(advantages.abs().sum())
+        turn_weighted, turn_weight = float((advantages * (v - wrote)).sum()), float(advantages.abs().sum())
+        turn_gains.append(turn_weighted / turn_weight if turn_weight else None)
+        weighted += turn_weighted
+        weight += turn_weight
         kl += float((k3_kl(v, b) * mask).sum())
         tokens += float(mask.sum())
     forgetting = None
@@ -90,4 +110,5 @@ def figures(samples: list[Sample], now: list[torch.Tensor], base: list[torch.Ten
         kl=kl / tokens if tokens else None,
         forgetting=forgetting,
         held_out=len(samples),
+        turn_gains=turn_gains,
     )

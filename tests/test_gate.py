@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from nextstate.learner.gate import GATE_NEW_TOKENS, GateFigures, repetition, verdict_from_figures
+from nextstate.learner.held_out import VersionFigures
 from tests.test_learner import feed, learning_server, served_samples, wait_for
 
 
@@ -23,6 +24,26 @@ def test_the_verdict_rules():
     drift = verdict_from_figures(GateFigures(-2.0, 0.3), GateFigures(-2.0, 0.32), 0.1, max_likelihood_drop=0.1,
                           max_repetition_rise=0.05, held_out=4, prompts=4)
     assert not drift.passed
+
+
+def test_worse_for_its_user_is_a_drop_past_the_limit_and_past_its_noise():
+    """The held-out gain is compared turn by turn with the serving version's: a drop that one
+    reply's swing explains does not refuse a version; the same mean drop on every turn does."""
+    def versions(serving: list[float], candidate: list[float]):
+        figures = [VersionFigures(sum(g) / len(g), 0.0, 0.0, len(g), turn_gains=g) for g in (serving, candidate)]
+        return GateFigures(None, None, figures[0]), GateFigures(None, None, figures[1])
+
+    def verdict(serving, candidate):
+        return verdict_from_figures(serving, candidate, None, max_likelihood_drop=0.1, max_repetition_rise=0.05,
+                                    held_out=4, prompts=0, max_gain_drop=0.05)
+
+    one_swing = verdict(*versions([0.0, 0.0, 0.0, 0.0], [-0.4, 0.05, 0.05, 0.0]))  # mean drop 0.075
+    assert one_swing.passed, one_swing.reasons
+    everywhere = verdict(*versions([0.0, 0.0, 0.0, 0.0], [-0.07, -0.08, -0.07, -0.08]))
+    assert not everywhere.passed and "per turn 0.075 ± 0.003" in everywhere.reasons[0]
+    too_few = verdict(*versions([0.0, 0.0, 0.0], [-0.5, -0.5, -0.5]))
+    assert too_few.passed, "three held-out turns are not enough to compare"
+    assert "turn_gains" not in VersionFigures(0.1, 0.0, 0.0, 1, turn_gains=[0.1]).to_dict(), "manifests keep the totals"
 
 
 def test_a_version_that_unlearns_what_users_liked_does_not_serve(server_factory):
