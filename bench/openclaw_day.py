@@ -116,12 +116,12 @@ def rate(server: Nextstate, data: Path, key: str, reply: str, seen: str | None) 
             "answered_s": round(time.monotonic() - started, 3)}
 
 
-def ask_plain(server: Nextstate, key: str, questions: list[str], max_tokens: int) -> dict:
+def ask_plain(server: Nextstate, key: str, model: str, questions: list[str], max_tokens: int) -> dict:
     """The questions through the plain Chat Completions API, one fresh conversation each."""
     replies, versions = [], set()
     for question in questions:
         answer = httpx.post(f"{server.root}/v1/chat/completions", headers={"Authorization": f"Bearer {key}"}, timeout=600,
-                            json={"model": "default", "messages": [{"role": "user", "content": question}],
+                            json={"model": model, "messages": [{"role": "user", "content": question}],
                                   "max_tokens": max_tokens, "seed": 7})
         answer.raise_for_status()
         versions.add(answer.headers.get("x-policy-version"))
@@ -181,7 +181,7 @@ def main() -> None:
     evaluations = []
     try:
         print("held-out questions, base model", flush=True)
-        evaluations.append({"version": 0, "plain": ask_plain(server, base_key, HELD_OUT, args.max_tokens)})
+        evaluations.append({"version": 0, "plain": ask_plain(server, base_key, model_dir.name, HELD_OUT, args.max_tokens)})
         if args.openclaw_held_out:
             base_home = home_for(args.work, "day-home-base", server.port, base_key, env)
             evaluations[-1]["openclaw"] = ask_openclaw(openclaw, base_home, HELD_OUT, "v0", args.timeout)
@@ -212,7 +212,7 @@ def main() -> None:
                 waited = round(time.monotonic() - last_rating)
                 print(f"v{version} published {waited} s after the last rating; held-out questions", flush=True)
                 row = {"version": version, "seconds_after_last_rating": waited, "samples": step.get("samples"),
-                       "plain": ask_plain(server, key, HELD_OUT, args.max_tokens)}
+                       "plain": ask_plain(server, key, model_dir.name, HELD_OUT, args.max_tokens)}
                 if args.openclaw_held_out:
                     row["openclaw"] = ask_openclaw(openclaw, person, HELD_OUT, f"v{version}", args.timeout)
                 evaluations.append(row)
