@@ -1,0 +1,91 @@
+"""What the policy does when it is told: the ceiling of what its own hinted teacher can teach.
+
+    python -m bench.teacher_ceiling --smol            # every preference kind of bench.personalization
+    python -m bench.teacher_ceiling --smol --samples 2 --kinds opening case
+
+The OPD teacher is the base model reading the person's hint (judge/teacher.py): whatever it can
+teach, it must first do itself when told. For each preference kind of `bench.personalization`
+this samples `--samples` replies to each of its 24 tasks from the base model, as its bench does
+(48 tokens, temperature 1), once as the user asked and once with the kind's instruction appended
+to the message as the teacher reads a hint, and scores them with the kind's own rule. A kind the
+hinted model rarely does is one that no self-distillation can teach it: only the rare sampled
+reply that fits, rewarded, can.
+
+Writes bench/results/teacher_ceiling-<model>.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+
+from bench.models import bench_model, bench_server
+from bench.personalization import AVOIDED_TOPIC, INSTRUCTIONS, KINDS, TASKS, Preference, _sampled_replies
+from bench.report import pyplot, save
+from nextstate.judge.teacher import enhanced_messages
+
+
+def instruction_of(rule: str) -> str:
+    if rule.startswith("marker:"):
+        return INSTRUCTIONS["marker"].format(rule.removeprefix("marker:"))
+    return INSTRUCTIONS["avoid"] if rule == AVOIDED_TOPIC else INSTRUCTIONS[rule]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--smol", action="store_true", help="the embedded SmolLM2 (default: the tiny test model)")
+    parser.add_argument("--policy", help="any local HF model dir")
+    parser.add_argument("--kinds", nargs="+", choices=sorted(KINDS), default=list(KINDS))
+    parser.add_argument("--marker", default="The", help="the opening word (bench.personalization's marker:auto picks 'The' on SmolLM2)")
+    parser.add_argument("--samples", type=int, default=4, help="replies per task and placement")
+    parser.add_argument("--max-tokens", type=int, default=48)
+    args = parser.parse_args()
+
+    policy = bench_model(model=args.policy, smol=args.smol, peaked=True)
+    rows = []
+    with bench_server(policy, "policy", learn=False, judge_enabled=False) as server:
+        turns = server.app.state.services.turns
+        for kind in args.kinds:
+            rule = f"marker:{args.marker}" if KINDS[kind] == "marker:auto" else KINDS[kind]
+            preference = Preference(instruction_of(rule), rule)
+            row = {"kind": kind, "rule": rule, "instruction": preference.instruction}
+            for placement in ("asked", "hinted"):
+                fits, examples = [], []
+                for i, task in enumerate(TASKS):
+                    messages = [{"role": "user", "content": task}]
+                    if placement == "hinted":
+                        messages = enhanced_messages(messages, preference.instruction)
+                    seeds = [7 * i + k for k in range(args.samples)]
+                    texts = server.call(_sampled_replies(turns, None, messages, seeds, args.max_tokens, 1.0), timeout=600)
+                    fits += [preference.fits(t) for t in texts]
+                    examples.append(texts[0][:160])
+                row[placement] = round(statistics.fmean(fits), 3)
+                row[f"{placement}_examples"] = examples[:4]
+            print(f"{kind:8} as asked {row['asked']:.2f}, told as the teacher is {row['hinted']:.2f}", flush=True)
+            rows.append(row)
+    save({"benchmark": "teacher_ceiling", "model": policy.name, "replies_per_placement": args.samples * len(TASKS),
+          "max_tokens": args.max_tokens, "kinds": rows})
+
+
+def headline(result: dict) -> str:
+    return "; ".join(f"{r['kind']} {r['asked']:.2f} → {r['hinted']:.2f} told" for r in result["kinds"]) + (
+        f" (share of {result['replies_per_placement']} replies that fit, as asked → with the hint the teacher reads)")
+
+
+def plot(result: dict):
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    kinds = result["kinds"]
+    x = range(len(kinds))
+    ax.bar([i - 0.2 for i in x], [r["asked"] for r in kinds], width=0.4, label="as asked")
+    ax.bar([i + 0.2 for i in x], [r["hinted"] for r in kinds], width=0.4, label="told, as the OPD teacher is")
+    ax.set_xticks(list(x), [r["kind"] for r in kinds])
+    ax.set_ylim(0, 1)
+    ax.set_ylabel("replies that fit the wish")
+    ax.set_title(f"What {result['model']} does when told")
+    ax.legend()
+    return fig
+
+
+if __name__ == "__main__":
+    main()
