@@ -69,6 +69,18 @@ class Replicas:
             self.close()
             raise
 
+    def database_load(self) -> tuple[int, int] | None:
+        """PostgreSQL's view of the serving processes: their open connections to the bench's
+        database and the transactions it has committed so far (None without PostgreSQL)."""
+        if self.postgres is None:
+            return None
+        import psycopg
+
+        with psycopg.connect(self.postgres.url, autocommit=True) as conn:
+            connections = conn.execute("SELECT COUNT(*) FROM pg_stat_activity WHERE datname = 'bench'").fetchone()[0]
+            commits = conn.execute("SELECT xact_commit FROM pg_stat_database WHERE datname = 'bench'").fetchone()[0]
+        return int(connections), int(commits)
+
     def close(self) -> None:
         for proc in reversed(self.procs):
             _stop(proc)
@@ -143,7 +155,13 @@ def main() -> None:
         replicas = Replicas(model_dir, n, args.clients, local=args.local)
         try:
             asyncio.run(drive(replicas, args.clients, 2))  # warm every connection and process
+            before = replicas.database_load()
             rows.append({"replicas": n, **asyncio.run(drive(replicas, args.clients, args.turns, args.pinned))})
+            if before is not None:  # the statistics collector reports committed transactions within ~1 s
+                time.sleep(1.5)
+                after = replicas.database_load()
+                rows[-1].update(pg_connections_per_process=round(after[0] / n, 1),
+                                pg_commits_per_request=round((after[1] - before[1]) / rows[-1]["requests"], 2))
             print(json.dumps(rows[-1]), flush=True)
         finally:
             replicas.close()
