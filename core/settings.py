@@ -106,6 +106,11 @@ class ServerSettings(BaseSettings):
             everything several nextstate processes, on several machines, must share: API keys,
             open sessions, stored Responses, the judge's inbox, samples, feedback, outcomes,
             rate-limit windows, replies in flight, dashboard sign-ins and which version serves.
+        key_cache_s: with a database URL, a key verified in the last this many seconds is
+            answered from memory, so a slow database does not hold up every request's key
+            check; every change to a key is announced to every process with PostgreSQL's
+            LISTEN/NOTIFY and drops their cached keys at once, and while a process cannot
+            listen it checks every key in the database (core/stores/key_cache.py).
         default_max_tokens: reply length limit when a request sets none.
         stream_keepalive_s: a stream starts as soon as the engine takes the request; while a
             long prompt is prefilled (a minute on a CPU), it sends an SSE comment this often,
@@ -131,6 +136,9 @@ class ServerSettings(BaseSettings):
     )
     database_url: str | None = Field(
         None, description="postgresql://... keeps API keys, stored Responses, samples and the judge's inbox there; unset = SQLite."
+    )
+    key_cache_s: float = Field(
+        30.0, ge=0, description="With a database URL: seconds a verified key is answered from memory (changes are heard at once); 0 = never."
     )
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     metrics_public: bool = Field(False, description="Serve /metrics without a key (default: an admin key is needed).")

@@ -62,11 +62,14 @@ def test_a_frozen_database_holds_up_no_request_that_does_not_need_it(server_fact
     os.killpg(own_postgres.process.pid, signal.SIGSTOP)
     try:
         waiting = threading.Thread(target=lambda: chat(server, key), daemon=True)
-        waiting.start()  # its key check hangs on the frozen database
+        waiting.start()  # it hangs on the frozen database (its session, its reply slot)
         time.sleep(0.5)
         started = time.monotonic()
         assert httpx.get(f"{server.root}/healthz", timeout=30).status_code == 200
         assert time.monotonic() - started < 1.0
+        started = time.monotonic()
+        models = httpx.get(f"{server.base_url}/models", headers={"Authorization": f"Bearer {key}"}, timeout=30)
+        assert models.status_code == 200 and time.monotonic() - started < 1.0, "a key checked lately needs no database" 
     finally:
         os.killpg(own_postgres.process.pid, signal.SIGCONT)
     waiting.join(60)
@@ -90,3 +93,52 @@ def test_a_transaction_cut_off_by_a_restart_fails_whole_and_the_next_call_reconn
         assert [n for (n,) in db.execute("SELECT n FROM t").fetchall()] == [3]
     finally:
         db.close()
+
+
+def test_a_revoke_or_forget_reaches_every_process_key_cache_within_a_second(own_postgres, tmp_path):
+    """Two processes' key stores on one database, each with its cache: a key verified through
+    both, then revoked (or its user forgotten) through one, stops working on the other within a
+    second — the change is announced, not waited out."""
+    from nextstate.core.stores.keys import KeyStore
+
+    url = own_postgres.fresh_database("keycache")
+    a, b = KeyStore(tmp_path / "a", url, cache_s=600), KeyStore(tmp_path / "b", url, cache_s=600)
+    try:
+        assert a._cache.wait_listening(10) and b._cache.wait_listening(10)
+        for change in ("revoke", "forget"):
+            key, secret = a.create(f"user-{change}")
+            assert b.verify(secret) is not None and b._cache.get(hashlib_of(secret)) is not None, "cached on b"
+            started = time.monotonic()
+            a.revoke(key.id) if change == "revoke" else a.forget(key.user)
+            while b.verify(secret) is not None:
+                assert time.monotonic() - started < 1.0, f"b still takes the key after a {change}"
+                time.sleep(0.01)
+            assert a.verify(secret) is None
+    finally:
+        a.close()
+        b.close()
+
+
+def test_a_cached_key_is_checked_in_the_database_while_its_process_cannot_listen(own_postgres, tmp_path):
+    """The listening connection lost (a restart): no cached key is trusted until it listens again."""
+    from nextstate.core.stores.keys import KeyStore
+
+    store = KeyStore(tmp_path / "k", own_postgres.fresh_database("deaf"), cache_s=600)
+    try:
+        assert store._cache.wait_listening(10)
+        _, secret = store.create("alice")
+        assert store.verify(secret) is not None and store._cache.get(hashlib_of(secret)) is not None
+        own_postgres.restart()
+        deadline = time.monotonic() + 10
+        while store._cache.listening.is_set() and store._cache.generation < 3 and time.monotonic() < deadline:
+            time.sleep(0.01)  # the listener notices, drops everything, and listens again
+        assert store._cache.get(hashlib_of(secret)) is None, "what was cached before the loss is gone"
+        assert store.verify(secret) is not None, "checked in the database, on a new connection"
+    finally:
+        store.close()
+
+
+def hashlib_of(secret: str) -> str:
+    import hashlib
+
+    return hashlib.sha256(secret.encode()).hexdigest()

@@ -3,8 +3,10 @@ PostgreSQL (NEXTSTATE_DATABASE_URL), where every nextstate process checks the sa
 
 A key is shown once, at creation. Keys are 256-bit random tokens, so a plain SHA-256 (no
 slow KDF) is enough to make a stolen database useless, and lets a request be checked with one
-indexed lookup. The server reads the table on every request, so a revoked key stops working
-at once, even when `nextstate keys revoke` runs in another process.
+indexed lookup. A revoked key stops working at once, even when `nextstate keys revoke` runs in
+another process: on SQLite the server reads the table on every request; on PostgreSQL a key
+verified lately is answered from memory while every change to a key is announced to every
+process (core/stores/key_cache.py), so a slow database does not hold up every request.
 """
 
 from __future__ import annotations
@@ -16,7 +18,10 @@ import secrets
 import time
 from dataclasses import dataclass
 
+from pathlib import Path
+
 from nextstate.core.stores.base import Store
+from nextstate.core.stores.key_cache import CHANNEL, KeyCache
 
 KEY_PREFIX = "ns-"
 
@@ -73,6 +78,16 @@ class KeyStore(Store):
     SCHEMA = _SCHEMA
     PRAGMAS = ("busy_timeout=5000",)
 
+    def __init__(self, path: Path, database_url: str | None = None, cache_s: float = 0.0) -> None:
+        """`cache_s`: on PostgreSQL, how long a verified key is answered from memory (0: never)."""
+        super().__init__(path, database_url)
+        self._cache: KeyCache[ApiKey] | None = KeyCache(database_url, cache_s) if self.shared and cache_s > 0 else None
+
+    def _announce(self, db) -> None:
+        """Tell every process's key cache, when the transaction commits, that a key changed."""
+        if self.shared:
+            db.execute(f"SELECT pg_notify('{CHANNEL}', '')")
+
     def _upgrade(self) -> None:
         if "user_since" in self._db.add_missing_columns("api_keys", _ADDED_COLUMNS):
             self._db.execute('UPDATE api_keys SET user_since = (SELECT MIN(k.created_at) FROM api_keys k '
@@ -108,11 +123,18 @@ class KeyStore(Store):
     def verify(self, secret: str) -> ApiKey | None:
         """The active key matching `secret`, or None. Compared in constant time."""
         digest = _hash(secret)
+        generation = self._cache.generation if self._cache is not None else 0
+        if self._cache is not None and (cached := self._cache.get(digest)) is not None:
+            return cached
         row = self._one(f"SELECT {_KEY_COLUMNS}, key_hash FROM api_keys WHERE key_hash = ?", (digest,))
         if row is None or not hmac.compare_digest(row[9], digest):
             return None
         key = _key(row)
-        return key if key.active else None
+        if not key.active:
+            return None
+        if self._cache is not None:
+            self._cache.put(digest, key, generation)
+        return key
 
     def get(self, key_id: str) -> ApiKey | None:
         """The active key with this id, or None (revoked, forgotten, never made)."""
@@ -125,7 +147,25 @@ class KeyStore(Store):
 
     def forget(self, user: str) -> int:
         """Delete every key of `user` (revoked ones too); returns how many."""
-        return self._delete_user_rows(('DELETE FROM api_keys WHERE "user" = ?', (user,)))
+        announce = [(f"SELECT pg_notify('{CHANNEL}', '')", ())] if self.shared else []
+        count = self._delete_user_rows(('DELETE FROM api_keys WHERE "user" = ?', (user,)), *announce)
+        self._changed()
+        return count
 
     def revoke(self, key_id: str) -> bool:
-        return self._execute("UPDATE api_keys SET revoked_at = ? WHERE id = ? AND revoked_at IS NULL", (time.time(), key_id)) > 0
+        with self._transaction() as db:
+            changed = db.execute("UPDATE api_keys SET revoked_at = ? WHERE id = ? AND revoked_at IS NULL",
+                                 (time.time(), key_id)).rowcount > 0
+            self._announce(db)
+        self._changed()
+        return changed
+
+    def _changed(self) -> None:
+        """This process's own cache forgets at once, before its NOTIFY comes back to it."""
+        if self._cache is not None:
+            self._cache.drop_all()
+
+    def close(self) -> None:
+        if self._cache is not None:
+            self._cache.close()
+        super().close()

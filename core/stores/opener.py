@@ -63,7 +63,7 @@ class Stores:
 
     @cached_property
     def keys(self) -> KeyStore:
-        return KeyStore(self.path("keys"), self.url)
+        return KeyStore(self.path("keys"), self.url, cache_s=self.settings.server.key_cache_s)
 
     @cached_property
     def samples(self) -> SampleStore:
