@@ -44,8 +44,11 @@ from nextstate.core.types import Sample
 if TYPE_CHECKING:  # the gate and the status read the figures without loading torch
     import torch
 
-# At least this many held-out turns before a version's gain is compared with another's.
-MIN_HELD_OUT = 4
+# At least this many held-out samples before a check is made on them.
+MIN_HELD_OUT = 2
+# At least this many held-out turns before a version's gain is compared with another's: on
+# fewer, one reply's swing is the whole difference.
+MIN_GAIN_TURNS = 4
 
 
 @dataclass

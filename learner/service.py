@@ -251,7 +251,7 @@ class Learner:
         plan = await asyncio.to_thread(self.trainer.memory_plan, batch)
         if isinstance(plan, Refusal):  # before the gate's passes: they cost memory too
             return self._not_started(record, StepResult.not_started(scope, batch, plan), current.version)
-        held = await asyncio.to_thread(self.gate.hold_out, scope, {x.id for x in batch}) if self.gate else None
+        held = await asyncio.to_thread(self.gate.hold_out, scope, batch) if self.gate else None
         self._phase(scope, len(batch), "training")
         result = await asyncio.to_thread(self.trainer.step, scope, batch, self._passes)
         if result.refused:

@@ -23,7 +23,14 @@ def test_the_verdict_rules():
     # drift is measured from the base model, not from the serving version: it cannot pile up
     drift = verdict_from_figures(GateFigures(-2.0, 0.3), GateFigures(-2.0, 0.32), 0.1, max_likelihood_drop=0.1,
                           max_repetition_rise=0.05, held_out=4, prompts=4)
-    assert not drift.passed
+    assert not drift.passed and "serving version's 0.300" in drift.reasons[0]
+    # but a version that repeats no more than the one serving is not held back for it
+    no_worse = verdict_from_figures(GateFigures(-2.0, 0.3), GateFigures(-2.0, 0.28), 0.1, max_likelihood_drop=0.1,
+                             max_repetition_rise=0.05, held_out=4, prompts=4)
+    assert no_worse.passed
+    unmeasured = verdict_from_figures(GateFigures(-2.0, None), GateFigures(-2.0, 0.28), 0.1, max_likelihood_drop=0.1,
+                               max_repetition_rise=0.05, held_out=4, prompts=4)
+    assert not unmeasured.passed
 
 
 def test_worse_for_its_user_is_a_drop_past_the_limit_and_past_its_noise():
@@ -79,7 +86,7 @@ def test_a_step_that_went_too_far_is_tried_at_half_its_length(server_factory, mo
 
     def gate(*args):
         verdict = real(*args)
-        if not verdicts:
+        if verdict.held_out and not any(v.held_out for v in verdicts):  # v2's whole step (v1 has no liked replies)
             verdict.passed, verdict.reasons = False, ["refused by the test"]
         verdicts.append(verdict)
         return verdict
@@ -89,12 +96,12 @@ def test_a_step_that_went_too_far_is_tried_at_half_its_length(server_factory, mo
     wait_for(lambda: server.app.state.services.policies.current("alice").version == 1)
     feed(server, served_samples(server, 4, advantage=1.0, seed0=40))
     wait_for(lambda: server.app.state.services.policies.current("alice").version == 2)
-    assert len(verdicts) == 2, "v1 had nothing held out; v2 was scored twice"
+    assert len(verdicts) == 3, "v1 was checked on its batch's prompts alone; v2 was scored twice"
     gate_record = learner.steps[-1]["gate"]
     assert gate_record["passed"] and gate_record["step_scale"] == 0.5
     assert gate_record["refused"] == [["refused by the test"]]
-    first, second = (v.candidate.liked_logprob for v in verdicts)
-    serving = verdicts[0].serving.liked_logprob
+    first, second = (v.candidate.liked_logprob for v in verdicts[1:])
+    serving = verdicts[1].serving.liked_logprob
     assert min(serving, first) - 1e-6 <= second <= max(serving, first) + 1e-6, "half the step scores between"
 
 
@@ -111,6 +118,9 @@ def test_a_version_that_keeps_what_users_liked_serves_with_its_figures_recorded(
     feed(server, served_samples(server, 4, advantage=1.0, seed0=40))
     wait_for(lambda: server.app.state.services.policies.current("alice").version == 2)
     gate = server.app.state.services.learner.steps[-1]["gate"]
-    assert gate["passed"] and gate["held_out"] == 4 and gate["prompts"] == 4
+    assert gate["passed"] and gate["held_out"] == 4 and gate["prompts"] == 8, "4 recent prompts and 4 of its batch"
     assert gate["candidate"]["liked_logprob"] >= gate["serving"]["liked_logprob"] - 0.1
-    assert gate["base_repetition"] is not None
+    assert gate["base_repetition"] is not None and gate["serving"]["repetition"] is not None
+    first = server.app.state.services.learner.steps[0]["gate"]
+    assert first["prompts"] == 4 and first["held_out"] == 0, "the first version is checked too, on its batch's prompts"
+    assert first["candidate"]["repetition"] is not None and first["base_repetition"] is not None
