@@ -103,17 +103,19 @@ def newest_main_turn(data: Path) -> dict | None:
     return main[-1] if main else None
 
 
-def rate(server: Nextstate, data: Path, key: str, reply: str, seen: str | None) -> dict:
-    """The person's rating of the turn just run: -1 with the correction if it was too long."""
+def rate(server: Nextstate, data: Path, key: str, seen: str | None) -> dict:
+    """The person's rating of the turn just run: -1 with the correction if it was too long. The
+    reply is read whole from nextstate's record (OpenClaw's --json output is cut at 500 characters)."""
     turn = newest_main_turn(data)
     if turn is None or turn["id"] == seen:
         return {"status": "no new reply to rate"}
+    reply = (turn["response"] or {}).get("content") or ""
     rating = 1 if meets_wish(reply) else -1
     body = {"response_id": turn["id"], "rating": rating, **({} if rating > 0 else {"correction": CORRECTION})}
     started = time.monotonic()
     answer = httpx.post(f"{server.root}/v1/feedback", json=body, headers={"Authorization": f"Bearer {key}"}, timeout=120)
     return {"response_id": turn["id"], "rating": rating, "status": answer.json().get("status", answer.text[:200]),
-            "answered_s": round(time.monotonic() - started, 3)}
+            "answered_s": round(time.monotonic() - started, 3), "words": words(reply)}
 
 
 def ask_plain(server: Nextstate, key: str, model: str, questions: list[str], max_tokens: int) -> dict:
@@ -189,10 +191,11 @@ def main() -> None:
         for i, message in enumerate(DAY[: args.turns], 1):
             turn = run_turn(openclaw, person, message, "dana-day", args.timeout)
             lost = bool(turn["exit"]) or not turn["reply"].strip()
-            turn.update(lost=lost, words=words(turn["reply"]))
+            turn["lost"] = lost
             if not lost:
-                turn["rating"] = rate(server, data, key, turn["reply"], seen)
+                turn["rating"] = rate(server, data, key, seen)
                 seen = turn["rating"].get("response_id", seen)
+                turn["words"] = turn["rating"].get("words")
             turns.append(turn)
             told = "LOST" if lost else f"{turn['words']} words"
             print(f"turn {i}: {turn['seconds']} s, {told}, "
