@@ -125,3 +125,31 @@ async def test_the_record_writer_survives_any_value(tmp_path):
     lines = [json.loads(line) for line in (tmp_path / "policy-v0000.jsonl").read_text(encoding="utf-8").splitlines()]
     assert [r["kind"] for r in lines] == ["odd", "fine", "breaks"] and lines[0]["text"] == "a\ud800b"
     assert lines[2]["text"] == "a\u2028b\x85c\u2029d\ne"
+
+
+def test_a_nul_byte_in_any_text_is_stored_safely_on_both_backends(server_factory, database_url):
+    """PostgreSQL's text columns cannot hold NUL: every request's texts reach them inside JSON,
+    where it is the escape \\u0000. Messages, instructions, names, metadata and tool results with
+    one are served, stored and read back whole on SQLite and PostgreSQL alike (a correction, a
+    bare text column, is a 400 instead: tests/test_feedback.py)."""
+    server = server_factory(database_url=database_url, learn=False)
+    headers = {"Authorization": f"Bearer {server.key('alice')}"}
+    probes = [
+        ("/chat/completions", body(messages=[{"role": "user", "content": "hi\x00there", "name": "a\x00b"}], user="u\x00")),
+        ("/chat/completions", body(messages=[*HELLO, {"role": "assistant", "content": "x\x00y"}, {"role": "user", "content": "more\x00"}])),
+        ("/chat/completions", body(messages=[*HELLO, {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "f", "arguments": '{"a": "\\u0000"}'}}]},
+            {"role": "tool", "tool_call_id": "c1", "content": "r\x00"}])),
+        ("/messages", {"model": "tiny", "max_tokens": 3, "system": "s\x00", "messages": [{"role": "user", "content": "hi\x00"}]}),
+    ]
+    for path, request in probes:
+        assert httpx.post(server.base_url + path, json=request, headers=headers, timeout=60).status_code == 200, path
+    stored = httpx.post(f"{server.base_url}/responses", headers=headers, timeout=60, json={
+        "model": "tiny", "input": "keep\x00me", "instructions": "be\x00brief", "metadata": {"k": "v\x00"}, "max_output_tokens": 3})
+    assert stored.status_code == 200
+    items = httpx.get(f"{server.base_url}/responses/{stored.json()['id']}/input_items", headers=headers).json()
+    assert items["data"][0]["content"][0]["text"] == "keep\x00me", "read back whole"
+    follow = httpx.post(f"{server.base_url}/responses", headers=headers, timeout=60, json={
+        "model": "tiny", "input": "and\x00more", "previous_response_id": stored.json()["id"], "max_output_tokens": 3})
+    assert follow.status_code == 200
+    assert httpx.get(f"{server.root}/readyz").status_code == 200
