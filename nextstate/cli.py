@@ -216,15 +216,17 @@ def cmd_forget(args: argparse.Namespace) -> int:
 
 def cmd_export(args: argparse.Namespace) -> int:
     from nextstate.export import NothingToExport, build_export, write_export
+    from nextstate.export_gguf import CannotExportGguf
 
     settings = _settings()
     try:
-        export = build_export(settings, args.user, args.version)
+        export = build_export(settings, args.user, args.version, args.format)
         write_export(export, Path(args.dir))
-    except (NothingToExport, FileExistsError) as exc:
+    except (NothingToExport, CannotExportGguf, FileExistsError) as exc:
         sys.exit(f"nextstate export: {exc}")
-    print(f"Wrote {args.user}'s adapter (scope {export.scope}, v{export.version}) to {args.dir} as a PEFT adapter; "
-          f"its README.md says how to serve it with vLLM and SGLang.")
+    how = ("as a PEFT adapter; its README.md says how to serve it with vLLM and SGLang" if args.format == "peft" else
+           "as a llama.cpp LoRA adapter (GGUF); its README.md says how to load it in llama.cpp and Ollama")
+    print(f"Wrote {args.user}'s adapter (scope {export.scope}, v{export.version}) to {args.dir} {how}.")
     return 0
 
 
@@ -265,7 +267,8 @@ def build_parser() -> argparse.ArgumentParser:
     export = sub.add_parser("export", help="write a user's adapter as a standard PEFT adapter, to take elsewhere")
     export.add_argument("--user", required=True, help="whose adapter (the shared one in the shared scope)")
     export.add_argument("--version", type=int, help="which version (default: the one serving)")
-    export.add_argument("--format", choices=["peft"], default="peft", help="peft: adapter_config.json and safetensors")
+    export.add_argument("--format", choices=["peft", "gguf"], default="peft",
+                        help="peft: adapter_config.json and safetensors (vLLM, SGLang); gguf: a llama.cpp LoRA (llama.cpp, Ollama)")
     export.add_argument("dir", help="an empty or new folder to write it to")
     export.set_defaults(func=cmd_export)
 

@@ -18,7 +18,8 @@ from pydantic import BaseModel, Field
 
 from nextstate.core.settings import Settings
 from nextstate.core.stores.keys import ApiKey
-from nextstate.export import NothingToExport, build_export, export_tar
+from nextstate.export import Format, NothingToExport, build_export, export_tar
+from nextstate.export_gguf import CannotExportGguf
 from nextstate.learner.versions import AdapterVersions
 from nextstate.progress import version_figures
 from nextstate.proxy.auth import authenticate, authenticate_admin
@@ -50,35 +51,39 @@ class MyProgress(BaseModel):
 
 
 ADAPTER_RESPONSES = {200: {"content": {"application/x-tar": {}}, "description": "A tar of one folder: a PEFT adapter "
-                            "(adapter_config.json, adapter_model.safetensors) and a README with how to serve it."}}
+                            "(adapter_config.json, adapter_model.safetensors), or with format=gguf a llama.cpp LoRA "
+                            "adapter (one .gguf file), and a README with how to serve it."}}
 
 
-def adapter_response(settings: Settings, user: str, version: int | None) -> Response:
+def adapter_response(settings: Settings, user: str, version: int | None, format: Format) -> Response:
     try:
-        export = build_export(settings, user, version)
+        export = build_export(settings, user, version, format)
     except NothingToExport as exc:
         raise ApiError(404, str(exc), code="adapter_not_found") from exc
+    except CannotExportGguf as exc:
+        raise ApiError(400, str(exc), param="format", code="unsupported_format") from exc
     name = f"nextstate-{export.scope}-v{export.version}.tar"
     return Response(export_tar(export), media_type="application/x-tar",
                     headers={"Content-Disposition": f'attachment; filename="{name}"'})
 
 
 @router.get("/v1/me/adapter", response_class=Response, responses=ADAPTER_RESPONSES)
-async def my_adapter(request: Request, version: int | None = None, key: ApiKey = Depends(authenticate)) -> Response:
+async def my_adapter(request: Request, version: int | None = None, format: Format = "peft",
+                     key: ApiKey = Depends(authenticate)) -> Response:
     """Your adapter, to take with you: the version serving you (or `version`), as a standard
     PEFT adapter in a tar. In the shared scope the adapter is everyone's: an admin's to export."""
     services = app_services(request)
     if services.policies.scope_of(key.user) != key.user:
         raise ApiError(403, "One adapter serves every user here (NEXTSTATE_ADAPTER_SCOPE=shared): an admin exports it "
                        "(GET /v1/admin/users/NAME/adapter).", type="permission_error", code="shared_adapter")
-    return await asyncio.to_thread(adapter_response, services.settings, key.user, version)
+    return await asyncio.to_thread(adapter_response, services.settings, key.user, version, format)
 
 
 @router.get("/v1/admin/users/{user}/adapter", response_class=Response, responses=ADAPTER_RESPONSES)
-async def user_adapter(user: str, request: Request, version: int | None = None,
+async def user_adapter(user: str, request: Request, version: int | None = None, format: Format = "peft",
                        _: ApiKey = Depends(authenticate_admin)) -> Response:
     """A user's adapter (the shared one in the shared scope), as `GET /v1/me/adapter` gives it."""
-    return await asyncio.to_thread(adapter_response, app_services(request).settings, user, version)
+    return await asyncio.to_thread(adapter_response, app_services(request).settings, user, version, format)
 
 
 @router.get("/v1/me/progress", response_model=MyProgress)

@@ -79,3 +79,87 @@ def test_in_the_shared_scope_the_adapter_is_an_admins_to_export(server_factory):
     assert refused.status_code == 403 and "shared" in refused.json()["error"]["message"]
     admin = server.key("root", admin=True)
     assert httpx.get(f"{server.root}/v1/admin/users/alice/adapter", headers={"Authorization": f"Bearer {admin}"}).status_code == 200
+
+
+def test_the_gguf_export_is_a_llama_cpp_lora_adapter_named_and_ordered_as_its_base(trained, tmp_path):
+    """`--format gguf` on the test model (Qwen2: llama.cpp keeps its rows in order): one GGUF
+    file of type adapter, LoRA alpha, and an `.lora_a`/`.lora_b` pair per adapted weight under
+    the base GGUF's own tensor names, with the PEFT matrices as they are."""
+    import numpy as np
+    from gguf import GGUFReader
+    from safetensors.numpy import load_file
+
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("NEXTSTATE_")},
+           "NEXTSTATE_DATA_DIR": str(trained.settings.data_dir), "NEXTSTATE_ADAPTER_SCOPE": "user"}
+    out = tmp_path / "alice-gguf"
+    done = subprocess.run([sys.executable, "-m", "nextstate.cli", "export", "--user", "alice", "--format", "gguf", str(out)],
+                          env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert sorted(p.name for p in out.iterdir()) == ["README.md", "nextstate-alice-v1.gguf"]
+    assert "--lora nextstate-alice-v1.gguf" in (out / "README.md").read_text()
+    reader = GGUFReader(out / "nextstate-alice-v1.gguf")
+
+    def field(name):
+        part = reader.fields[name]
+        value = part.parts[part.data[0]]
+        return bytes(value).decode() if part.types[0].name == "STRING" else float(value[0])
+
+    assert field("general.type") == "adapter" and field("adapter.type") == "lora" and field("general.architecture") == "qwen2"
+    tensors = {t.name: np.array(t.data).reshape(list(reversed([int(n) for n in t.shape]))) for t in reader.tensors}
+    assert "blk.0.attn_q.weight.lora_a" in tensors and "blk.1.ffn_down.weight.lora_b" in tensors
+    peft = {k: v for k, v in load_file(str(next(trained.settings.adapters_dir.glob("alice/*/adapter_model.safetensors")))).items()}
+    a = peft["base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"]
+    b = peft["base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight"]
+    assert np.array_equal(tensors["blk.0.attn_q.weight.lora_a"], a) and np.array_equal(tensors["blk.0.attn_q.weight.lora_b"], b)
+    assert len(tensors) == len(peft), "every A and B, nothing else"
+    refused = httpx.get(f"{trained.root}/v1/me/adapter?format=onnx", headers={"Authorization": f"Bearer {trained.key('alice')}"})
+    assert refused.status_code == 400
+    tar = httpx.get(f"{trained.root}/v1/me/adapter?format=gguf", headers={"Authorization": f"Bearer {trained.key('alice')}"})
+    with tarfile.open(fileobj=io.BytesIO(tar.content)) as archive:
+        assert sorted(archive.getnames()) == ["nextstate-alice-v1/README.md", "nextstate-alice-v1/nextstate-alice-v1.gguf"]
+
+
+def test_llama_query_and_key_rows_are_reordered_as_the_gguf_base_holds_them():
+    """A Llama GGUF holds q and k with each head's rotary halves interleaved; nextstate's model
+    is the Hugging Face layout transformers' GGUF loader makes of it. The export's reordering
+    must undo exactly what that loader did, on B's rows (A keeps its columns), q and k only."""
+    import numpy as np
+    from transformers.modeling_gguf_pytorch_utils import LlamaTensorProcessor
+
+    from nextstate.export_gguf import permute_rows
+
+    rng = np.random.default_rng(0)
+    gguf_q, gguf_k = rng.standard_normal((9 * 64, 576)), rng.standard_normal((3 * 64, 576))
+    loader = LlamaTensorProcessor()
+    hf_q, hf_k = loader._reverse_permute_weights(gguf_q, 9, 9), loader._reverse_permute_weights(gguf_k, 9, 3)
+    assert not np.array_equal(hf_q, gguf_q)
+    assert np.array_equal(permute_rows(hf_q, 9), gguf_q) and np.array_equal(permute_rows(hf_k, 3), gguf_k)
+    b, a = rng.standard_normal((9 * 64, 16)), rng.standard_normal((16, 576))
+    assert np.allclose(permute_rows(b, 9) @ a, permute_rows(b @ a, 9)), "reordering B reorders the delta's rows"
+
+
+def test_a_llama_adapter_gets_its_q_and_k_reordered_and_other_architectures_are_refused(tmp_path):
+    import numpy as np
+    from gguf import GGUFReader
+    from safetensors.numpy import save_file
+
+    from nextstate.export_gguf import CannotExportGguf, gguf_adapter, permute_rows
+
+    rng = np.random.default_rng(1)
+    config = {"model_type": "llama", "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2, "hidden_size": 32}
+    shapes = {"q_proj": 32, "k_proj": 16, "v_proj": 16}
+    tensors = {}
+    for module, out in shapes.items():
+        prefix = f"base_model.model.model.layers.0.self_attn.{module}"
+        tensors[f"{prefix}.lora_A.weight"] = rng.standard_normal((4, 32)).astype(np.float32)
+        tensors[f"{prefix}.lora_B.weight"] = rng.standard_normal((out, 4)).astype(np.float32)
+    save_file(tensors, str(tmp_path / "adapter_model.safetensors"))
+    path = tmp_path / "out.gguf"
+    path.write_bytes(gguf_adapter(tmp_path, config, alpha=8.0))
+    read = {t.name: np.array(t.data).reshape(list(reversed([int(n) for n in t.shape]))) for t in GGUFReader(path).tensors}
+    b = lambda m: tensors[f"base_model.model.model.layers.0.self_attn.{m}.lora_B.weight"]  # noqa: E731
+    assert np.array_equal(read["blk.0.attn_q.weight.lora_b"], permute_rows(b("q_proj"), 4))
+    assert np.array_equal(read["blk.0.attn_k.weight.lora_b"], permute_rows(b("k_proj"), 2))
+    assert np.array_equal(read["blk.0.attn_v.weight.lora_b"], b("v_proj")), "v keeps its rows"
+    with pytest.raises(CannotExportGguf, match="'gemma2'.*supported"):
+        gguf_adapter(tmp_path, {**config, "model_type": "gemma2"}, alpha=8.0)
