@@ -17,13 +17,14 @@ import hmac
 import secrets
 import time
 from dataclasses import dataclass
-
 from pathlib import Path
 
 from nextstate.core.stores.base import Store
 from nextstate.core.stores.key_cache import CHANNEL, KeyCache
 
 KEY_PREFIX = "ns-"
+# Sent in the transaction that changes a key: every process's cache hears it when that commits.
+_NOTIFY = f"SELECT pg_notify('{CHANNEL}', '')"
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS api_keys (
@@ -86,7 +87,7 @@ class KeyStore(Store):
     def _announce(self, db) -> None:
         """Tell every process's key cache, when the transaction commits, that a key changed."""
         if self.shared:
-            db.execute(f"SELECT pg_notify('{CHANNEL}', '')")
+            db.execute(_NOTIFY)
 
     def _upgrade(self) -> None:
         if "user_since" in self._db.add_missing_columns("api_keys", _ADDED_COLUMNS):
@@ -147,7 +148,7 @@ class KeyStore(Store):
 
     def forget(self, user: str) -> int:
         """Delete every key of `user` (revoked ones too); returns how many."""
-        announce = [(f"SELECT pg_notify('{CHANNEL}', '')", ())] if self.shared else []
+        announce = [(_NOTIFY, ())] if self.shared else []
         count = self._delete_user_rows(('DELETE FROM api_keys WHERE "user" = ?', (user,)), *announce)
         self._changed()
         return count
