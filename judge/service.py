@@ -330,9 +330,9 @@ class Judge:
         current one, `on_policy_adapter`)."""
         if self.settings.opd_loss == "topk":
             return TeacherSignal(prompt_ids=await teacher_prompt_ids(self.renderer, turn, hint))
-        if self.settings.opd_loss == "both":
-            return TeacherSignal(await teacher_logprobs(self.engine, self.renderer, turn, hint, None),
-                                 await teacher_prompt_ids(self.renderer, turn, hint))
+        if self.settings.opd_loss == "both":  # the prompt rendered once, for the scores and for the learner
+            prompt = await teacher_prompt_ids(self.renderer, turn, hint)
+            return TeacherSignal(await teacher_logprobs(self.engine, self.renderer, turn, hint, None, prompt), prompt)
         if self.settings.opd_teacher != "policy":
             return TeacherSignal(await teacher_logprobs(self.engine, self.renderer, turn, hint, None))
         return TeacherSignal(await self.on_policy_adapter(turn.user, turn.adapter, lambda adapter: teacher_logprobs(

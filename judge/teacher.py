@@ -45,8 +45,10 @@ async def teacher_prompt_ids(renderer: ChatRenderer, turn: Turn, hint: str) -> l
     return prompt.ids
 
 
-async def teacher_logprobs(engine: Engine, renderer: ChatRenderer, turn: Turn, hint: str, adapter: str | None) -> list[float]:
-    prompt = await teacher_prompt_ids(renderer, turn, hint)
+async def teacher_logprobs(engine: Engine, renderer: ChatRenderer, turn: Turn, hint: str, adapter: str | None,
+                           prompt: list[int] | None = None) -> list[float]:
+    """The response's logprobs after the teacher's prompt (`prompt`, when already rendered)."""
+    prompt = prompt if prompt is not None else await teacher_prompt_ids(renderer, turn, hint)
     scores = await engine.score(
         prompt + turn.response_ids, len(prompt), adapter=adapter, temperature=turn.logprob_temperature, background=True
     )
