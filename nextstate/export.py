@@ -55,7 +55,7 @@ def build_export(settings: Settings, user: str, version: int | None = None, form
     name = f"nextstate-{scope}-v{version}"
     if format == "gguf":
         alpha = float(config.get("lora_alpha") or rank)
-        files = {f"{name}.gguf": gguf_adapter(folder, base_config_of(folder, None), alpha),
+        files = {f"{name}.gguf": gguf_adapter(folder, base_config_of(folder), alpha),
                  "README.md": readme_gguf(user, scope, version, base, rank, figures).encode()}
         return Export(scope, version, files)
     config["base_model_name_or_path"] = base  # a name elsewhere, not this machine's path

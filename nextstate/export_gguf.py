@@ -88,10 +88,9 @@ def gguf_adapter(adapter_dir: Path, base_config: dict, alpha: float) -> bytes:
         return path.read_bytes()
 
 
-def base_config_of(adapter_dir: Path, fallback: Path | None) -> dict:
-    """The base model's config.json: where the adapter says it was trained, else `fallback`."""
-    config = json.loads((adapter_dir / "adapter_config.json").read_text())
-    for folder in (config.get("base_model_name_or_path"), fallback):
-        if folder and (Path(folder) / "config.json").is_file():
-            return json.loads((Path(folder) / "config.json").read_text())
-    raise CannotExportGguf("the base model's config.json was not found: the GGUF export needs its shape")
+def base_config_of(adapter_dir: Path) -> dict:
+    """The base model's config.json, from where the adapter says it was trained."""
+    folder = json.loads((adapter_dir / "adapter_config.json").read_text()).get("base_model_name_or_path")
+    if not folder or not (Path(folder) / "config.json").is_file():
+        raise CannotExportGguf(f"the base model's config.json was not found (at {folder!r}): the GGUF export needs its shape")
+    return json.loads((Path(folder) / "config.json").read_text())

@@ -22,10 +22,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import TYPE_CHECKING, Generic, TypeVar
-
-if TYPE_CHECKING:
-    from collections.abc import Callable
+from typing import Generic, TypeVar
 
 log = logging.getLogger(__name__)
 
@@ -39,10 +36,9 @@ V = TypeVar("V")
 class KeyCache(Generic[V]):
     """Verified keys by hash, for `ttl_s` seconds, valid only while `listening`."""
 
-    def __init__(self, url: str, ttl_s: float, connect: Callable[[str], object] | None = None) -> None:
+    def __init__(self, url: str, ttl_s: float) -> None:
         self.url = url
         self.ttl_s = ttl_s
-        self._connect = connect
         self._entries: dict[str, tuple[V, float]] = {}
         self._lock = threading.Lock()
         self.generation = 0
@@ -78,19 +74,14 @@ class KeyCache(Generic[V]):
         self._stop.set()
         self._thread.join(5)
 
-    def _open(self):
-        if self._connect is not None:
-            return self._connect(self.url)
-        import psycopg
-
-        return psycopg.connect(self.url, autocommit=True, connect_timeout=5)
-
     def _listen(self) -> None:
         tries = 0
         while not self._stop.is_set():
             conn = None
             try:
-                conn = self._open()
+                import psycopg
+
+                conn = psycopg.connect(self.url, autocommit=True, connect_timeout=5)
                 conn.execute(f"LISTEN {CHANNEL}")
                 self.drop_all()  # whatever changed while nobody listened was never heard
                 self.listening.set()
