@@ -40,7 +40,7 @@ from pathlib import Path
 import httpx
 
 from bench.models import bench_model
-from bench.openclaw_e2e import Nextstate, install, run_turn, tally
+from bench.openclaw_e2e import Nextstate, install, newest_main_turn, run_turn, tally
 from bench.openclaw_readme import readme_config
 from bench.report import pyplot, save
 
@@ -94,13 +94,7 @@ def meets_wish(text: str) -> bool:
 
 def day_config(port: int, key: str) -> str:
     """The README's file, word for word but for the key and the port."""
-    return readme_config().replace("http://127.0.0.1:8000/v1", f"http://127.0.0.1:{port}/v1").replace('"ns-..."', json.dumps(key))
-
-
-def newest_main_turn(data: Path) -> dict | None:
-    records = [json.loads(line) for path in sorted((data / "records").glob("*.jsonl")) for line in path.read_text().splitlines() if line]
-    main = [r for r in records if r["kind"] == "request" and r["turn_type"] == "main"]
-    return main[-1] if main else None
+    return readme_config(key, port)
 
 
 def rate(server: Nextstate, data: Path, key: str, seen: str | None) -> dict:

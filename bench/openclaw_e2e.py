@@ -188,15 +188,24 @@ def run_turn(openclaw: Path, env: dict, message: str, session: str, timeout_s: i
             "reply": _reply_text(output), "stderr": done.stderr[-1500:] if done.returncode else ""}
 
 
+def read_records(data: Path) -> list[dict]:
+    """Every record nextstate wrote in the data dir `data`, in order."""
+    return [json.loads(line) for path in sorted((data / "records").glob("*.jsonl"))
+            for line in path.read_text().splitlines() if line]
+
+
+def newest_main_turn(data: Path) -> dict | None:
+    """The record of the last main turn nextstate served (the final reply of the turn just run)."""
+    main = [r for r in read_records(data) if r["kind"] == "request" and r["turn_type"] == "main"]
+    return main[-1] if main else None
+
+
 def rate_last_reply(server: Nextstate, data: Path, key: str, rating: int, correction: str | None) -> dict:
     """Rate the final reply of the turn just run (the newest main turn in nextstate's records)."""
-    records = []
-    for path in sorted((data / "records").glob("*.jsonl")):
-        records += [json.loads(line) for line in path.read_text().splitlines() if line]
-    main = [r for r in records if r["kind"] == "request" and r["turn_type"] == "main"]
-    if not main:
+    turn = newest_main_turn(data)
+    if turn is None:
         return {"status": "no reply to rate"}
-    body = {"response_id": main[-1]["id"], "rating": rating, **({"correction": correction} if correction else {})}
+    body = {"response_id": turn["id"], "rating": rating, **({"correction": correction} if correction else {})}
     answer = httpx.post(f"{server.root}/v1/feedback", json=body, headers={"Authorization": f"Bearer {key}"}, timeout=120)
     return {"response_id": body["response_id"], "rating": rating, "status": answer.json().get("status", answer.text[:200])}
 
@@ -229,9 +238,7 @@ def _reply_text(output: dict) -> str:
 
 
 def tally(data: Path) -> dict:
-    records = []
-    for path in sorted((data / "records").glob("*.jsonl")):
-        records += [json.loads(line) for line in path.read_text().splitlines() if line]
+    records = read_records(data)
     requests = [r for r in records if r["kind"] == "request"]
 
     def bare(call_id: str | None) -> str:  # OpenClaw strips the "_" from "call_..." ids

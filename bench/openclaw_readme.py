@@ -29,7 +29,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench.openclaw_e2e import install, run_turn
+from bench.openclaw_e2e import install, read_records, run_turn
 from bench.report import pyplot, save
 from tests.background_server import wait_for_health
 
@@ -37,11 +37,14 @@ ROOT = Path(__file__).resolve().parents[1]
 SEEDED = ("AGENTS.md", "BOOTSTRAP.md", "IDENTITY.md", "SOUL.md", "USER.md")
 
 
-def readme_config() -> str:
-    """The json5 block of the OpenClaw section (docs/agents.md, linked from the README), as printed there."""
+def readme_config(key: str | None = None, port: int = 8000) -> str:
+    """The json5 block of the OpenClaw section (docs/agents.md, linked from the README), as printed
+    there, with `key` for its "ns-..." and `port` for the README's 8000 when given."""
     text = (ROOT / "docs" / "agents.md").read_text()
     section = text[text.index("## Use it with OpenClaw"):]
-    return re.search(r"```json5\n(.*?)```", section, re.S).group(1)
+    config = re.search(r"```json5\n(.*?)```", section, re.S).group(1)
+    config = config.replace("http://127.0.0.1:8000/v1", f"http://127.0.0.1:{port}/v1")
+    return config.replace('"ns-..."', json.dumps(key)) if key is not None else config
 
 
 def provider_only(config: str) -> str:
@@ -51,8 +54,7 @@ def provider_only(config: str) -> str:
 
 
 def new_records(data: Path, seen: int) -> list[dict]:
-    rows = [json.loads(line) for path in sorted((data / "records").glob("*.jsonl")) for line in path.read_text().splitlines()]
-    return rows[seen:]
+    return read_records(data)[seen:]
 
 
 def run(openclaw: Path, env: dict, home: Path, config: str, data: Path, session: str) -> dict:
@@ -86,7 +88,7 @@ def main() -> None:
         made = subprocess.run([sys.executable, "-m", "nextstate.cli", "keys", "create", "--user", "newcomer"],
                               env=server_env, capture_output=True, text=True, check=True).stdout
         key = re.search(r'api_key="(ns-[^"]+)"', made).group(1)
-        config = readme_config().replace('"ns-..."', json.dumps(key))
+        config = readme_config(key)
         fresh = run(openclaw, env, work / "fresh", config, data, "readme-1")
         seeded_home = work / "seeded"
         before = run(openclaw, env, seeded_home, provider_only(config), data, "readme-2")

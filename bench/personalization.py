@@ -162,6 +162,15 @@ INSTRUCTIONS = {
     "list": "Always answer as a bulleted list: at least two lines, each starting with '- '.",
     "avoid": "Never mention food, eating or cooking.",
 }
+def instruction_for(rule: str) -> str | None:
+    """What the simulated user says of a rule-checked preference (None: no such rule)."""
+    if rule.startswith("marker:"):
+        return INSTRUCTIONS["marker"].format(rule.removeprefix("marker:"))
+    if rule.startswith("avoid:"):
+        return INSTRUCTIONS["avoid"] if rule == AVOIDED_TOPIC else f"Never mention {rule.removeprefix('avoid:')}."
+    return INSTRUCTIONS.get(rule)
+
+
 # `--kind NAME`: each preference kind of the issue's table, by name. The format is "a bulleted
 # list" rather than "no lists": SmolLM2 answers these tasks without a list 99% of the time
 # (measured over 72 replies, 2026-11-26), so "no lists" measured nothing; a list it writes 1%.
@@ -787,15 +796,8 @@ def main() -> None:
         rule = f"marker:{marker}"
         marker_probability = {"first_token": round(plain, 4), "first_token_with_hint": round(hinted, 4)}
         print(f"preference marker: {marker!r}, mean first-token probability {plain:.3f}, {hinted:.3f} with the hint")
-    if args.preference:
-        instruction = args.preference
-    elif rule.startswith("marker:"):
-        instruction = INSTRUCTIONS["marker"].format(rule.removeprefix("marker:"))
-    elif rule.startswith("avoid:"):
-        instruction = INSTRUCTIONS["avoid"] if rule == AVOIDED_TOPIC else f"Never mention {rule.removeprefix('avoid:')}."
-    elif rule in INSTRUCTIONS:
-        instruction = INSTRUCTIONS[rule]
-    else:
+    instruction = args.preference or instruction_for(rule)
+    if instruction is None:
         raise SystemExit(f"unknown --rule {rule!r}: use capital, digit, short, lowercase, nolist, avoid:WORDS, "
                          "marker:WORD or marker:auto")
     preference = Preference(instruction, rule)

@@ -20,15 +20,9 @@ import argparse
 import statistics
 
 from bench.models import bench_model, bench_server
-from bench.personalization import AVOIDED_TOPIC, INSTRUCTIONS, KINDS, TASKS, Preference, _sampled_replies
+from bench.personalization import KINDS, TASKS, Preference, _sampled_replies, instruction_for
 from bench.report import pyplot, save
 from nextstate.judge.teacher import enhanced_messages
-
-
-def instruction_of(rule: str) -> str:
-    if rule.startswith("marker:"):
-        return INSTRUCTIONS["marker"].format(rule.removeprefix("marker:"))
-    return INSTRUCTIONS["avoid"] if rule == AVOIDED_TOPIC else INSTRUCTIONS[rule]
 
 
 def main() -> None:
@@ -47,7 +41,7 @@ def main() -> None:
         turns = server.app.state.services.turns
         for kind in args.kinds:
             rule = f"marker:{args.marker}" if KINDS[kind] == "marker:auto" else KINDS[kind]
-            preference = Preference(instruction_of(rule), rule)
+            preference = Preference(instruction_for(rule), rule)
             row = {"kind": kind, "rule": rule, "instruction": preference.instruction}
             for placement in ("asked", "hinted"):
                 fits, examples = [], []

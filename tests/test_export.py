@@ -81,6 +81,13 @@ def test_in_the_shared_scope_the_adapter_is_an_admins_to_export(server_factory):
     assert httpx.get(f"{server.root}/v1/admin/users/alice/adapter", headers={"Authorization": f"Bearer {admin}"}).status_code == 200
 
 
+def gguf_tensors(reader) -> dict:
+    """A GGUF file's tensors by name, each in numpy's order (GGUF lists dimensions innermost first)."""
+    import numpy as np
+
+    return {t.name: np.array(t.data).reshape(list(reversed([int(n) for n in t.shape]))) for t in reader.tensors}
+
+
 def test_the_gguf_export_is_a_llama_cpp_lora_adapter_named_and_ordered_as_its_base(trained, tmp_path):
     """`--format gguf` on the test model (Qwen2: llama.cpp keeps its rows in order): one GGUF
     file of type adapter, LoRA alpha, and an `.lora_a`/`.lora_b` pair per adapted weight under
@@ -105,7 +112,7 @@ def test_the_gguf_export_is_a_llama_cpp_lora_adapter_named_and_ordered_as_its_ba
         return bytes(value).decode() if part.types[0].name == "STRING" else float(value[0])
 
     assert field("general.type") == "adapter" and field("adapter.type") == "lora" and field("general.architecture") == "qwen2"
-    tensors = {t.name: np.array(t.data).reshape(list(reversed([int(n) for n in t.shape]))) for t in reader.tensors}
+    tensors = gguf_tensors(reader)
     assert "blk.0.attn_q.weight.lora_a" in tensors and "blk.1.ffn_down.weight.lora_b" in tensors
     peft = {k: v for k, v in load_file(str(next(trained.settings.adapters_dir.glob("alice/*/adapter_model.safetensors")))).items()}
     a = peft["base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"]
@@ -156,7 +163,7 @@ def test_a_llama_adapter_gets_its_q_and_k_reordered_and_other_architectures_are_
     save_file(tensors, str(tmp_path / "adapter_model.safetensors"))
     path = tmp_path / "out.gguf"
     path.write_bytes(gguf_adapter(tmp_path, config, alpha=8.0))
-    read = {t.name: np.array(t.data).reshape(list(reversed([int(n) for n in t.shape]))) for t in GGUFReader(path).tensors}
+    read = gguf_tensors(GGUFReader(path))
     b = lambda m: tensors[f"base_model.model.model.layers.0.self_attn.{m}.lora_B.weight"]  # noqa: E731
     assert np.array_equal(read["blk.0.attn_q.weight.lora_b"], permute_rows(b("q_proj"), 4))
     assert np.array_equal(read["blk.0.attn_k.weight.lora_b"], permute_rows(b("k_proj"), 2))
