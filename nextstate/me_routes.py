@@ -71,7 +71,7 @@ def adapter_response(settings: Settings, user: str, version: int | None, format:
 async def my_adapter(request: Request, version: int | None = None, format: Format = "peft",
                      key: ApiKey = Depends(authenticate)) -> Response:
     """Your adapter, to take with you: the version serving you (or `version`), as a standard
-    PEFT adapter in a tar. In the shared scope the adapter is everyone's: an admin's to export."""
+    PEFT adapter in a tar (`format=gguf`: a llama.cpp one). In the shared scope the adapter is everyone's: an admin's to export."""
     services = app_services(request)
     if services.policies.scope_of(key.user) != key.user:
         raise ApiError(403, "One adapter serves every user here (NEXTSTATE_ADAPTER_SCOPE=shared): an admin exports it "
