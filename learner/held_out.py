@@ -79,10 +79,15 @@ class VersionFigures:
         return mean, math.sqrt(variance / len(diffs))
 
 
-def probe_sentences() -> list[str]:
-    """The general-text probe: one sentence a line, comments (#) left out."""
-    text = resources.files("nextstate.learner").joinpath("probe/general_text.txt").read_text(encoding="utf-8")
+def shipped_lines(name: str) -> list[str]:
+    """A text shipped in learner/probe/: one item a line, comments (#) left out."""
+    text = resources.files("nextstate.learner").joinpath(f"probe/{name}").read_text(encoding="utf-8")
     return [line.strip() for line in text.splitlines() if line.strip() and not line.startswith("#")]
+
+
+def probe_sentences() -> list[str]:
+    """The general-text probe, one sentence each."""
+    return shipped_lines("general_text.txt")
 
 
 def figures(samples: list[Sample], now: list[torch.Tensor], base: list[torch.Tensor],

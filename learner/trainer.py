@@ -32,12 +32,13 @@ from nextstate.core.types import Sample
 from nextstate.learner.distillation import teacher_topk, topk_reverse_kl
 from nextstate.learner.gate import GateFigures, mean, repetition
 from nextstate.learner.learning_rate import resolve_learning_rate
-from nextstate.learner.held_out import VersionFigures, figures as held_out_figures, probe_sentences
+from nextstate.learner.held_out import VersionFigures, figures as held_out_figures, probe_sentences, shipped_lines
 from nextstate.learner.host_memory import release_freed_memory
 from nextstate.learner.memory_budget import MemoryBudget, Refusal
 from nextstate.learner.micro_batches import micro_batches
 from nextstate.learner.ppo import k3_kl, ppo_token_losses
 from nextstate.learner.step_sizes import KlTry, StepSizes
+from nextstate.modelio.chat_template import ChatRenderer
 from nextstate.modelio.logprobs import tempered_log_softmax, token_logprobs
 
 log = logging.getLogger(__name__)
@@ -152,6 +153,7 @@ class LoraTrainer:
         self._base_held_out: OrderedDict[int, torch.Tensor] = OrderedDict()
         self._base_probe_nll: float | None = None
         self._probe: list[list[int]] | None = None
+        self._everyday: list[list[int]] | None = None  # the gate's shipped prompts, rendered once
 
     # ---------------------------------------------------------------- scopes
 
@@ -416,6 +418,15 @@ class LoraTrainer:
         with torch.no_grad():
             per_token = [float(lp.mean()) for lp in self._logprobs_each(liked)] if liked else []
         return GateFigures(mean(per_token), mean([repetition(r) for r in self.greedy(prompts, max_new)]))
+
+    def everyday_prompts(self, n: int) -> list[list[int]]:
+        """The first `n` shipped everyday questions as chat prompts of this model, for the gate's
+        repetition check where a scope has too few prompts of its own (learner/gate.py)."""
+        if self._everyday is None:
+            renderer = ChatRenderer.from_dir(self.model_dir)
+            self._everyday = [renderer.render([{"role": "user", "content": q}]).ids
+                              for q in shipped_lines("everyday_questions.txt")]
+        return self._everyday[:n]
 
     def base_repetition(self, prompts: list[list[int]], max_new: int) -> float | None:
         """The base model's greedy repetition on these prompts; the base never changes, so each

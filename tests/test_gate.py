@@ -96,7 +96,7 @@ def test_a_step_that_went_too_far_is_tried_at_half_its_length(server_factory, mo
     wait_for(lambda: server.app.state.services.policies.current("alice").version == 1)
     feed(server, served_samples(server, 4, advantage=1.0, seed0=40))
     wait_for(lambda: server.app.state.services.policies.current("alice").version == 2)
-    assert len(verdicts) == 3, "v1 was checked on its batch's prompts alone; v2 was scored twice"
+    assert len(verdicts) == 3, "v1 was checked on its batch's prompts and shipped ones; v2 was scored twice"
     gate_record = learner.steps[-1]["gate"]
     assert gate_record["passed"] and gate_record["step_scale"] == 0.5
     assert gate_record["refused"] == [["refused by the test"]]
@@ -122,5 +122,14 @@ def test_a_version_that_keeps_what_users_liked_serves_with_its_figures_recorded(
     assert gate["candidate"]["liked_logprob"] >= gate["serving"]["liked_logprob"] - 0.1
     assert gate["base_repetition"] is not None and gate["serving"]["repetition"] is not None
     first = server.app.state.services.learner.steps[0]["gate"]
-    assert first["prompts"] == 4 and first["held_out"] == 0, "the first version is checked too, on its batch's prompts"
+    assert first["prompts"] == 8 and first["held_out"] == 0, \
+        "the first version is checked too: its batch's 4 prompts, topped up with 4 shipped everyday questions"
     assert first["candidate"]["repetition"] is not None and first["base_repetition"] is not None
+
+
+def test_the_gate_answers_distinct_prompts_and_at_most_eight():
+    from nextstate.learner.gate import GATE_PROMPTS, gate_prompts
+
+    chosen = gate_prompts([[1, 2], [], [1, 2], [3]] + [[10 + i] for i in range(20)])
+    assert chosen[:2] == [[1, 2], [3]], "empty and repeated prompts are skipped, the order kept"
+    assert len(chosen) == GATE_PROMPTS == 8
