@@ -106,6 +106,7 @@ class Chain:
     hashes: tuple[str, ...]
     roles: tuple[str, ...]
     positions: tuple[int, ...]  # index in the request's message list
+    reply: str | None = None  # the digest of its last assistant message (see `resume_key`)
 
     def __len__(self) -> int:
         return len(self.hashes)
@@ -114,6 +115,7 @@ class Chain:
     def of(cls, user: str, messages: Sequence[dict[str, Any]], digests: MessageDigests | None = None) -> Chain:
         hashes, roles, positions = [], [], []
         h = seed = chain_seed(user)
+        reply = None
         for i, message in enumerate(messages):
             if message["role"] == "system":
                 continue
@@ -124,15 +126,30 @@ class Chain:
             hashes.append(h)
             roles.append(message["role"])
             positions.append(i)
-        return cls(seed, tuple(hashes), tuple(roles), tuple(positions))
+            if message["role"] == "assistant":
+                reply = digest
+        return cls(seed, tuple(hashes), tuple(roles), tuple(positions), reply)
 
     def extended(self, message: dict[str, Any], position: int, digests: MessageDigests | None = None) -> Chain:
         """This chain with one more message (our reply, at `position`) at the end."""
         digest = (digests(message) if digests is not None else None) or message_digest(message)
         last = self.hashes[-1] if self.hashes else self.seed
         return Chain(
-            self.seed, self.hashes + (chain_step(last, digest),), self.roles + (message["role"],), self.positions + (position,)
+            self.seed, self.hashes + (chain_step(last, digest),), self.roles + (message["role"],), self.positions + (position,),
+            digest if message["role"] == "assistant" else self.reply,
         )
+
+    @property
+    def resume_key(self) -> str | None:
+        """A key for the chain's last reply alone, whatever came before it (user-seeded, like the
+        hashes). An agent that compacts its history sends the summary, our last reply and the
+        person's next message: no prefix of the session's line is left, but that reply is, and
+        the message after it is still the person's reaction to it (`SessionStore._classify`)."""
+        return chain_step(self.seed, "reply\0" + self.reply) if self.reply is not None else None
+
+    def keys(self) -> tuple[str, ...]:
+        """What a session on this line is found by: its prefix hashes and its resume key."""
+        return self.hashes + ((self.resume_key,) if self.resume_key is not None else ())
 
     def last_assistant(self) -> int:
         """Index of the last assistant message, -1 if there is none."""
@@ -142,11 +159,13 @@ class Chain:
         return -1
 
     def to_json(self) -> dict[str, Any]:
-        return {"seed": self.seed, "hashes": list(self.hashes), "roles": list(self.roles), "positions": list(self.positions)}
+        return {"seed": self.seed, "hashes": list(self.hashes), "roles": list(self.roles), "positions": list(self.positions),
+                "reply": self.reply}
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> Chain:
-        return cls(data["seed"], tuple(data["hashes"]), tuple(data["roles"]), tuple(data["positions"]))
+        # rows written before the resume key have no "reply": such a line is found by prefix only
+        return cls(data["seed"], tuple(data["hashes"]), tuple(data["roles"]), tuple(data["positions"]), data.get("reply"))
 
     def common_prefix(self, other: Chain) -> int:
         """How many leading messages the two chains share (equal hashes mean equal prefixes)."""

@@ -12,6 +12,12 @@ then classified against that session's line:
   merged two attempts, trimmed one, or replayed a tool call as text. Still the same
   conversation; the messages after the request's last reply are the next state, and the
   transition says the reply was edited.
+* **resumed** — it shares no prefix with the line, but its last reply is the line's last reply
+  and the client's turn follows it: the agent compacted the history before it (OpenClaw sends
+  a summary, our last reply and the person's next message). The messages after that reply are
+  its next state, as for extend; found by the line's resume key (`Chain.resume_key`). Without
+  it every compaction began a new session and the turn before it lost its next state (a real
+  OpenClaw day: 20 turns, 16 sessions).
 * **fork** — it leaves the line at a user or tool message, or stops inside it: a regenerated
   reply, an edited question, or the real next message after a side request (a summary, a
   memory flush) that looked like a continuation. Turns whose replies lie past the fork are
@@ -69,7 +75,7 @@ TurnType = Literal["main", "side"]
 # Session ids come back as the X-Session-Id header: visible ASCII only (no spaces, no control
 # characters, nothing a header cannot carry), 1-200 characters.
 SESSION_ID_PATTERN = r"^[\x21-\x7e]{1,200}$"
-Match = Literal["extend", "edited", "fork", "new", "none"]
+Match = Literal["extend", "edited", "resumed", "fork", "new", "none"]
 
 
 @dataclass(eq=False)
@@ -333,6 +339,8 @@ class SessionStore:
             return "edited"
         if messages is not None and has_next and self._only_user_message_rewritten(line, request, k, messages):
             return "edited"
+        if has_next and k < m and line.reply is not None and request.reply == line.reply and line.roles[-1] == "assistant":
+            return "resumed"
         if "assistant" in request.roles[:k] and has_next:
             return "fork"
         return "none"
@@ -365,6 +373,10 @@ class SessionStore:
             if session is not None:
                 match = self._classify(session, request, messages)
                 return (session, match) if match != "none" else (None, "none")
+        if request.resume_key is not None and (session := self._index.get(request.resume_key)) is not None:
+            match = self._classify(session, request, messages)  # resumed (or, a one-turn line, edited)
+            if match != "none":
+                return session, match
         return None, "none"
 
     # ------------------------------------------------------------------ commit / close
@@ -381,9 +393,9 @@ class SessionStore:
         if (s.user, s.id) not in self._sessions:
             self._register(s)
         match = self._classify(s, plan.request, plan.messages)
-        old_hashes = s.line.hashes if s.line else ()
-        if match in ("extend", "edited"):
-            self._continue(s, plan, edited=match == "edited")
+        old_keys = s.line.keys() if s.line else ()
+        if match in ("extend", "edited", "resumed"):
+            self._continue(s, plan, edited=match == "edited", after_reply=match != "extend")
         elif match == "fork":
             self._fork(s, plan)
         elif match == "none":  # an explicit main turn that does not continue its session's line
@@ -395,10 +407,10 @@ class SessionStore:
             turn = turn.model_copy(update={"turn_index": s.turn_count, "session_id": s.id})
         s.line = plan.request.extended(reply, len(plan.messages), self.digests)
         s.pending = turn
-        self._reindex(s, old_hashes)
+        self._reindex(s, old_keys)
         if self.shared:
-            known = set(old_hashes)
-            s.unindexed += [h for h in s.line.hashes if h not in known]
+            known = set(old_keys)
+            s.unindexed += [h for h in s.line.keys() if h not in known]
         self._touch(s)
         if plan.close_after:
             self.close(s)
@@ -406,14 +418,15 @@ class SessionStore:
             self._dirty.add((s.user, s.id))
         return turn
 
-    def _continue(self, s: Session, plan: TurnPlan, edited: bool) -> None:
-        """The request goes on from the line (or from an edited reply in it): the last turn's
-        next state is what follows the request's last reply, provisionally."""
+    def _continue(self, s: Session, plan: TurnPlan, edited: bool, after_reply: bool) -> None:
+        """The request goes on from the line (or from an edited reply in it, or from its last
+        reply after a compacted history: `after_reply`): the last turn's next state is what
+        follows the request's last reply, provisionally."""
         self._confirm(s)
         if s.pending is None:
             return
         request = plan.request
-        start = len(s.line) if not edited else request.last_assistant() + 1
+        start = request.last_assistant() + 1 if after_reply else len(s.line)
         s.provisional = Transition(
             turn=s.pending, next_state=NextState(messages=_messages_from(plan, start)), reason="next_state", edited=edited
         )
@@ -534,7 +547,7 @@ class SessionStore:
         if not self.shared:
             return
         assert self._db is not None
-        hashes = request.hashes if request is not None else ()
+        hashes = request.keys() if request is not None else ()
         copies = {s.id: s for h in hashes if (s := self._index.get(h)) is not None and s.user == user}
         if every:
             copies.update(self._per_user.get(user, {}))
@@ -629,7 +642,7 @@ class SessionStore:
             own.pop(s.id, None)
             if not own:
                 del self._per_user[s.user]
-        self._reindex(s, s.line.hashes if s.line else (), keep=False)
+        self._reindex(s, s.line.keys() if s.line else (), keep=False)
 
     def _drop(self, s: Session) -> None:
         """Forget this process's copy of a shared session, handing nothing to the judge."""
@@ -644,8 +657,8 @@ class SessionStore:
             self._per_user[s.user].move_to_end(s.id)
 
     def _reindex(self, s: Session, old: tuple[str, ...], keep: bool = True) -> None:
-        """Point the index at `s` for every hash of its line; drop its stale entries."""
-        new = set(s.line.hashes) if keep and s.line else set()
+        """Point the index at `s` for every key of its line; drop its stale entries."""
+        new = set(s.line.keys()) if keep and s.line else set()
         for h in old:
             if h not in new and self._index.get(h) is s:
                 del self._index[h]

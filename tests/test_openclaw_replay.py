@@ -285,3 +285,43 @@ def test_a_day_with_an_abort_a_memory_flush_and_a_compaction_keeps_only_the_pers
     assert judged and not any(text in call for call in judged for text in HARNESS_TEXTS), "the judge reads the person"
     assert any("Sorry, I cut you off." in call for call in judged), "the person's own words are read"
     assert not any("Runtime: agent=" in call for call in judged)
+
+
+COMPACTIONS = Path(__file__).parent / "data" / "openclaw-2026.9.6-day-compactions" / "requests.jsonl"
+
+
+def test_a_conversation_goes_on_across_openclaws_compactions(replay):
+    """Issue 43's day: OpenClaw compacts after nearly every long reply and sends the summary,
+    our last reply and the person's next message. That request shares no prefix with the
+    conversation, and every compaction began a new session: the turn before it lost its next
+    state (20 turns, 16 sessions). It is the same conversation, resumed from our last reply."""
+    day = [json.loads(line) for line in COMPACTIONS.read_text().splitlines()]
+    answered = {}
+    for row in day:
+        replay.engine.script(row["reply"])
+        with httpx.stream("POST", f"{replay.server.base_url}/chat/completions", timeout=60,
+                          json={**row["req_body"], "max_completion_tokens": 4096},
+                          headers={"Authorization": f"Bearer {replay.key}"}) as response:
+            response.read()
+        assert response.status_code == 200, response.text
+        answered[row["n"]] = response.headers.get("x-session-id"), response.headers.get("x-turn-type")
+    assert [answered[n][1] for n in (3, 4, 5, 7, 9, 11)] == ["side"] * 6, "the summaries are OpenClaw's"
+    first, second = answered[1][0], answered[10][0]
+    assert [answered[n][0] for n in (1, 2, 6, 8)] == [first] * 4, "resumed after each compaction"
+    assert second != first, "n 10 carries none of our replies: a conversation of its own"
+    assert answered[12][0] == second, "and it is resumed in turn"
+
+    server = replay.server
+    server.end_conversations()
+    server.drain_judge()
+    transitions = {(r["session_id"], r["turn_index"]): r for r in server.records() if r["kind"] == "transition"}
+    said = {key: [m["content"].split("] ", 1)[1][:28] for m in t["next_state"] or []] for key, t in transitions.items()}
+    assert said == {
+        (first, 1): ["How do I remove a coffee sta"],
+        (first, 2): ["What is a good stretch for a"],  # the person's message after the first compaction
+        (first, 3): ["Give me an idea for a quick "],  # after the second
+        (first, 4): [],  # its reply was compacted away with the overflowing question: no next state
+        (second, 1): ["What should I say in an emai"],
+        (second, 2): [],
+    }, said
+    assert all(transitions[key]["reason"] == "next_state" for key, words in said.items() if words)

@@ -177,7 +177,9 @@ def test_memory_is_bounded_by_max_sessions():
         h.turn("alice", [user(f"conversation {i}")], "ok")
     assert len(h.store) == 3
     assert len(h.emitted) == 7 and all(t.reason == "session_closed" for t in h.emitted)
-    assert len(h.store._index) == 3 * 2  # each open session's line: the request and our reply
+    # each open session's line: the request and our reply, and the resume key of its reply "ok",
+    # one entry for all three (the newest session that gave it)
+    assert len(h.store._index) == 3 * 2 + 1
 
 
 def test_lookup_cost_does_not_grow_with_sessions():
@@ -511,3 +513,46 @@ def test_a_next_state_never_holds_a_reply_of_ours():
     h.turn("alice", m2, "ok")
     (t, _) = h.flush()
     assert t.next_state.messages == [user("first")]
+
+
+SUMMARY = user("The conversation history before this point was compacted into the following summary: q1, a1.")
+
+
+def test_a_compacted_history_that_ends_with_our_last_reply_resumes_its_session(tmp_path):
+    """An agent that compacts sends a summary, our last reply and the person's next message: no
+    prefix is shared, the reply is. The session goes on (after a restart too), and the next
+    state is what follows that reply. Another user's identical reply resumes nothing of theirs."""
+    from nextstate.core.stores.sessions import SessionDB
+
+    db = SessionDB(tmp_path / "sessions.sqlite3")
+    h = Harness(db=db)
+    m1 = [SYS, user("q1")]
+    first = h.turn("alice", m1, "a1")
+    h.turn("bob", m1, "a1")
+    m2 = m1 + [reply("a1"), user("q2")]
+    h.turn("alice", m2, "a2")
+    asyncio.run(h.store.save())
+    db.close()
+
+    db = SessionDB(tmp_path / "sessions.sqlite3")
+    h.store = SessionStore(h.emitted.append, clock=lambda: h.now, db=db)
+    compacted = [SYS, SUMMARY, reply("a2"), user("q3")]
+    plan = h.turn("alice", compacted, "a3")
+    assert (plan.match, plan.session_id, plan.turn_index) == ("resumed", first.session_id, 3)
+    again = [SYS, SUMMARY, reply("a2"), user("q3"), reply("a3"), user("q4")]
+    assert h.turn("alice", again, "a4").match == "extend", "after it, the compacted history is the line"
+    assert h.store.resolve("bob", [SYS, SUMMARY, reply("a2"), user("q3")]).match == "new", "bob never got a2"
+    assert h.store.resolve("alice", [SYS, SUMMARY, reply("a2")]).match == "new", "the client's turn must follow"
+    alice = sorted((t.turn.turn_index, t.next_state.messages if t.next_state else None)
+                   for t in h.flush() if t.turn.user == "alice")
+    assert alice == [(1, [user("q2")]), (2, [user("q3")]), (3, [user("q4")]), (4, None)]
+    db.close()
+
+
+def test_a_session_row_written_before_the_resume_key_still_extends():
+    from nextstate.proxy.session_chain import Chain
+
+    line = Chain.of("alice", [SYS, user("q1"), reply("a1")])
+    old = {k: v for k, v in line.to_json().items() if k != "reply"}
+    assert Chain.from_json(old).reply is None and Chain.from_json(old).keys() == line.hashes
+    assert Chain.from_json(line.to_json()) == line and line.resume_key in line.keys()

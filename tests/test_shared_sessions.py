@@ -261,3 +261,19 @@ def test_the_caps_on_open_sessions_hold_across_processes(processes):
     emitted = asyncio.run(scenario())
     assert sorted(t.turn.messages[-1]["content"] for t in emitted) == ["topic 0", "topic 1"]
     assert {t.reason for t in emitted} == {"session_closed"}
+
+
+def test_a_compacted_history_resumes_its_session_in_another_process(processes):
+    """The resume key is indexed in the database like the line's hashes: the request after a
+    compaction reaches the session whichever process served the turn before it."""
+    async def scenario():
+        a, b = processes("a"), processes("b")
+        m1 = [SYS, user("q1")]
+        first = await a.turn("alice", m1, "a1")
+        await a.turn("alice", m1 + [reply("a1"), user("q2")], "a2")
+        compacted = [SYS, user("The conversation history before this point was compacted: q1, a1, q2."),
+                     reply("a2"), user("q3")]
+        plan = await b.turn("alice", compacted, "a3")
+        assert (plan.match, plan.session_id, plan.turn_index) == ("resumed", first.session_id, 3)
+
+    asyncio.run(scenario())
