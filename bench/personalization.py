@@ -578,9 +578,10 @@ def seeds_report(paths: list[str]) -> None:
         print(f"| {instruction} | {mode} | {setting or '—'} | {', '.join(str(seed) for seed, _, _ in runs)} | {curve} | "
               f"{reach} | {versions} | {spread([f['score'] for f in finals])} | {spread([f.get('repetition') for f in finals])} | "
               f"{spread([f.get('perplexity_ratio') for f in finals])} |")
-    if (r := gain_correlation(pooled)) is not None:
-        versions = sum(1 for row in pooled if row.get("gain") is not None)
-        print(f"\nheld-out gain against measured success, over {versions} versions of these runs: Pearson's r = {r}")
+    for figure in ("gain", "accepted", "rejected"):
+        if (r := gain_correlation(pooled, figure)) is not None:
+            versions = sum(1 for row in pooled if row.get(figure) is not None)
+            print(f"held-out {figure} against measured success, over {versions} versions of these runs: Pearson's r = {r}")
 
 
 def _places(value: float | None, places: int = 3) -> str:
@@ -622,17 +623,18 @@ def figures_against_success(tasks: list[dict], steps: list[dict]) -> list[dict]:
     served: dict[int, list[float]] = {}
     for t in tasks:
         served.setdefault(t["version"], []).append(t["score"])
-    figures = {0: {"gain": 0.0, "forgetting": 0.0}}
+    figures = {0: {"gain": 0.0, "accepted": 0.0, "rejected": 0.0, "forgetting": 0.0}}
     figures.update({s["version"]: s["figures"] for s in steps if s.get("published") and s.get("figures")})
-    return [{"version": v, "gain": f.get("gain"), "forgetting": f.get("forgetting"), "held_out": f.get("held_out"),
+    return [{"version": v, "gain": f.get("gain"), "accepted": f.get("accepted"), "rejected": f.get("rejected"),
+             "forgetting": f.get("forgetting"), "held_out": f.get("held_out"),
              "success": round(statistics.fmean(served[v]), 3), "tasks": len(served[v])}
             for v, f in sorted(figures.items()) if v in served]
 
 
-def gain_correlation(rows: list[dict]) -> float | None:
-    """Pearson's r between each version's held-out gain and its measured success (None under
-    three versions, or with no spread in either)."""
-    pairs = [(r["gain"], r["success"]) for r in rows if r.get("gain") is not None]
+def gain_correlation(rows: list[dict], figure: str = "gain") -> float | None:
+    """Pearson's r between each version's held-out `figure` (gain, or its halves accepted and
+    rejected) and its measured success (None under three versions, or with no spread in either)."""
+    pairs = [(r[figure], r["success"]) for r in rows if r.get(figure) is not None]
     if len(pairs) < 3 or len({g for g, _ in pairs}) < 2 or len({s for _, s in pairs}) < 2:
         return None
     return round(statistics.correlation([g for g, _ in pairs], [s for _, s in pairs]), 3)

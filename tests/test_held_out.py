@@ -33,6 +33,10 @@ def test_gain_weighs_each_token_by_what_the_person_wanted_from_where_its_writer_
     learnt = [torch.tensor([-0.5, -0.5]), torch.tensor([-1.5, -1.5])]  # accepted likelier, rejected less likely
     result = figures([up, down], learnt, base, 3.1, 3.0)
     assert result.gain == pytest.approx(0.5) and result.held_out == 2
+    assert (result.accepted, result.rejected) == (pytest.approx(0.5), pytest.approx(0.5)), "the two halves of it"
+    flattened = figures([up, down], [torch.tensor([-1.2, -1.2]), torch.tensor([-3.0, -3.0])], base, None, None)
+    assert flattened.gain > 0 and flattened.accepted < 0 < flattened.rejected, \
+        "gain from rejected replies made unlikely, while what the person accepted became less likely too"
     writer = [torch.tensor([-1.0, -1.0]), torch.tensor([-1.0, -1.0])]
     assert figures([up, down], writer, base, 3.0, 3.0).gain == 0.0, "the version that wrote them moved nothing"
     assert figures([up, down], [learnt[1], learnt[0]], base, None, None).gain == pytest.approx(-0.5)
@@ -68,7 +72,7 @@ def test_held_out_turns_are_never_trained_and_each_version_keeps_its_figures(ser
     assert report["samples"]["held_out"] == 2
     text = render_text(report, "here")  # `nextstate status`
     header = next(line for line in text.splitlines() if "forgetting" in line and "gain" in line)
-    assert header.split()[:4] == ["scope", "version", "gain", "forgetting"] and "2 of them held out" in text
+    assert header.split()[:6] == ["scope", "version", "gain", "accepted", "rejected", "forgetting"] and "2 of them held out" in text
 
 
 def test_a_version_made_worse_on_purpose_is_refused_for_its_user_with_the_reason_shown(server_factory):
