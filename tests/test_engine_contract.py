@@ -189,6 +189,36 @@ async def test_an_adapter_is_served_by_its_name_and_a_name_never_changes_weights
     await client.unload_adapter(name)
 
 
+async def test_a_users_exported_adapter_serves_there_as_nextstate_serves_it(client, direct, server, tiny_model_dir, tmp_path):
+    """Take your adapter with you (issue 42): the learner's own adapter (its LoRA config: rank 16
+    on every attention and MLP projection), written by `nextstate export` as a standard PEFT
+    adapter, is loaded by the server from the export's folder — as `--lora-modules NAME=DIR`
+    (vLLM) or `--lora-paths NAME=DIR` (SGLang) would — and scores there as nextstate serves it."""
+    import torch
+
+    from nextstate.core.settings import Settings
+    from nextstate.export import build_export, write_export
+    from nextstate.learner.trainer import LoraTrainer
+    from nextstate.learner.versions import AdapterVersions
+
+    settings = Settings(data_dir=tmp_path / "data", model=str(tiny_model_dir), adapter_scope="user")
+    trainer = LoraTrainer(tiny_model_dir, settings.learner)
+    torch.manual_seed(3)
+    for param in trainer._params(trainer.ensure_scope("alice")):
+        param.data.normal_(0.0, 0.05)  # a trained adapter's weights: lora_B is no longer zero
+    AdapterVersions(settings.adapters_dir).publish("alice", 1, lambda path: trainer.save("alice", path), {})
+    out = write_export(build_export(settings, "alice"), tmp_path / "alice-adapter")
+    name = unique("exported")
+    await client.load_adapter(name, str(out))
+    await direct.load_adapter(name, str(out))
+    tokens = await generate(client, SamplingParams(max_new_tokens=8, temperature=1.0, seed=11), name)
+    ids = [t.token_id for t in tokens]
+    assert [t.logprob for t in tokens] == pytest.approx(await direct.score(PROMPT + ids, len(PROMPT), adapter=name), abs=TOLERANCE)
+    assert await client.score(PROMPT, 5, adapter=name) != pytest.approx(await client.score(PROMPT, 5), abs=TOLERANCE), \
+        "the adapter changes what is served"
+    await client.unload_adapter(name)
+
+
 async def test_an_adapter_lost_in_a_restart_is_loaded_again_streamed_or_scored(client, direct, server, adapters):
     """Servers keep adapters in memory: after a restart, a request naming one fails (SGLang 0.5.23:
     "has never been loaded", a 400 or a 200 whose stream's first event is the error; vLLM: a 404
