@@ -197,7 +197,9 @@ def test_default_in_process_judge(server_factory):
     assert list(samples) == [1]
     judgement = next(r for r in server.records() if r["kind"] == "judgement")
     assert len(judgement["votes"]) == 2 and len(judgement["hint_votes"]) == 2
-    assert all(v["text"] and v["error"] is None for v in judgement["votes"]), "the base model answered every vote"
+    # answered, not necessarily in words: the random tiny model now and then samples its stop
+    # token first (an empty vote, about one run in twenty), which is a vote without a verdict
+    assert all(isinstance(v["text"], str) and v["error"] is None for v in judgement["votes"]), "the base model answered every vote"
     assert samples[1].status in ("ready", "dropped")
 
 
