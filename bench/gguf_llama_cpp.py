@@ -66,10 +66,8 @@ def main() -> None:
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from nextstate.core.settings import Settings
     from nextstate.export import build_export, write_export
-    from nextstate.learner.trainer import LoraTrainer
-    from nextstate.learner.versions import AdapterVersions
+    from tests.learner_adapters import publish_random_adapter
 
     policy = bench_model(model=args.policy, smol=args.policy is None)
     with tempfile.TemporaryDirectory(prefix="nextstate-gguf-") as tmp:
@@ -89,12 +87,7 @@ def main() -> None:
         subprocess.run([sys.executable, args.converter, str(plain), "--outtype", "f32", "--outfile", str(base_gguf)],
                        check=True, capture_output=True)
 
-        settings = Settings(data_dir=work / "data", model=str(policy), adapter_scope="user")
-        trainer = LoraTrainer(policy, settings.learner)
-        torch.manual_seed(3)
-        for param in trainer._params(trainer.ensure_scope("alice")):
-            param.data.normal_(0.0, 0.02)  # a trained adapter's weights: lora_B is no longer zero
-        AdapterVersions(settings.adapters_dir).publish("alice", 1, lambda path: trainer.save("alice", path), {})
+        settings = publish_random_adapter(work / "data", policy, std=0.02)
         peft_dir = write_export(build_export(settings, "alice"), work / "peft")
         gguf_dir = write_export(build_export(settings, "alice", format="gguf"), work / "gguf")
         (adapter,) = gguf_dir.glob("*.gguf")

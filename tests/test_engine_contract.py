@@ -194,19 +194,10 @@ async def test_a_users_exported_adapter_serves_there_as_nextstate_serves_it(clie
     on every attention and MLP projection), written by `nextstate export` as a standard PEFT
     adapter, is loaded by the server from the export's folder — as `--lora-modules NAME=DIR`
     (vLLM) or `--lora-paths NAME=DIR` (SGLang) would — and scores there as nextstate serves it."""
-    import torch
-
-    from nextstate.core.settings import Settings
     from nextstate.export import build_export, write_export
-    from nextstate.learner.trainer import LoraTrainer
-    from nextstate.learner.versions import AdapterVersions
+    from tests.learner_adapters import publish_random_adapter
 
-    settings = Settings(data_dir=tmp_path / "data", model=str(tiny_model_dir), adapter_scope="user")
-    trainer = LoraTrainer(tiny_model_dir, settings.learner)
-    torch.manual_seed(3)
-    for param in trainer._params(trainer.ensure_scope("alice")):
-        param.data.normal_(0.0, 0.05)  # a trained adapter's weights: lora_B is no longer zero
-    AdapterVersions(settings.adapters_dir).publish("alice", 1, lambda path: trainer.save("alice", path), {})
+    settings = publish_random_adapter(tmp_path / "data", tiny_model_dir)
     out = write_export(build_export(settings, "alice"), tmp_path / "alice-adapter")
     name = unique("exported")
     await client.load_adapter(name, str(out))
