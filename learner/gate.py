@@ -171,8 +171,8 @@ class PublishGate:
 
     def hold_out(self, scope: str, batch: list[Sample]) -> HeldOut | None:
         """Recent samples of the scope not in the batch, with the serving version's figures on
-        them (greedy prompts topped up from the batch's own). None when the gate is off or
-        there is too little to check."""
+        them (greedy prompts topped up to eight, so there is always something to check). None
+        when the gate is off."""
         if not self.settings.publish_gate:
             return None
         recent = self.store.recent_samples(GATE_SAMPLES, scope if self.per_user else None, {x.id for x in batch})
@@ -181,10 +181,7 @@ class PublishGate:
         prompts = gate_prompts([x.prompt_ids for x in recent + turns + batch])
         if len(prompts) < GATE_PROMPTS:  # a new scope: its two to four prompts would be noise
             prompts = gate_prompts(prompts + self.trainer.everyday_prompts(GATE_PROMPTS))
-        if len(liked) < MIN_HELD_OUT and len(prompts) < MIN_HELD_OUT and not turns:
-            return None
         liked = liked if len(liked) >= MIN_HELD_OUT else []
-        prompts = prompts if len(prompts) >= MIN_HELD_OUT else []
         serving = self.trainer.gate_figures(scope, liked, prompts, GATE_NEW_TOKENS)
         serving.version = self.trainer.version_figures(scope, turns, probe=False)  # only its gain is compared
         return HeldOut(liked, prompts, serving, turns)

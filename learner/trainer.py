@@ -154,6 +154,7 @@ class LoraTrainer:
         self._base_probe_nll: float | None = None
         self._probe: list[list[int]] | None = None
         self._everyday: list[list[int]] | None = None  # the gate's shipped prompts, rendered once
+        self._renderer: ChatRenderer | None = None
 
     # ---------------------------------------------------------------- scopes
 
@@ -391,9 +392,7 @@ class LoraTrainer:
     def _probe_nll(self) -> float:
         """Mean NLL per token of the general-text probe under the active weights (no grad)."""
         if self._probe is None:
-            from transformers import AutoTokenizer
-
-            tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
+            tokenizer = self._chat().tokenizer
             self._probe = [ids for text in probe_sentences()
                            if len(ids := tokenizer.encode(text, add_special_tokens=False)) > 1]
         total, tokens = 0.0, 0
@@ -423,10 +422,15 @@ class LoraTrainer:
         """The first `n` shipped everyday questions as chat prompts of this model, for the gate's
         repetition check where a scope has too few prompts of its own (learner/gate.py)."""
         if self._everyday is None:
-            renderer = ChatRenderer.from_dir(self.model_dir)
-            self._everyday = [renderer.render([{"role": "user", "content": q}]).ids
+            self._everyday = [self._chat().render([{"role": "user", "content": q}]).ids
                               for q in shipped_lines("everyday_questions.txt")]
         return self._everyday[:n]
+
+    def _chat(self) -> ChatRenderer:
+        """The model's tokenizer and chat template, loaded once for the probe and the gate's prompts."""
+        if self._renderer is None:
+            self._renderer = ChatRenderer.from_dir(self.model_dir)
+        return self._renderer
 
     def base_repetition(self, prompts: list[list[int]], max_new: int) -> float | None:
         """The base model's greedy repetition on these prompts; the base never changes, so each

@@ -149,7 +149,8 @@ class Chain:
 
     def keys(self) -> tuple[str, ...]:
         """What a session on this line is found by: its prefix hashes and its resume key."""
-        return self.hashes + ((self.resume_key,) if self.resume_key is not None else ())
+        key = self.resume_key
+        return self.hashes + ((key,) if key is not None else ())
 
     def last_assistant(self) -> int:
         """Index of the last assistant message, -1 if there is none."""

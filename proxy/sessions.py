@@ -373,7 +373,7 @@ class SessionStore:
             if session is not None:
                 match = self._classify(session, request, messages)
                 return (session, match) if match != "none" else (None, "none")
-        if request.resume_key is not None and (session := self._index.get(request.resume_key)) is not None:
+        if (key := request.resume_key) is not None and (session := self._index.get(key)) is not None:
             match = self._classify(session, request, messages)  # resumed (or, a one-turn line, edited)
             if match != "none":
                 return session, match
@@ -395,7 +395,7 @@ class SessionStore:
         match = self._classify(s, plan.request, plan.messages)
         old_keys = s.line.keys() if s.line else ()
         if match in ("extend", "edited", "resumed"):
-            self._continue(s, plan, edited=match == "edited", after_reply=match != "extend")
+            self._continue(s, plan, match)
         elif match == "fork":
             self._fork(s, plan)
         elif match == "none":  # an explicit main turn that does not continue its session's line
@@ -418,17 +418,18 @@ class SessionStore:
             self._dirty.add((s.user, s.id))
         return turn
 
-    def _continue(self, s: Session, plan: TurnPlan, edited: bool, after_reply: bool) -> None:
-        """The request goes on from the line (or from an edited reply in it, or from its last
-        reply after a compacted history: `after_reply`): the last turn's next state is what
-        follows the request's last reply, provisionally."""
+    def _continue(self, s: Session, plan: TurnPlan, match: Match) -> None:
+        """The request goes on from the line (extend), from an edited reply in it (edited), or
+        from its last reply after a compacted history (resumed): the last turn's next state is
+        what follows the request's last reply, provisionally."""
         self._confirm(s)
         if s.pending is None:
             return
         request = plan.request
-        start = request.last_assistant() + 1 if after_reply else len(s.line)
+        start = len(s.line) if match == "extend" else request.last_assistant() + 1
         s.provisional = Transition(
-            turn=s.pending, next_state=NextState(messages=_messages_from(plan, start)), reason="next_state", edited=edited
+            turn=s.pending, next_state=NextState(messages=_messages_from(plan, start)), reason="next_state",
+            edited=match == "edited",
         )
         s.provisional_at = len(s.line) - 1
         s.pending = None
