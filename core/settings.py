@@ -510,6 +510,12 @@ class LearnerSettings(BaseSettings):
             forgetting).
         opd_topk: with NEXTSTATE_OPD_LOSS=topk, the teacher's most likely tokens kept at each
             position (the rest is one bin): 32 hold all but a sliver of a small model's mass.
+        opd_target: with NEXTSTATE_OPD_LOSS=topk or both, what the policy is pulled towards.
+            `teacher`: the base model reading the hint (OpenClaw-RL's OEL track). `shift`: the
+            policy's own distribution moved by what the hint changes in the base model
+            (log π_base(·|hint) − log π_base(·|no hint) added to its log-probabilities), so a
+            position where the hint changes nothing pulls nowhere — the policy keeps what it
+            has learnt there instead of being drawn back to the base (learner/distillation.py).
         learner_memory_mb: the most a training pass may add to memory; 0 = what the machine
             has free (80% of MemAvailable or the container's room on the CPU, of the device's
             free memory on a GPU). Every pass is measured, micro-batches shrink to what fits,
@@ -578,6 +584,9 @@ class LearnerSettings(BaseSettings):
         0.05, ge=0, description="Gate: most a version's perplexity on the general-text probe may rise over the base model's."
     )
     opd_topk: int = Field(32, ge=1, description="opd_loss=topk: the teacher's top tokens kept per position.")
+    opd_target: Literal["teacher", "shift"] = Field(
+        "teacher", description="opd_loss=topk: pull towards the hinted base model, or the policy shifted by what the hint changes."
+    )
     learner_memory_mb: int = Field(
         0, ge=0, description="Most memory a training pass may add (MB); 0 = what is free. A step that would not fit waits."
     )

@@ -16,6 +16,14 @@ policy gives its mass to what the teacher finds likely rather than spreading ove
 the teacher does not rule out. The positions are the ones the policy visited (its own
 sampled reply), so this is still on-policy. The tail bin keeps the loss a true divergence
 between two distributions over K + 1 outcomes, whatever mass the top K leave out.
+
+With NEXTSTATE_OPD_TARGET=shift the target is not the hinted base model itself but the
+policy as it stands, moved by what the hint changes in the base model: log π_θ₀ +
+(log π_base(·|hint) − log π_base(·|no hint)), renormalised over the same K + 1 bins. The
+hinted base pulls every position back to the base model's habits, also where the hint says
+nothing (a length the policy had learnt, the reply's wording); the shift pulls only where the
+hint moves something, and by as much as it moves it (the idea of contrastive decoding and of
+"proxy tuning", Liu et al. 2024: the difference of two prompts' logits as the steering signal).
 """
 
 from __future__ import annotations
@@ -47,10 +55,21 @@ def teacher_topk(logits: torch.Tensor, temperature: float, k: int) -> tuple[torc
     return values, ids
 
 
+def shifted_target(policy: torch.Tensor, hinted: torch.Tensor, unhinted: torch.Tensor) -> torch.Tensor:
+    """The policy moved by the hint's effect on the base model, over the K + 1 bins.
+
+    policy, hinted, unhinted: [n, K] log-probabilities of the hinted base model's top K tokens
+    under the policy before the update, the base model reading the hint, and the base model
+    without it. Returns [n, K + 1] log-probabilities (the last bin: all other tokens)."""
+    target = with_tail(policy) + with_tail(hinted) - with_tail(unhinted)
+    return target - torch.logsumexp(target, dim=-1, keepdim=True)
+
+
 def topk_reverse_kl(student: torch.Tensor, teacher: torch.Tensor) -> torch.Tensor:
     """Per-position KL(π_θ ‖ π_T) over the teacher's top K tokens and the rest.
 
-    student, teacher: [n, K] log-probabilities of the same K token ids (the teacher's top K)
-    under each model. Returns [n], ≥ 0, differentiable in `student`."""
-    s, t = with_tail(student), with_tail(teacher)
-    return (s.exp() * (s - t)).sum(-1)
+    student: [n, K] log-probabilities of the teacher's top K token ids under the policy;
+    teacher: [n, K + 1], the target's over the same ids and the rest (`with_tail`,
+    `shifted_target`). Returns [n], ≥ 0, differentiable in `student`."""
+    s = with_tail(student)
+    return (s.exp() * (s - teacher)).sum(-1)

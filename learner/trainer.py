@@ -29,7 +29,7 @@ import torch.utils.checkpoint
 
 from nextstate.core.settings import LearnerSettings
 from nextstate.core.types import Sample
-from nextstate.learner.distillation import teacher_topk, topk_reverse_kl
+from nextstate.learner.distillation import shifted_target, teacher_topk, topk_reverse_kl, with_tail
 from nextstate.learner.gate import GateFigures, mean, repetition
 from nextstate.learner.learning_rate import resolve_learning_rate
 from nextstate.learner.held_out import VersionFigures, figures as held_out_figures, probe_sentences, shipped_lines
@@ -332,15 +332,19 @@ class LoraTrainer:
         return (sample.teacher_prompt_ids or [])[-room:] + sample.response_ids
 
     def _teacher_targets(self, samples: list[Sample]) -> list[tuple[torch.Tensor, torch.Tensor] | None]:
-        """Per sample to distil (`distill_weight`, NEXTSTATE_OPD_LOSS=topk): the base model's top
-        `opd_topk` next tokens after the teacher's prompt at each response position, as
-        (log-probabilities, ids); None for the others. The base model never changes, so this is
-        one pass without gradients per update, before any of its steps."""
+        """Per sample to distil (`distill_weight`, NEXTSTATE_OPD_LOSS=topk): the target's
+        log-probabilities over the base model's top `opd_topk` next tokens after the teacher's
+        prompt and one bin for the rest ([n, K + 1]), with those token ids ([n, K]), at each
+        response position; None for the others. The target is the hinted base model itself or,
+        with NEXTSTATE_OPD_TARGET=shift, the policy before this update moved by what the hint
+        changes in the base model (learner/distillation.py). Computed once per update, without
+        gradients, before any of its steps."""
         out: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * len(samples)
         todo = [i for i, s in enumerate(samples) if s.distill_weight and s.teacher_prompt_ids]
         if not todo:
             return out
         k = self.settings.opd_topk
+        hinted: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         lengths = [len(self._teacher_ids(samples[i])) - 1 for i in todo]
         with torch.no_grad(), self.model.disable_adapter():
             for group in micro_batches(lengths, self._pass_tokens):
@@ -351,7 +355,22 @@ class LoraTrainer:
                     rows, [len(s.response_ids) for s in group_samples],
                     lambda logits, i, part, temperatures=temperatures: teacher_topk(logits, temperatures[i], k))
                 for j, pieces in zip(group, results):
-                    out[todo[j]] = (torch.cat([p[0] for p in pieces]), torch.cat([p[1] for p in pieces]))
+                    hinted[todo[j]] = (torch.cat([p[0] for p in pieces]), torch.cat([p[1] for p in pieces]))
+        if self.settings.opd_target == "teacher":
+            for i, (values, ids) in hinted.items():
+                out[i] = (with_tail(values), ids)
+            return out
+        with torch.no_grad():
+            for group in micro_batches([self._row_length(samples[i]) for i in todo], self._pass_tokens):
+                members = [todo[j] for j in group]
+                chosen = [samples[i] for i in members]
+                ids_of = [hinted[i][1] for i in members]
+                policy = self._response_logprobs(chosen, ids_of)
+                with self.model.disable_adapter():
+                    unhinted = self._response_logprobs(chosen, ids_of)
+                for i, (_, mine), (_, plain) in zip(members, policy, unhinted):
+                    values, ids = hinted[i]
+                    out[i] = (shifted_target(mine, values, plain), ids)
         return out
 
     def _backbone_and_head(self) -> tuple[torch.nn.Module, torch.nn.Module] | None:

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from nextstate.core.settings import LearnerSettings
-from nextstate.learner.distillation import teacher_topk, topk_reverse_kl, with_tail
+from nextstate.learner.distillation import shifted_target, teacher_topk, topk_reverse_kl, with_tail
 from nextstate.learner.trainer import LoraTrainer
 from tests.test_learner import PROMPT, engine, generate, make_sample, peaked_model_dir  # noqa: F401  (fixtures)
 
@@ -18,9 +18,23 @@ def test_the_topk_loss_is_a_divergence_over_k_tokens_and_a_tail():
     teacher = torch.log_softmax(torch.randn(3, 10), -1)
     values, ids = teacher.topk(4, dim=-1)
     assert torch.allclose(with_tail(values).logsumexp(-1), torch.zeros(3), atol=1e-6), "K + 1 bins hold all the mass"
-    assert torch.allclose(topk_reverse_kl(values, values), torch.zeros(3), atol=1e-6)
+    assert torch.allclose(topk_reverse_kl(values, with_tail(values)), torch.zeros(3), atol=1e-6)
     student = torch.log_softmax(torch.randn(3, 10), -1).gather(-1, ids)
-    assert (topk_reverse_kl(student, values) > 0).all()
+    assert (topk_reverse_kl(student, with_tail(values)) > 0).all()
+
+
+def test_the_shifted_target_moves_the_policy_only_as_far_as_the_hint_moves_the_base():
+    torch.manual_seed(2)
+    policy, hinted, unhinted = (torch.log_softmax(torch.randn(3, 10), -1)[:, :4] for _ in range(3))
+    target = shifted_target(policy, hinted, unhinted)
+    assert torch.allclose(target.logsumexp(-1), torch.zeros(3), atol=1e-6), "a distribution over the K + 1 bins"
+    assert torch.allclose(shifted_target(policy, hinted, hinted), with_tail(policy), atol=1e-6), \
+        "a hint that changes nothing leaves the policy where it is"
+    assert torch.allclose(shifted_target(unhinted, hinted, unhinted), with_tail(hinted), atol=1e-6), \
+        "a policy still at the base model is pulled to the hinted base, as with the `teacher` target"
+    # the log-odds between two kept tokens move by exactly the hint's move in the base model
+    moved = (target[:, 0] - target[:, 1]) - (policy[:, 0] - policy[:, 1])
+    assert torch.allclose(moved, (hinted[:, 0] - hinted[:, 1]) - (unhinted[:, 0] - unhinted[:, 1]), atol=1e-5)
 
 
 def test_with_every_token_kept_it_is_the_reverse_kl_and_its_gradient():
@@ -28,7 +42,7 @@ def test_with_every_token_kept_it_is_the_reverse_kl_and_its_gradient():
     logits = torch.randn(2, 8, requires_grad=True)
     values, ids = teacher_topk(torch.randn(2, 8), temperature=0.7, k=8)
     student = torch.log_softmax(logits, -1)
-    ours = topk_reverse_kl(student.gather(-1, ids), values)
+    ours = topk_reverse_kl(student.gather(-1, ids), with_tail(values))
     full_teacher = torch.empty(2, 8).scatter_(-1, ids, values)
     exact = (student.exp() * (student - full_teacher)).sum(-1)
     assert ours.tolist() == pytest.approx(exact.tolist(), abs=1e-5)
@@ -75,6 +89,32 @@ async def test_distilling_moves_the_policy_towards_the_teacher_and_nothing_else_
     assert all(b < a for a, b in zip(kls, kls[1:])) and kls[-1] < 0.9 * kls[0], f"each step brings it nearer: {kls}"
     plain = trainer.step("bob", [make_sample(toks, advantage=0.0) for toks in replies[4:]])
     assert plain.distill_kl == 0.0 and plain.policy_kl == pytest.approx(0.0, abs=1e-6), "no teacher, no advantage: no move"
+
+
+def test_the_shifted_target_of_a_fresh_adapter_is_the_hinted_base_and_an_idle_hint_moves_nothing(peaked_model_dir):
+    """NEXTSTATE_OPD_TARGET=shift: before its first update the policy is the base model, so the
+    shifted target is the teacher's; a "hint" that is the sample's own prompt changes nothing
+    in the base model, and once the policy has moved its target is the policy itself (the
+    `teacher` target would pull it back to the base model)."""
+    from nextstate.engine.base import GeneratedToken
+
+    replies = [[GeneratedToken(t, -1.0) for t in reply] for reply in ([31, 40, 52, 33, 47, 60, 38, 41], [7, 8, 9, 10, 11, 12])]
+    samples = [distilled(make_sample(toks)) for toks in replies]
+    teacher = LoraTrainer(peaked_model_dir, LearnerSettings(lora_r=4, lora_alpha=8, opd_topk=16))
+    teacher.ensure_scope("alice")
+    shift = LoraTrainer(peaked_model_dir, LearnerSettings(lora_r=4, lora_alpha=8, opd_topk=16, opd_target="shift"))
+    shift.ensure_scope("alice")
+    for (a, ids_a), (b, ids_b) in zip(teacher._teacher_targets(samples), shift._teacher_targets(samples)):
+        assert torch.equal(ids_a, ids_b) and torch.allclose(a, b, atol=1e-5)
+    idle = [distilled(make_sample(toks), teacher_prompt=PROMPT) for toks in replies]
+    idle_kl = {}
+    for target in ("teacher", "shift"):
+        trainer = LoraTrainer(peaked_model_dir, LearnerSettings(lr=3e-2, lora_r=4, lora_alpha=8, opd_topk=16,
+                                                                opd_target=target, max_kl=100.0, kl_coef=0.0))
+        trainer.step("alice", samples)  # a real hint first: the adapter moves off the base model
+        idle_kl[target] = trainer.step("alice", idle).distill_kl
+    assert idle_kl["shift"] == pytest.approx(0.0, abs=1e-6), idle_kl
+    assert idle_kl["teacher"] > 0.01, f"the hinted base pulls the moved policy back where the hint says nothing: {idle_kl}"
 
 
 def test_a_hindsight_hint_with_no_reward_trains_through_its_teacher(server_factory):
