@@ -49,6 +49,7 @@ class FakeSGLang(AppInThread):
         self.requests: list[tuple[str, dict]] = []
         self.generate_peers: list[int] = []  # the client port of each /generate: one per connection
         self.done_delay_s = 0.0
+        self.truncated_scores = 0  # this many next scoring answers leave out their first input tokens
         self.ever_loaded: dict[str, str] = {}  # every adapter name loaded since the start, and its path
         self._adapter_updates = asyncio.Lock()
         self.engine: LocalEngine | None = None
@@ -224,6 +225,9 @@ class FakeSGLang(AppInThread):
         # stock SGLang: prompt-token logprobs are at temperature 1, whatever the request says
         scores = await self.engine.score(ids, start + 1, adapter=adapter)
         entries = [[None, ids[start], None]] + [[lp, t, None] for lp, t in zip(scores, ids[start + 1 :])]
+        if self.truncated_scores:  # as if a cached prefix had swallowed part of what was asked
+            self.truncated_scores -= 1
+            entries = entries[:1] + entries[3:]
         meta = {"id": uuid.uuid4().hex, "finish_reason": {"type": "length", "length": 0}, "prompt_tokens": len(ids),
                 "completion_tokens": 0, "input_token_logprobs": entries, "output_token_logprobs": []}
         return {"text": "", "output_ids": [], "meta_info": meta}

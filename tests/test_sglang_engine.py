@@ -165,6 +165,16 @@ async def test_server_errors_are_retried_then_reported(client, sglang):
     assert len(await collect(client, SamplingParams(max_new_tokens=3))) == 3, "recovers by itself"
 
 
+async def test_a_scoring_answer_that_skips_tokens_is_asked_for_again_then_refused(client, direct, sglang):
+    expected = await direct.score(PROMPT, 5)
+    sglang.truncated_scores = 1
+    assert await client.score(PROMPT, 5) == pytest.approx(expected, abs=1e-5), "asked once more, answered whole"
+    sglang.truncated_scores = 2
+    with pytest.raises(EngineBadGateway, match=r"not input_ids\[5:\] \(\d+ entries for \d+ tokens"):
+        await client.score(PROMPT, 5)
+    sglang.truncated_scores = 0
+
+
 @pytest.mark.parametrize("mode, error", [("hang", EngineTimeout), ("garbage", EngineBadGateway), ("drop", EngineBadGateway), ("abort", EngineBadGateway)])
 async def test_broken_answers_become_clean_errors(client, sglang, mode, error):
     sglang.mode = mode
