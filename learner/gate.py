@@ -23,7 +23,10 @@ is scored on recent samples of its scope that it did not train on:
   one that went unchecked), topped up to eight from everyday questions shipped with the
   package (learner/probe/everyday_questions.txt): a first version trained on a partial batch
   of two to four samples was checked on as many prompts, passed, and then repeated 0.19-0.21 on
-  the next update's eight (the base model: 0.00).
+  the next update's eight (the base model: 0.00). With NEXTSTATE_GATE_REPLIES=sampled the
+  replies are two per prompt sampled at temperature 1, the candidate's and the base model's
+  from the same seeded draws (trainer.sampled): what a client at the API's default temperature
+  is served, where a greedy reply loops on a near-tie no sampler keeps to.
 
 A version that fails is tried again at half its step (`gate_backtracks` times, as a line search
 backtracks): an update in a good direction that went too far keeps part of what it learned
@@ -56,6 +59,9 @@ log = logging.getLogger(__name__)
 # four: one greedy reply that happens to loop moves a mean of four by a quarter of its
 # repetition, enough to hold back a good version or pass a bad one.
 GATE_SAMPLES, GATE_LIKED, GATE_PROMPTS, GATE_NEW_TOKENS = 24, 8, 8, 32
+# With NEXTSTATE_GATE_REPLIES=sampled, replies per prompt: sixteen in all, a mean that one
+# unlucky draw moves by a sixteenth of its repetition.
+GATE_SAMPLED_REPLIES = 2
 # Each backtrack of a version the gate refused keeps this share of the step tried before.
 BACKTRACK_FACTOR = 0.5
 # A version is worse for its user only if its gain fell past the limit by more than this many

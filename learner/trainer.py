@@ -30,7 +30,7 @@ import torch.utils.checkpoint
 from nextstate.core.settings import LearnerSettings
 from nextstate.core.types import Sample
 from nextstate.learner.distillation import shifted_target, teacher_topk, topk_reverse_kl, with_tail
-from nextstate.learner.gate import GateFigures, mean, repetition
+from nextstate.learner.gate import GATE_SAMPLED_REPLIES, GateFigures, mean, repetition
 from nextstate.learner.learning_rate import resolve_learning_rate
 from nextstate.learner.held_out import VersionFigures, figures as held_out_figures, probe_sentences, shipped_lines
 from nextstate.learner.host_memory import release_freed_memory
@@ -435,7 +435,37 @@ class LoraTrainer:
         self.model.eval()
         with torch.no_grad():
             per_token = [float(lp.mean()) for lp in self._logprobs_each(liked)] if liked else []
-        return GateFigures(mean(per_token), mean([repetition(r) for r in self.greedy(prompts, max_new)]))
+        return GateFigures(mean(per_token), mean([repetition(r) for r in self.gate_replies(prompts, max_new)]))
+
+    def gate_replies(self, prompts: list[list[int]], max_new: int) -> list[list[int]]:
+        """The active weights' replies whose repetition the gate measures (`gate_replies`)."""
+        if self.settings.gate_replies == "greedy":
+            return self.greedy(prompts, max_new)
+        return [reply for prompt in prompts for reply in self.sampled(prompt, max_new, GATE_SAMPLED_REPLIES)]
+
+    def sampled(self, prompt: list[int], max_new: int, n: int) -> list[list[int]]:
+        """`n` replies to `prompt` sampled at temperature 1, from a random stream seeded by the
+        prompt alone: the same draws for every weights asked, whatever else runs (common random
+        numbers; the process's own generator is left as it was)."""
+        model = self.model if self.model is not None else self._base
+        pad = model.generation_config.pad_token_id or model.generation_config.eos_token_id
+        pad = pad[0] if isinstance(pad, list) else pad
+        row = prompt[-self.settings.max_train_tokens:]
+        seed = int.from_bytes(hashlib.blake2b(json.dumps(row).encode(), digest_size=4).digest(), "big")
+        ids = torch.tensor([row] * n, device=self.device)
+        with torch.no_grad(), torch.random.fork_rng(devices=[self.device] if self.device.startswith("cuda") else []):
+            torch.manual_seed(seed)
+            generated = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new,
+                                       do_sample=True, temperature=1.0, top_p=1.0, top_k=0, use_cache=True,
+                                       pad_token_id=pad)
+        return [self._until_stop(model, row) for row in generated[:, len(row):].tolist()]
+
+    @staticmethod
+    def _until_stop(model: torch.nn.Module, row: list[int]) -> list[int]:
+        """A generated row cut after its stop token (rows that finished early are padded out)."""
+        eos = model.generation_config.eos_token_id
+        stops = set(eos if isinstance(eos, list) else [eos]) if eos is not None else set()
+        return row[:next((i + 1 for i, t in enumerate(row) if t in stops), len(row))]
 
     def everyday_prompts(self, n: int) -> list[list[int]]:
         """The first `n` shipped everyday questions as chat prompts of this model, for the gate's
@@ -454,13 +484,17 @@ class LoraTrainer:
     def base_repetition(self, prompts: list[list[int]], max_new: int) -> float | None:
         """The base model's greedy repetition on these prompts; the base never changes, so each
         prompt is answered once (on a CPU a greedy reply of SmolLM2 costs seconds)."""
-        keys = [(hash(tuple(p)), len(p), max_new) for p in prompts]  # a digest: prompts run to thousands of tokens
+        how = self.settings.gate_replies
+        keys = [(hash(tuple(p)), len(p), max_new, how) for p in prompts]  # a digest: prompts run to thousands of tokens
         missing = [(k, p) for k, p in zip(keys, prompts) if k not in self._base_replies]
         if missing:
             with self.model.disable_adapter():
-                for (key, _), reply in zip(missing, self.greedy([p for _, p in missing], max_new)):
-                    self._base_replies[key] = repetition(reply)
-        values = [self._base_replies[k] for k in keys]
+                per_prompt = (self.greedy([p for _, p in missing], max_new) if how == "greedy"
+                              else [self.sampled(p, max_new, GATE_SAMPLED_REPLIES) for _, p in missing])
+                for (key, _), answer in zip(missing, per_prompt):
+                    # a prompt's sampled replies count one each in the mean, as the candidate's do
+                    self._base_replies[key] = [repetition(answer)] if how == "greedy" else [repetition(r) for r in answer]
+        values = [v for k in keys for v in self._base_replies[k]]
         for key in keys:
             self._base_replies.move_to_end(key)
         while len(self._base_replies) > BASE_REPLIES_KEPT:
@@ -482,14 +516,7 @@ class LoraTrainer:
         with torch.no_grad():
             generated = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new,
                                        do_sample=False, use_cache=True, pad_token_id=pad)
-        eos = model.generation_config.eos_token_id
-        stops = set(eos if isinstance(eos, list) else [eos]) if eos is not None else set()
-        out = []
-        for row in generated[:, width:].tolist():
-            # a row that finished early is padded out to the longest: cut it after its stop token
-            end = next((i + 1 for i, t in enumerate(row) if t in stops), len(row))
-            out.append(row[:end])
-        return out
+        return [self._until_stop(model, row) for row in generated[:, width:].tolist()]
 
     def shorten_step(self, scope: str, factor: float) -> None:
         """Take the scope's weights back along their last step to `factor` of its length (the

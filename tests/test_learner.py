@@ -690,6 +690,23 @@ async def test_the_gates_greedy_replies_are_batched_and_equal_to_one_at_a_time(t
     assert all(len(r) <= 10 for r in one_by_one) and trainer.greedy([], 10) == []
 
 
+def test_the_gates_sampled_replies_share_their_random_draws_between_candidate_and_base(tiny_model_dir):
+    """NEXTSTATE_GATE_REPLIES=sampled: a prompt's replies come from a stream seeded by the prompt
+    alone, so the same weights give the same replies whenever asked (a fresh adapter, still the
+    base model, repeats itself exactly as much as the base), the replies vary within a prompt
+    and between prompts, and the process's own random stream is left as it was."""
+    trainer = LoraTrainer(tiny_model_dir, LearnerSettings(lora_r=4, lora_alpha=8, gate_replies="sampled"))
+    trainer.ensure_scope("alice")
+    prompts = [PROMPT[:8], PROMPT, PROMPT[3:20]]
+    state = torch.random.get_rng_state()
+    first = [trainer.sampled(p, 12, 2) for p in prompts]
+    assert torch.equal(torch.random.get_rng_state(), state)
+    assert [trainer.sampled(p, 12, 2) for p in reversed(prompts)] == first[::-1], "the same draws whatever ran before"
+    assert all(len(replies) == 2 and replies[0] != replies[1] for replies in first)
+    figures = trainer.gate_figures("alice", [], prompts, 12)
+    assert figures.repetition is not None and figures.repetition == trainer.base_repetition(prompts, 12)
+
+
 # ---------------------------------------------------------------------------- memory budget
 
 
