@@ -77,7 +77,7 @@ def test_a_benched_judges_next_states_teach_as_hints_of_their_own(server_factory
     state is the OPD hint of the reply before it, scored by the served model; the judge is
     asked nothing, and the samples train a version with no rating at all."""
     judge.mode = "garbage"
-    server = calibrated_server(server_factory, judge, judge_timeout_s=2, mode="combined")
+    server = calibrated_server(server_factory, judge, judge_timeout_s=2, mode="combined", opd_loss="sampled")
     stats = admin_stats(server)["judge"]
     assert stats["calibration"]["state"] == "failed" and stats["fallback"] == "hindsight" and stats["implicit_feedback"]
     calls = len(judge.calls)

@@ -82,7 +82,7 @@ async def test_distilling_moves_the_policy_towards_the_teacher_and_nothing_else_
     finally:
         await peaked.close()
     trainer = LoraTrainer(peaked_model_dir, LearnerSettings(lr=3e-2, lora_r=4, lora_alpha=8, opd_topk=16,
-                                                            minibatch_size=0, max_kl=100.0))
+                                                            opd_target="teacher", minibatch_size=0, max_kl=100.0))
     samples = [distilled(make_sample(toks)) for toks in replies[:4]]
     kls = [trainer.step("alice", samples).distill_kl for _ in range(6)]
     assert kls[0] > 0.05, f"the hint changes what the teacher expects: {kls}"

@@ -51,7 +51,7 @@ def samples_by_turn(server) -> dict[int, object]:
 
 
 def test_combined_mode_rewards_hints_and_advantages(server_factory, judge):
-    server = judged_server(server_factory, judge)
+    server = judged_server(server_factory, judge, opd_loss="sampled")
     converse(server.client(server.key("alice")), SCRIPT)
     samples = samples_by_turn(server)
     assert sorted(samples) == [1, 2, 3], "the last turn has no next state yet"
@@ -85,7 +85,7 @@ def test_combined_mode_rewards_hints_and_advantages(server_factory, judge):
 
 
 def test_teacher_is_the_base_model_under_the_enhanced_prompt(server_factory, judge):
-    server = judged_server(server_factory, judge, mode="opd")
+    server = judged_server(server_factory, judge, mode="opd", opd_loss="sampled")
     converse(server.client(server.key("alice")), SCRIPT[:2])
     sample = samples_by_turn(server)[1]
     request = next(r for r in server.records() if r["kind"] == "request" and r["turn_index"] == 1)
@@ -142,7 +142,7 @@ def test_binary_mode_ignores_hints(server_factory, judge):
 
 
 def test_opd_mode_drops_turns_without_a_hint(server_factory, judge):
-    server = judged_server(server_factory, judge, mode="opd")
+    server = judged_server(server_factory, judge, mode="opd", opd_loss="sampled")
     converse(server.client(server.key("alice")), SCRIPT)
     samples = samples_by_turn(server)
     assert samples[1].status == "ready" and samples[1].hint == max(HINTS, key=len)
