@@ -578,7 +578,7 @@ def seeds_report(paths: list[str]) -> None:
         print(f"| {instruction} | {mode} | {setting or '—'} | {', '.join(str(seed) for seed, _, _ in runs)} | {curve} | "
               f"{reach} | {versions} | {spread([f['score'] for f in finals])} | {spread([f.get('repetition') for f in finals])} | "
               f"{spread([f.get('perplexity_ratio') for f in finals])} |")
-    for figure in ("gain", "accepted", "rejected"):
+    for figure in ("gain", "accepted", "rejected", "wish"):
         if (r := gain_correlation(pooled, figure)) is not None:
             versions = sum(1 for row in pooled if row.get(figure) is not None)
             print(f"held-out {figure} against measured success, over {versions} versions of these runs: Pearson's r = {r}")
@@ -623,10 +623,10 @@ def figures_against_success(tasks: list[dict], steps: list[dict]) -> list[dict]:
     served: dict[int, list[float]] = {}
     for t in tasks:
         served.setdefault(t["version"], []).append(t["score"])
-    figures = {0: {"gain": 0.0, "accepted": 0.0, "rejected": 0.0, "forgetting": 0.0}}
+    figures = {0: {"gain": 0.0, "accepted": 0.0, "rejected": 0.0, "wish": 0.0, "forgetting": 0.0}}
     figures.update({s["version"]: s["figures"] for s in steps if s.get("published") and s.get("figures")})
     return [{"version": v, "gain": f.get("gain"), "accepted": f.get("accepted"), "rejected": f.get("rejected"),
-             "forgetting": f.get("forgetting"), "held_out": f.get("held_out"),
+             "wish": f.get("wish"), "forgetting": f.get("forgetting"), "held_out": f.get("held_out"),
              "success": round(statistics.fmean(served[v]), 3), "tasks": len(served[v])}
             for v, f in sorted(figures.items()) if v in served]
 

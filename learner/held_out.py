@@ -35,6 +35,20 @@ the simulated user's success better than the pooled gain (r +0.13 and +0.05 agai
 scope's accepted held-out turns are few and mostly second attempts whose prompts carry the
 person's correction, which says little about first replies; the halves are shown, not gated on.
 
+**wish** (a share; 0 for the base model): on the held-out turns that came with a hint or a
+correction, how far the version has gone, on the person's own prompt without the hint, the way
+the hint moves the base model. At each response position, over the hinted base model's top K
+tokens and one bin for the rest, S is the hint's move (log π_base(·|hint) − log π_base(·)) and D
+the version's (log π_v(·) − log π_base(·)); the figure is the slope of D on S, weighted by the
+hinted base's probabilities and pooled over positions:
+
+    wish = Σ_t Σ_k w_k (D_k − D̄)(S_k − S̄) / Σ_t Σ_k w_k (S_k − S̄)²,   w = π_base(·|hint)
+
+1 is a version that does untold what the base model does when told; above 1, further (the
+`shift` distillation compounds). It asks the question the gain answers only indirectly — has the
+version learnt what the person asked for, on turns it never saw — and needs no reply to have
+been accepted. Only turns with a teacher's prompt count (NEXTSTATE_OPD_LOSS=topk or both).
+
 **kl** (nats per token): k3 estimate of KL(π_v ‖ π_base) on the held-out replies' tokens — how far
 the version is from the base model on this person's own prompts.
 
@@ -73,6 +87,7 @@ class VersionFigures:
     forgetting: float | None
     held_out: int  # turns scored
     accepted: float | None = None  # nats/token the accepted held-out replies became likelier (None: none held out)
+    wish: float | None = None  # share of the hint's move made without the hint (None: no held-out turn with a hint)
     rejected: float | None = None  # nats/token the rejected ones became less likely
     turn_gains: list[float | None] = field(default_factory=list, repr=False)  # each turn's own gain, in order
 
@@ -96,6 +111,29 @@ class VersionFigures:
         return mean, math.sqrt(variance / len(diffs))
 
 
+@dataclass
+class HintMove:
+    """One held-out hinted turn's [response tokens, K] log-probabilities of the hinted base model's
+    top K tokens: under the hinted base model, the unhinted base model and the version."""
+
+    hinted: torch.Tensor
+    unhinted: torch.Tensor
+    version: torch.Tensor
+
+
+def wish_terms(move: HintMove) -> tuple[float, float]:
+    """The turn's numerator and denominator of the `wish` slope (module docstring)."""
+    from nextstate.learner.distillation import with_tail
+
+    hinted, unhinted, version = (with_tail(t) for t in (move.hinted, move.unhinted, move.version))
+    w = hinted.exp()
+    w = w / w.sum(-1, keepdim=True)
+    shift, moved = hinted - unhinted, version - unhinted
+    shift = shift - (w * shift).sum(-1, keepdim=True)
+    moved = moved - (w * moved).sum(-1, keepdim=True)
+    return float((w * moved * shift).sum()), float((w * shift * shift).sum())
+
+
 def shipped_lines(name: str) -> list[str]:
     """A text shipped in learner/probe/: one item a line, comments (#) left out."""
     text = resources.files("nextstate.learner").joinpath(f"probe/{name}").read_text(encoding="utf-8")
@@ -108,9 +146,11 @@ def probe_sentences() -> list[str]:
 
 
 def figures(samples: list[Sample], now: list[torch.Tensor], base: list[torch.Tensor],
-            probe_nll: float | None, base_probe_nll: float | None) -> VersionFigures:
+            probe_nll: float | None, base_probe_nll: float | None,
+            moves: list[HintMove | None] | None = None) -> VersionFigures:
     """The figures from the version's and the base model's logprobs of each held-out reply
-    (`now`, `base`; the writer's are the sample's own) and their mean NLL per token on the probe."""
+    (`now`, `base`; the writer's are the sample's own), their mean NLL per token on the probe,
+    and each hinted turn's distributions (`moves`)."""
     import torch
 
     from nextstate.learner.ppo import k3_kl
@@ -135,6 +175,8 @@ def figures(samples: list[Sample], now: list[torch.Tensor], base: list[torch.Ten
     forgetting = None
     if probe_nll is not None and base_probe_nll is not None:
         forgetting = math.exp(probe_nll - base_probe_nll) - 1
+    terms = [wish_terms(m) for m in (moves or []) if m is not None]
+    spread = sum(d for _, d in terms)
     return VersionFigures(
         gain=weighted / weight if weight else None,
         kl=kl / tokens if tokens else None,
@@ -143,4 +185,5 @@ def figures(samples: list[Sample], now: list[torch.Tensor], base: list[torch.Ten
         accepted=rises[True][0] / rises[True][1] if rises[True][1] else None,
         rejected=-rises[False][0] / rises[False][1] if rises[False][1] else None,
         turn_gains=turn_gains,
+        wish=sum(n for n, _ in terms) / spread if spread > 0 else None,
     )

@@ -32,7 +32,7 @@ from nextstate.core.types import Sample
 from nextstate.learner.distillation import shifted_target, teacher_topk, topk_reverse_kl, with_tail
 from nextstate.learner.gate import GATE_SAMPLED_REPLIES, GateFigures, mean, repetition
 from nextstate.learner.learning_rate import resolve_learning_rate
-from nextstate.learner.held_out import VersionFigures, figures as held_out_figures, probe_sentences, shipped_lines
+from nextstate.learner.held_out import HintMove, VersionFigures, figures as held_out_figures, probe_sentences, shipped_lines
 from nextstate.learner.host_memory import release_freed_memory
 from nextstate.learner.memory_budget import MemoryBudget, Refusal
 from nextstate.learner.micro_batches import micro_batches
@@ -151,6 +151,8 @@ class LoraTrainer:
         self._base_replies: OrderedDict[tuple, float | None] = OrderedDict()
         # the base model's side of the held-out figures (learner/held_out.py): per sample id, and the probe
         self._base_held_out: OrderedDict[int, torch.Tensor] = OrderedDict()
+        # per held-out turn with a hint: (the hinted base model's top-K ids, their log-probabilities, the unhinted base's)
+        self._base_hint_moves: OrderedDict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = OrderedDict()
         self._base_probe_nll: float | None = None
         self._probe: list[list[int]] | None = None
         self._everyday: list[list[int]] | None = None  # the gate's shipped prompts, rendered once
@@ -343,6 +345,22 @@ class LoraTrainer:
         todo = [i for i, s in enumerate(samples) if s.distill_weight and s.teacher_prompt_ids]
         if not todo:
             return out
+        hinted = self._hinted_topk(samples, todo)
+        if self.settings.opd_target == "teacher":
+            for i, (values, ids) in hinted.items():
+                out[i] = (with_tail(values), ids)
+            return out
+        policy = self._gathered(samples, todo, {i: ids for i, (_, ids) in hinted.items()})
+        with self.model.disable_adapter():
+            unhinted = self._gathered(samples, todo, {i: ids for i, (_, ids) in hinted.items()})
+        for i, (values, ids) in hinted.items():
+            out[i] = (shifted_target(policy[i], values, unhinted[i]), ids)
+        return out
+
+    def _hinted_topk(self, samples: list[Sample], todo: list[int]) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+        """For samples[i], i in `todo` (each with a teacher's prompt): the base model's top
+        `opd_topk` next tokens after the hinted prompt at each response position, as
+        (log-probabilities, ids), each [response tokens, K]. No gradients."""
         k = self.settings.opd_topk
         hinted: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         lengths = [len(self._teacher_ids(samples[i])) - 1 for i in todo]
@@ -356,21 +374,18 @@ class LoraTrainer:
                     lambda logits, i, part, temperatures=temperatures: teacher_topk(logits, temperatures[i], k))
                 for j, pieces in zip(group, results):
                     hinted[todo[j]] = (torch.cat([p[0] for p in pieces]), torch.cat([p[1] for p in pieces]))
-        if self.settings.opd_target == "teacher":
-            for i, (values, ids) in hinted.items():
-                out[i] = (with_tail(values), ids)
-            return out
+        return hinted
+
+    def _gathered(self, samples: list[Sample], todo: list[int], ids: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
+        """The active weights' log-probabilities of `ids[i]` ([response tokens, K]) at each
+        response position of samples[i], after its own prompt, a micro-batch at a time. No gradients."""
+        out: dict[int, torch.Tensor] = {}
         with torch.no_grad():
             for group in micro_batches([self._row_length(samples[i]) for i in todo], self._pass_tokens):
                 members = [todo[j] for j in group]
-                chosen = [samples[i] for i in members]
-                ids_of = [hinted[i][1] for i in members]
-                policy = self._response_logprobs(chosen, ids_of)
-                with self.model.disable_adapter():
-                    unhinted = self._response_logprobs(chosen, ids_of)
-                for i, (_, mine), (_, plain) in zip(members, policy, unhinted):
-                    values, ids = hinted[i]
-                    out[i] = (shifted_target(mine, values, plain), ids)
+                for i, (_, at_ids) in zip(members, self._response_logprobs([samples[i] for i in members],
+                                                                          [ids[i] for i in members])):
+                    out[i] = at_ids
         return out
 
     def _backbone_and_head(self) -> tuple[torch.nn.Module, torch.nn.Module] | None:
@@ -404,9 +419,33 @@ class LoraTrainer:
                     if probe and self._base_probe_nll is None:
                         self._base_probe_nll = self._probe_nll()
             probe_nll = self._probe_nll() if probe else None
+            moves = self._hint_moves(held_out)
         while len(self._base_held_out) > BASE_HELD_OUT_KEPT:
             self._base_held_out.popitem(last=False)
-        return held_out_figures(held_out, now, base, probe_nll, self._base_probe_nll)  # type: ignore[arg-type]
+        return held_out_figures(held_out, now, base, probe_nll, self._base_probe_nll, moves)  # type: ignore[arg-type]
+
+    def _hint_moves(self, held_out: list[Sample]) -> list[HintMove | None]:
+        """Per held-out turn with a teacher's prompt (a hint or correction): the hinted base
+        model's top K at each response position, the base model's log-probabilities of them
+        without the hint (both computed once and kept), and the active weights' (the `wish`
+        figure, learner/held_out.py); None for the others."""
+        todo = [i for i, s in enumerate(held_out) if s.teacher_prompt_ids and s.id is not None]
+        if not todo:
+            return [None] * len(held_out)
+        missing = [i for i in todo if held_out[i].id not in self._base_hint_moves]
+        if missing:
+            hinted = self._hinted_topk(held_out, missing)
+            with self.model.disable_adapter():
+                unhinted = self._gathered(held_out, missing, {i: ids for i, (_, ids) in hinted.items()})
+            for i in missing:
+                self._base_hint_moves[held_out[i].id] = (hinted[i][1], hinted[i][0], unhinted[i])
+        for i in todo:
+            self._base_hint_moves.move_to_end(held_out[i].id)
+        while len(self._base_hint_moves) > BASE_HELD_OUT_KEPT:
+            self._base_hint_moves.popitem(last=False)
+        kept = {i: self._base_hint_moves[held_out[i].id] for i in todo}
+        version = self._gathered(held_out, todo, {i: ids for i, (ids, _, _) in kept.items()})
+        return [HintMove(kept[i][1], kept[i][2], version[i]) if i in kept else None for i in range(len(held_out))]
 
     def _probe_nll(self) -> float:
         """Mean NLL per token of the general-text probe under the active weights (no grad)."""

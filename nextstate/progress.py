@@ -44,7 +44,7 @@ def _published_steps(scope: str, manifests: list[tuple[int, dict[str, Any]]]) ->
     return steps
 
 
-FIGURES = ("gain", "accepted", "rejected", "forgetting", "kl", "held_out")
+FIGURES = ("gain", "accepted", "rejected", "wish", "forgetting", "kl", "held_out")
 
 
 def version_figures(versions: AdapterVersions, scope: str,
@@ -264,19 +264,21 @@ def render_text(report: dict[str, Any], where: str) -> str:
     if any(v.get("gain") is not None or v.get("forgetting") is not None for v in report.get("versions", [])):
         lines.append("")
         lines.append("what each version gained for its user (held-out turns) and what it forgot (general text):")
-        lines.append(f"{'scope':<10} {'version':>9}  {'gain':>8}  {'accepted':>8}  {'rejected':>8}  {'forgetting':>10}  "
+        lines.append(f"{'scope':<10} {'version':>9}  {'gain':>8}  {'accepted':>8}  {'rejected':>8}  {'wish':>6}  {'forgetting':>10}  "
                      f"{'KL':>7}  {'held out':>8}")
         for v in report["versions"][-30:]:
             now = "  (serving now)" if v.get("serving") else ""
             forgetting = f"{v['forgetting']:+.1%}" if v.get("forgetting") is not None else "-"
             gain, accepted, rejected = (f"{v[k]:+.3f}" if v.get(k) is not None else "-" for k in ("gain", "accepted", "rejected"))
-            lines.append(f"{str(v['scope'])[:10]:<10} {'v' + str(v['version']):>9}  {gain:>8}  {accepted:>8}  {rejected:>8}  {forgetting:>10}  "
+            wish = f"{v['wish']:.2f}" if v.get("wish") is not None else "-"
+            lines.append(f"{str(v['scope'])[:10]:<10} {'v' + str(v['version']):>9}  {gain:>8}  {accepted:>8}  {rejected:>8}  {wish:>6}  {forgetting:>10}  "
                          f"{_fmt(v.get('kl')):>7}  {_fmt(v.get('held_out')):>8}{now}")
         lines.append("gain: nats per token the version moved the held-out replies the way their reactions point, from "
                      "where the version that wrote them had them; accepted, rejected: its two halves, how much likelier "
                      "the replies you accepted became and how much less likely those you rejected (a version can gain "
-                     "by the second alone without your wish showing); forgetting: its perplexity on plain text over "
-                     "the base model's")
+                     "by the second alone without your wish showing); wish: how far the version goes untold the way your "
+                     "hints and corrections move the base model told (0: not at all, 1: as far); forgetting: its "
+                     "perplexity on plain text over the base model's")
     if report["steps"]:
         lines.append("")
         lines.append(f"{'update':>8}  {'scope':<10} {'samples':>7}  {'loss':>8}  {'KL':>8}  {'clip':>6}  outcome")

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from nextstate.core.settings import LearnerSettings
-from nextstate.learner.held_out import figures, probe_sentences
+from nextstate.learner.held_out import HintMove, figures, probe_sentences, wish_terms
 from nextstate.learner.trainer import LoraTrainer
 from nextstate.progress import render_text
 from tests.test_learner import (  # noqa: F401  (engine: a fixture)
@@ -46,6 +46,41 @@ def test_gain_weighs_each_token_by_what_the_person_wanted_from_where_its_writer_
     assert figures([], [], [], None, None).gain is None
 
 
+def test_wish_is_the_share_of_the_hints_move_a_version_makes_untold():
+    torch.manual_seed(3)
+    unhinted_full, hinted_full = (torch.log_softmax(torch.randn(5, 12), -1) for _ in range(2))
+    ids = hinted_full.topk(6, -1).indices  # the hinted base model's top K
+
+    def at(alpha: float) -> torch.Tensor:  # a version that has gone `alpha` of the hint's way, in logits
+        return torch.log_softmax(unhinted_full + alpha * (hinted_full - unhinted_full), -1).gather(-1, ids)
+
+    def share(version: torch.Tensor) -> float:
+        numerator, denominator = wish_terms(HintMove(at(1.0), at(0.0), version))
+        return numerator / denominator
+
+    assert share(at(0.0)) == pytest.approx(0.0, abs=1e-6), "the base model has made none of it"
+    assert share(at(1.0)) == pytest.approx(1.0, abs=1e-5), "a version that does untold what the base does told"
+    assert 0.3 < share(at(0.5)) < 0.7 and share(at(2.0)) > 1.5, "about as far as it went"
+    assert share(at(-0.5)) < 0, "moved the other way"
+    hinted, unhinted = at(1.0), at(0.0)
+    sample = make_sample([], advantage=-1.0).model_copy(update={"response_ids": [1] * 5, "advantages": [-1.0] * 5,
+                                                                "loss_mask": [1] * 5, "old_logprobs": [-1.0] * 5})
+    lp = [torch.full((5,), -1.0)]
+    assert figures([sample], lp, lp, None, None, [HintMove(hinted, unhinted, hinted)]).wish == pytest.approx(1.0, abs=1e-5)
+    assert figures([sample], lp, lp, None, None, [None]).wish is None, "no hinted turn, no figure"
+
+
+async def test_a_hinted_held_out_turn_gives_a_wish_of_zero_on_a_fresh_adapter_and_more_once_distilled(tiny_model_dir, engine):
+    from tests.test_distillation import HINTED, distilled
+
+    trainer = LoraTrainer(tiny_model_dir, LearnerSettings(lr=2e-2, lora_r=4, lora_alpha=8, max_kl=100.0))
+    held = [distilled(make_sample(t)).model_copy(update={"id": i + 1}) for i, t in enumerate(await generate(engine, 4))]
+    assert trainer.version_figures("alice", held, probe=False).wish == pytest.approx(0.0, abs=1e-5)
+    for _ in range(3):
+        trainer.step("alice", held)  # distilled on them (a held-out turn never is: here, to move it)
+    assert trainer.version_figures("alice", held, probe=False).wish > 0.1
+
+
 async def test_a_version_is_scored_against_the_base_model_and_forgets_nothing_at_first(tiny_model_dir, engine):
     trainer = LoraTrainer(tiny_model_dir, LearnerSettings(lr=5e-3, lora_r=4, lora_alpha=8))
     held = [make_sample(t).model_copy(update={"id": i + 1}) for i, t in enumerate(await generate(engine, 3))]
@@ -72,7 +107,7 @@ def test_held_out_turns_are_never_trained_and_each_version_keeps_its_figures(ser
     assert report["samples"]["held_out"] == 2
     text = render_text(report, "here")  # `nextstate status`
     header = next(line for line in text.splitlines() if "forgetting" in line and "gain" in line)
-    assert header.split()[:6] == ["scope", "version", "gain", "accepted", "rejected", "forgetting"] and "2 of them held out" in text
+    assert header.split()[:7] == ["scope", "version", "gain", "accepted", "rejected", "wish", "forgetting"] and "2 of them held out" in text
 
 
 def test_a_version_made_worse_on_purpose_is_refused_for_its_user_with_the_reason_shown(server_factory):
