@@ -148,7 +148,7 @@ class LoraTrainer:
         self._before: dict[str, tuple[list[torch.Tensor], dict]] = {}  # per scope: state before its last step
         self.step_sizes = StepSizes(settings.max_kl, settings.kl_backtracks)  # per scope: where a step starts
         # the gate's base-model repetition per prompt, the most recently used BASE_REPLIES_KEPT
-        self._base_replies: OrderedDict[tuple, float | None] = OrderedDict()
+        self._base_replies: OrderedDict[tuple, list[float | None]] = OrderedDict()  # per prompt: each reply's repetition
         # the base model's side of the held-out figures (learner/held_out.py): per sample id, and the probe
         self._base_held_out: OrderedDict[int, torch.Tensor] = OrderedDict()
         # per held-out turn with a hint: (the hinted base model's top-K ids, their log-probabilities, the unhinted base's)
@@ -487,8 +487,6 @@ class LoraTrainer:
         prompt alone: the same draws for every weights asked, whatever else runs (common random
         numbers; the process's own generator is left as it was)."""
         model = self.model if self.model is not None else self._base
-        pad = model.generation_config.pad_token_id or model.generation_config.eos_token_id
-        pad = pad[0] if isinstance(pad, list) else pad
         row = prompt[-self.settings.max_train_tokens:]
         seed = int.from_bytes(hashlib.blake2b(json.dumps(row).encode(), digest_size=4).digest(), "big")
         ids = torch.tensor([row] * n, device=self.device)
@@ -496,8 +494,13 @@ class LoraTrainer:
             torch.manual_seed(seed)
             generated = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new,
                                        do_sample=True, temperature=1.0, top_p=1.0, top_k=0, use_cache=True,
-                                       pad_token_id=pad)
-        return [self._until_stop(model, row) for row in generated[:, len(row):].tolist()]
+                                       pad_token_id=self._pad_id(model))
+        return [self._until_stop(model, reply) for reply in generated[:, len(row):].tolist()]
+
+    @staticmethod
+    def _pad_id(model: torch.nn.Module) -> int:
+        pad = model.generation_config.pad_token_id or model.generation_config.eos_token_id
+        return pad[0] if isinstance(pad, list) else pad
 
     @staticmethod
     def _until_stop(model: torch.nn.Module, row: list[int]) -> list[int]:
@@ -521,8 +524,9 @@ class LoraTrainer:
         return self._renderer
 
     def base_repetition(self, prompts: list[list[int]], max_new: int) -> float | None:
-        """The base model's greedy repetition on these prompts; the base never changes, so each
-        prompt is answered once (on a CPU a greedy reply of SmolLM2 costs seconds)."""
+        """The base model's repetition on these prompts, on the replies `gate_replies` names; the
+        base never changes, so each prompt is answered once (on a CPU a reply of SmolLM2 costs
+        seconds)."""
         how = self.settings.gate_replies
         keys = [(hash(tuple(p)), len(p), max_new, how) for p in prompts]  # a digest: prompts run to thousands of tokens
         missing = [(k, p) for k, p in zip(keys, prompts) if k not in self._base_replies]
@@ -546,8 +550,7 @@ class LoraTrainer:
         if not prompts:
             return []
         model = self.model if self.model is not None else self._base
-        pad = model.generation_config.pad_token_id or model.generation_config.eos_token_id
-        pad = pad[0] if isinstance(pad, list) else pad
+        pad = self._pad_id(model)
         rows = [p[-self.settings.max_train_tokens:] for p in prompts]
         width = max(map(len, rows))
         ids = torch.tensor([[pad] * (width - len(r)) + r for r in rows], device=self.device)
