@@ -126,8 +126,8 @@ class SGLangEngine(RemoteEngine):
 
     def _scores(self, body: dict[str, Any], input_ids: list[int], start: int) -> list[float]:
         entries = body["meta_info"]["input_token_logprobs"][1:]
-        if [int(e[1]) for e in entries] != list(input_ids[start:]):
-            got = [int(e[1]) for e in entries]
+        got = [int(e[1]) for e in entries]
+        if got != list(input_ids[start:]):
             raise ValueError(f"the scored tokens are not input_ids[{start}:] ({len(got)} entries for "
                              f"{len(input_ids) - start} tokens, first {got[:4]} for {list(input_ids[start:start + 4])}, "
                              f"cached_tokens {body['meta_info'].get('cached_tokens')})")

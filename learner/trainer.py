@@ -345,17 +345,26 @@ class LoraTrainer:
         todo = [i for i, s in enumerate(samples) if s.distill_weight and s.teacher_prompt_ids]
         if not todo:
             return out
-        hinted = self._hinted_topk(samples, todo)
         if self.settings.opd_target == "teacher":
-            for i, (values, ids) in hinted.items():
+            for i, (values, ids) in self._hinted_topk(samples, todo).items():
                 out[i] = (with_tail(values), ids)
             return out
-        policy = self._gathered(samples, todo, {i: ids for i, (_, ids) in hinted.items()})
-        with self.model.disable_adapter():
-            unhinted = self._gathered(samples, todo, {i: ids for i, (_, ids) in hinted.items()})
-        for i, (values, ids) in hinted.items():
-            out[i] = (shifted_target(policy[i], values, unhinted[i]), ids)
+        sides = self._base_sides(samples, todo)
+        policy = self._gathered(samples, todo, {i: ids for i, (ids, _, _) in sides.items()})
+        for i, (ids, hinted, unhinted) in sides.items():
+            out[i] = (shifted_target(policy[i], hinted, unhinted), ids)
         return out
+
+    def _base_sides(self, samples: list[Sample], todo: list[int]) -> dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """For samples[i], i in `todo`: the hint's side of the base model — the hinted base
+        model's top K ids at each response position, their log-probabilities after the hinted
+        prompt, and after the sample's own prompt (the shift target's and the `wish` figure's
+        base model, which never changes). No gradients."""
+        hinted = self._hinted_topk(samples, todo)
+        ids = {i: top for i, (_, top) in hinted.items()}
+        with self.model.disable_adapter():
+            unhinted = self._gathered(samples, todo, ids)
+        return {i: (ids[i], hinted[i][0], unhinted[i]) for i in todo}
 
     def _hinted_topk(self, samples: list[Sample], todo: list[int]) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
         """For samples[i], i in `todo` (each with a teacher's prompt): the base model's top
@@ -434,11 +443,8 @@ class LoraTrainer:
             return [None] * len(held_out)
         missing = [i for i in todo if held_out[i].id not in self._base_hint_moves]
         if missing:
-            hinted = self._hinted_topk(held_out, missing)
-            with self.model.disable_adapter():
-                unhinted = self._gathered(held_out, missing, {i: ids for i, (_, ids) in hinted.items()})
-            for i in missing:
-                self._base_hint_moves[held_out[i].id] = (hinted[i][1], hinted[i][0], unhinted[i])
+            for i, sides in self._base_sides(held_out, missing).items():
+                self._base_hint_moves[held_out[i].id] = sides
         for i in todo:
             self._base_hint_moves.move_to_end(held_out[i].id)
         while len(self._base_hint_moves) > BASE_HELD_OUT_KEPT:
