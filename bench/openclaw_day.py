@@ -2,7 +2,7 @@
 
     python -m bench.openclaw_day                       # 20 turns, ratings, versions, held-out questions
     python -m bench.openclaw_day --turns 20 --versions 0   # only the day: does any turn get lost?
-    python -m bench.openclaw_day --openclaw-held-out   # also ask the held-out questions through OpenClaw
+    python -m bench.openclaw_day --openclaw-held-out   # also through OpenClaw, base model and newest version
 
 Installs Node and OpenClaw as bench/openclaw_e2e does (a scratch folder, the npm registry; never in
 CI), starts `nextstate serve` at every default (the embedded SmolLM2, which judges itself and is
@@ -20,7 +20,8 @@ Reports:
 * how fast each rating was answered;
 * the wish on `HELD_OUT` questions no rating touched, through the plain API (a second user's key
   for the base model, the person's own for each version as it is published), and with
-  `--openclaw-held-out` through OpenClaw too: the share of replies of at most `WISH_WORDS` words
+  `--openclaw-held-out` through OpenClaw too (the base model and the newest version, once every
+  rating of the day has trained): the share of replies of at most `WISH_WORDS` words
   and their mean length;
 * time from the last rating to each version, and the server's memory peak.
 
@@ -32,6 +33,7 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
+import sqlite3
 import statistics
 import tempfile
 import time
@@ -137,6 +139,12 @@ def summary(replies: list[str]) -> dict:
             "replies": [r[:300] for r in replies]}
 
 
+def ready_samples(data: Path) -> int:
+    """Samples waiting for an update (nextstate's own store, read as the tally does)."""
+    with sqlite3.connect(data / "samples.sqlite3") as db:
+        return int(db.execute("SELECT COUNT(*) FROM samples WHERE status = 'ready'").fetchone()[0])
+
+
 def published_versions(server: Nextstate, admin: str) -> tuple[list[dict], dict]:
     report = httpx.get(f"{server.root}/v1/admin/progress", headers={"Authorization": f"Bearer {admin}"}, timeout=60).json()
     return [s for s in report.get("steps", []) if s.get("published")], report
@@ -154,7 +162,9 @@ def home_for(work: Path, name: str, port: int, key: str, env: dict) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--turns", type=int, default=len(DAY))
-    parser.add_argument("--versions", type=int, default=2, help="versions to wait for and evaluate after the day (0: none)")
+    parser.add_argument("--versions", type=int, default=4,
+                        help="at most this many versions evaluated, each as it is published, until every rating of the "
+                             "day has trained (0: none)")
     parser.add_argument("--train-timeout", type=int, default=5400, help="seconds to wait for those versions")
     parser.add_argument("--timeout", type=int, default=1800, help="seconds per OpenClaw turn")
     parser.add_argument("--max-tokens", type=int, default=512, help="the plain API's reply limit (the README's maxTokens)")
@@ -198,7 +208,7 @@ def main() -> None:
         last_rating = time.monotonic()
         result["turns"] = turns
         result["lost_turns"] = sum(t["lost"] for t in turns)
-        started, evaluated = time.monotonic(), set()
+        started, evaluated, idle_since = time.monotonic(), set(), None
         while len(evaluated) < args.versions and time.monotonic() - started < args.train_timeout:
             steps, report = published_versions(server, admin)
             for step in steps:
@@ -208,12 +218,17 @@ def main() -> None:
                 evaluated.add(version)
                 waited = round(time.monotonic() - last_rating)
                 print(f"v{version} published {waited} s after the last rating; held-out questions", flush=True)
-                row = {"version": version, "seconds_after_last_rating": waited, "samples": step.get("samples"),
-                       "plain": ask_plain(server, key, model_dir.name, HELD_OUT, args.max_tokens)}
-                if args.openclaw_held_out:
-                    row["openclaw"] = ask_openclaw(openclaw, person, HELD_OUT, f"v{version}", args.timeout)
-                evaluations.append(row)
+                evaluations.append({"version": version, "seconds_after_last_rating": waited, "samples": step.get("samples"),
+                                    "plain": ask_plain(server, key, model_dir.name, HELD_OUT, args.max_tokens)})
+            # the day's every rating trained: nothing ready, no update running, twice a minute apart
+            idle = not report.get("training") and ready_samples(data) == 0
+            idle_since = (idle_since or time.monotonic()) if idle else None
+            if evaluated and idle_since and time.monotonic() - idle_since >= 60:
+                break
             time.sleep(15)
+        if args.openclaw_held_out and len(evaluations) > 1:  # the newest version, the one the person has now
+            print(f"v{evaluations[-1]['version']}: held-out questions through OpenClaw", flush=True)
+            evaluations[-1]["openclaw"] = ask_openclaw(openclaw, person, HELD_OUT, f"v{evaluations[-1]['version']}", args.timeout)
         result["waiting_at_end"] = report.get("waiting") if args.versions else None
         result["memory_mb"] = server.memory_mb()
     finally:
