@@ -26,7 +26,14 @@ is scored on recent samples of its scope that it did not train on:
   the next update's eight (the base model: 0.00). With NEXTSTATE_GATE_REPLIES=sampled the
   replies are two per prompt sampled at temperature 1, the candidate's and the base model's
   from the same seeded draws (trainer.sampled): what a client at the API's default temperature
-  is served, where a greedy reply loops on a near-tie no sampler keeps to.
+  is served, where a greedy reply loops on a near-tie no sampler keeps to;
+* **empty replies**: the chance that a reply to those prompts ends at its first token (the stop
+  tokens' share of the first step's distribution at temperature 1, read from the generation the
+  repetition check makes anyway) must not exceed the base model's by more than
+  `gate_max_empty_rise`. A wish for shorter replies, taught step after step, slides into no reply
+  at all: 12 of 192 replies to fresh questions were empty after the length bench's fourth update
+  (BENCHMARKS.md), while the base model's chance on the shipped everyday questions is under 0.001%.
+  As with repetition, a version no emptier than the one serving is not refused for it.
 
 A version that fails is tried again at half its step (`gate_backtracks` times, as a line search
 backtracks): an update in a good direction that went too far keeps part of what it learned
@@ -78,6 +85,15 @@ class GateFigures:
     liked_logprob: float | None  # mean per-token logprob of held-out rewarded replies
     repetition: float | None  # mean share of repeated trigrams in greedy replies
     version: VersionFigures | None = None  # gain, kl and forgetting on the scope's held-out turns (learner/held_out.py)
+    empty: float | None = None  # mean chance that a reply ends at its first token
+
+
+@dataclass
+class Replies:
+    """Replies generated for the gate, and per prompt the chance of an empty reply."""
+
+    ids: list[list[int]]
+    empty: list[float]
 
 
 @dataclass
@@ -92,6 +108,7 @@ class GateVerdict:
     seconds: float = 0.0  # what scoring the candidate cost (the serving version's figures come before the step)
     step_scale: float = 1.0  # the share of the trained step these figures are of (after backtracking)
     refused: list[list[str]] = field(default_factory=list)  # the reasons of each longer step that failed first
+    base_empty: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -126,6 +143,7 @@ def verdict_from_figures(
     serving: GateFigures, candidate: GateFigures, base_repetition: float | None, *,
     max_likelihood_drop: float, max_repetition_rise: float, held_out: int, prompts: int,
     max_gain_drop: float | None = None, max_forgetting: float | None = None,
+    base_empty: float | None = None, max_empty_rise: float | None = None,
 ) -> GateVerdict:
     reasons = []
     now, was = candidate.version, serving.version
@@ -151,7 +169,12 @@ def verdict_from_figures(
             reasons.append(f"greedy replies repeat themselves: {candidate.repetition:.3f} against the base model's "
                            f"{base_repetition:.3f} (limit +{max_repetition_rise:g})"
                            + (f" and the serving version's {serving.repetition:.3f}" if serving.repetition is not None else ""))
-    return GateVerdict(not reasons, reasons, serving, candidate, base_repetition, held_out, prompts)
+    if max_empty_rise is not None and base_empty is not None and candidate.empty is not None:
+        no_worse = serving.empty is not None and candidate.empty <= serving.empty
+        if candidate.empty - base_empty > max_empty_rise and not no_worse:
+            reasons.append(f"replies end before they begin: {candidate.empty:.1%} of replies to recent prompts would be "
+                           f"empty against the base model's {base_empty:.1%} (limit +{max_empty_rise:.0%})")
+    return GateVerdict(not reasons, reasons, serving, candidate, base_repetition, held_out, prompts, base_empty=base_empty)
 
 
 @dataclass
@@ -220,12 +243,13 @@ class PublishGate:
         started = time.monotonic()
         candidate = self.trainer.gate_figures(scope, held.liked, held.prompts, GATE_NEW_TOKENS)
         candidate.version = self.trainer.version_figures(scope, held.turns)
-        base = self.trainer.base_repetition(held.prompts, GATE_NEW_TOKENS) if held.prompts else None
+        base, base_empty = self.trainer.base_figures(held.prompts, GATE_NEW_TOKENS) if held.prompts else (None, None)
         s = self.settings
         verdict = verdict_from_figures(
             held.serving, candidate, base, max_likelihood_drop=s.gate_max_likelihood_drop,
             max_repetition_rise=s.gate_max_repetition_rise, held_out=len(held.liked), prompts=len(held.prompts),
             max_gain_drop=s.gate_max_gain_drop, max_forgetting=s.gate_max_forgetting,
+            base_empty=base_empty, max_empty_rise=s.gate_max_empty_rise,
         )
         verdict.seconds = round(time.monotonic() - started, 2)
         return verdict

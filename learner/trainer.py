@@ -30,7 +30,7 @@ import torch.utils.checkpoint
 from nextstate.core.settings import LearnerSettings
 from nextstate.core.types import Sample
 from nextstate.learner.distillation import shifted_target, teacher_topk, topk_reverse_kl, with_tail
-from nextstate.learner.gate import GATE_SAMPLED_REPLIES, GateFigures, mean, repetition
+from nextstate.learner.gate import GATE_SAMPLED_REPLIES, GateFigures, Replies, mean, repetition
 from nextstate.learner.learning_rate import resolve_learning_rate
 from nextstate.learner.held_out import HintMove, VersionFigures, figures as held_out_figures, probe_sentences, shipped_lines
 from nextstate.learner.host_memory import release_freed_memory
@@ -148,7 +148,8 @@ class LoraTrainer:
         self._before: dict[str, tuple[list[torch.Tensor], dict]] = {}  # per scope: state before its last step
         self.step_sizes = StepSizes(settings.max_kl, settings.kl_backtracks)  # per scope: where a step starts
         # the gate's base-model repetition per prompt, the most recently used BASE_REPLIES_KEPT
-        self._base_replies: OrderedDict[tuple, list[float | None]] = OrderedDict()  # per prompt: each reply's repetition
+        # per prompt: each reply's repetition, and the chance of an empty reply
+        self._base_replies: OrderedDict[tuple, tuple[list[float | None], float]] = OrderedDict()
         # the base model's side of the held-out figures (learner/held_out.py): per sample id, and the probe
         self._base_held_out: OrderedDict[int, torch.Tensor] = OrderedDict()
         # per held-out turn with a hint: (the hinted base model's top-K ids, their log-probabilities, the unhinted base's)
@@ -480,15 +481,17 @@ class LoraTrainer:
         self.model.eval()
         with torch.no_grad():
             per_token = [float(lp.mean()) for lp in self._logprobs_each(liked)] if liked else []
-        return GateFigures(mean(per_token), mean([repetition(r) for r in self.gate_replies(prompts, max_new)]))
+        replies = self.gate_replies(prompts, max_new)
+        return GateFigures(mean(per_token), mean([repetition(r) for r in replies.ids]), empty=mean(replies.empty))
 
-    def gate_replies(self, prompts: list[list[int]], max_new: int) -> list[list[int]]:
+    def gate_replies(self, prompts: list[list[int]], max_new: int) -> Replies:
         """The active weights' replies whose repetition the gate measures (`gate_replies`)."""
         if self.settings.gate_replies == "greedy":
             return self.greedy(prompts, max_new)
-        return [reply for prompt in prompts for reply in self.sampled(prompt, max_new, GATE_SAMPLED_REPLIES)]
+        each = [self.sampled(prompt, max_new, GATE_SAMPLED_REPLIES) for prompt in prompts]
+        return Replies([r for one in each for r in one.ids], [e for one in each for e in one.empty])
 
-    def sampled(self, prompt: list[int], max_new: int, n: int) -> list[list[int]]:
+    def sampled(self, prompt: list[int], max_new: int, n: int) -> Replies:
         """`n` replies to `prompt` sampled at temperature 1, from a random stream seeded by the
         prompt alone: the same draws for every weights asked, whatever else runs (common random
         numbers; the process's own generator is left as it was)."""
@@ -500,8 +503,9 @@ class LoraTrainer:
             torch.manual_seed(seed)
             generated = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new,
                                        do_sample=True, temperature=1.0, top_p=1.0, top_k=0, use_cache=True,
-                                       pad_token_id=self._pad_id(model))
-        return [self._until_stop(model, reply) for reply in generated[:, len(row):].tolist()]
+                                       pad_token_id=self._pad_id(model), return_dict_in_generate=True, output_logits=True)
+        return Replies([self._until_stop(model, reply) for reply in generated.sequences[:, len(row):].tolist()],
+                       self._empty_chance(model, generated.logits[0][:1]))  # the n rows share their first step
 
     @staticmethod
     def _pad_id(model: torch.nn.Module) -> int:
@@ -509,11 +513,26 @@ class LoraTrainer:
         return pad[0] if isinstance(pad, list) else pad
 
     @staticmethod
-    def _until_stop(model: torch.nn.Module, row: list[int]) -> list[int]:
-        """A generated row cut after its stop token (rows that finished early are padded out)."""
+    def _stop_ids(model: torch.nn.Module) -> list[int]:
         eos = model.generation_config.eos_token_id
-        stops = set(eos if isinstance(eos, list) else [eos]) if eos is not None else set()
+        return sorted(set(eos if isinstance(eos, list) else [eos])) if eos is not None else []
+
+    @classmethod
+    def _until_stop(cls, model: torch.nn.Module, row: list[int]) -> list[int]:
+        """A generated row cut after its stop token (rows that finished early are padded out)."""
+        stops = set(cls._stop_ids(model))
         return row[:next((i + 1 for i, t in enumerate(row) if t in stops), len(row))]
+
+    @classmethod
+    def _empty_chance(cls, model: torch.nn.Module, first_logits: torch.Tensor) -> list[float]:
+        """Per row, the stop tokens' share of the first token's distribution at temperature 1: the
+        chance that a sampling client is served an empty reply. Read from the generation's own
+        first step, so it costs nothing, and a probability, so it sees what eight greedy replies
+        cannot (a version that ends one reply in twenty before it begins)."""
+        stops = cls._stop_ids(model)
+        if not stops:
+            return [0.0] * first_logits.shape[0]
+        return torch.softmax(first_logits.float(), dim=-1)[:, stops].sum(-1).tolist()
 
     def everyday_prompts(self, n: int) -> list[list[int]]:
         """The first `n` shipped everyday questions as chat prompts of this model, for the gate's
@@ -529,32 +548,35 @@ class LoraTrainer:
             self._renderer = ChatRenderer.from_dir(self.model_dir)
         return self._renderer
 
-    def base_repetition(self, prompts: list[list[int]], max_new: int) -> float | None:
-        """The base model's repetition on these prompts, on the replies `gate_replies` names; the
-        base never changes, so each prompt is answered once (on a CPU a reply of SmolLM2 costs
-        seconds)."""
+    def base_figures(self, prompts: list[list[int]], max_new: int) -> tuple[float | None, float | None]:
+        """The base model's repetition and chance of an empty reply on these prompts, on the
+        replies `gate_replies` names; the base never changes, so each prompt is answered once (on
+        a CPU a reply of SmolLM2 costs seconds)."""
         how = self.settings.gate_replies
         keys = [(hash(tuple(p)), len(p), max_new, how) for p in prompts]  # a digest: prompts run to thousands of tokens
         missing = [(k, p) for k, p in zip(keys, prompts) if k not in self._base_replies]
         if missing:
             with self.model.disable_adapter():
-                per_prompt = (self.greedy([p for _, p in missing], max_new) if how == "greedy"
-                              else [self.sampled(p, max_new, GATE_SAMPLED_REPLIES) for _, p in missing])
-                for (key, _), answer in zip(missing, per_prompt):
-                    # a prompt's sampled replies count one each in the mean, as the candidate's do
-                    self._base_replies[key] = [repetition(answer)] if how == "greedy" else [repetition(r) for r in answer]
-        values = [v for k in keys for v in self._base_replies[k]]
+                if how == "greedy":
+                    answer = self.greedy([p for _, p in missing], max_new)
+                    per_prompt = [([repetition(ids)], empty) for ids, empty in zip(answer.ids, answer.empty)]
+                else:  # a prompt's sampled replies count one each in the mean, as the candidate's do
+                    per_prompt = [([repetition(r) for r in a.ids], a.empty[0])
+                                  for a in (self.sampled(p, max_new, GATE_SAMPLED_REPLIES) for _, p in missing)]
+            self._base_replies.update((key, figures) for (key, _), figures in zip(missing, per_prompt))
+        repeats = mean([v for k in keys for v in self._base_replies[k][0]])
+        empty = mean([self._base_replies[k][1] for k in keys])
         for key in keys:
             self._base_replies.move_to_end(key)
         while len(self._base_replies) > BASE_REPLIES_KEPT:
             self._base_replies.popitem(last=False)
-        return mean(values)
+        return repeats, empty
 
-    def greedy(self, prompts: list[list[int]], max_new: int) -> list[list[int]]:
+    def greedy(self, prompts: list[list[int]], max_new: int) -> Replies:
         """Greedy replies of the active weights (the adapter as it is now, or none), all prompts
         in one left-padded batch: on a CPU four SmolLM2 replies take ~1.5x one, not 4x."""
         if not prompts:
-            return []
+            return Replies([], [])
         model = self.model if self.model is not None else self._base
         pad = self._pad_id(model)
         rows = [p[-self.settings.max_train_tokens:] for p in prompts]
@@ -563,8 +585,10 @@ class LoraTrainer:
         mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows], device=self.device)
         with torch.no_grad():
             generated = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new,
-                                       do_sample=False, use_cache=True, pad_token_id=pad)
-        return [self._until_stop(model, row) for row in generated[:, width:].tolist()]
+                                       do_sample=False, use_cache=True, pad_token_id=pad,
+                                       return_dict_in_generate=True, output_logits=True)
+        return Replies([self._until_stop(model, row) for row in generated.sequences[:, width:].tolist()],
+                       self._empty_chance(model, generated.logits[0]))
 
     def shorten_step(self, scope: str, factor: float) -> None:
         """Take the scope's weights back along their last step to `factor` of its length (the

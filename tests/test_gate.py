@@ -33,6 +33,23 @@ def test_the_verdict_rules():
     assert not unmeasured.passed
 
 
+def test_a_version_that_would_serve_empty_replies_does_not_pass():
+    """The chance of an empty reply is measured from the base model's, as repetition is; a
+    version no emptier than the one serving is not held back for it."""
+    def verdict(serving: float | None, candidate: float | None, base: float | None = 0.0):
+        return verdict_from_figures(GateFigures(None, None, empty=serving), GateFigures(None, None, empty=candidate), None,
+                                    max_likelihood_drop=0.1, max_repetition_rise=0.05, held_out=0, prompts=8,
+                                    base_empty=base, max_empty_rise=0.02)
+
+    assert verdict(0.0, 0.01).passed
+    sliding = verdict(0.0, 0.06)
+    assert not sliding.passed and sliding.reasons == [
+        "replies end before they begin: 6.0% of replies to recent prompts would be empty against the base model's 0.0% (limit +2%)"]
+    assert sliding.base_empty == 0.0
+    assert verdict(0.08, 0.06).passed, "no emptier than the serving version"
+    assert verdict(0.0, 0.5, base=None).passed and verdict(0.0, None).passed, "unmeasured: nothing to compare"
+
+
 def test_worse_for_its_user_is_a_drop_past_the_limit_and_past_its_noise():
     """The held-out gain is compared turn by turn with the serving version's: a drop that one
     reply's swing explains does not refuse a version; the same mean drop on every turn does."""
@@ -121,6 +138,7 @@ def test_a_version_that_keeps_what_users_liked_serves_with_its_figures_recorded(
     assert gate["passed"] and gate["held_out"] == 4 and gate["prompts"] == 8, "4 recent prompts and 4 of its batch"
     assert gate["candidate"]["liked_logprob"] >= gate["serving"]["liked_logprob"] - 0.1
     assert gate["base_repetition"] is not None and gate["serving"]["repetition"] is not None
+    assert 0 <= gate["base_empty"] <= 1 and 0 <= gate["candidate"]["empty"] <= 1 and 0 <= gate["serving"]["empty"] <= 1
     first = server.app.state.services.learner.steps[0]["gate"]
     assert first["prompts"] == 8 and first["held_out"] == 0, \
         "the first version is checked too: its batch's 4 prompts, topped up with 4 shipped everyday questions"

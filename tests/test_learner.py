@@ -685,9 +685,24 @@ async def test_packed_micro_batches_make_the_same_update_in_fewer_passes(tiny_mo
 async def test_the_gates_greedy_replies_are_batched_and_equal_to_one_at_a_time(trainer):
     prompts = [PROMPT[:8], PROMPT, PROMPT[3:20]]
     trainer.ensure_scope("shared")
-    one_by_one = [trainer.greedy([p], 10)[0] for p in prompts]
-    assert trainer.greedy(prompts, 10) == one_by_one
-    assert all(len(r) <= 10 for r in one_by_one) and trainer.greedy([], 10) == []
+    one_by_one = [trainer.greedy([p], 10) for p in prompts]
+    batched = trainer.greedy(prompts, 10)
+    assert batched.ids == [r.ids[0] for r in one_by_one]
+    assert batched.empty == pytest.approx([r.empty[0] for r in one_by_one], abs=1e-6), "left padding changes no first step"
+    assert all(len(r.ids[0]) <= 10 for r in one_by_one) and trainer.greedy([], 10).ids == []
+
+
+def test_the_chance_of_an_empty_reply_is_the_stop_tokens_share_of_the_first_step(trainer):
+    """The gate's empty-reply figure: what a sampler at temperature 1 would serve empty, read
+    from the first step of the replies the gate generates anyway."""
+    trainer.ensure_scope("shared")
+    model = trainer.model
+    with torch.no_grad():
+        first = torch.softmax(model(input_ids=torch.tensor([PROMPT])).logits[0, -1].float(), dim=-1)
+    stops = trainer._stop_ids(model)
+    assert stops, "the tiny model has a stop token"
+    assert trainer.greedy([PROMPT], 4).empty[0] == pytest.approx(float(first[stops].sum()), rel=1e-4)
+    assert trainer.sampled(PROMPT, 4, 2).empty[0] == pytest.approx(float(first[stops].sum()), rel=1e-4)
 
 
 def test_the_gates_sampled_replies_share_their_random_draws_between_candidate_and_base(tiny_model_dir):
@@ -699,12 +714,14 @@ def test_the_gates_sampled_replies_share_their_random_draws_between_candidate_an
     trainer.ensure_scope("alice")
     prompts = [PROMPT[:8], PROMPT, PROMPT[3:20]]
     state = torch.random.get_rng_state()
-    first = [trainer.sampled(p, 12, 2) for p in prompts]
+    first = [trainer.sampled(p, 12, 2).ids for p in prompts]
     assert torch.equal(torch.random.get_rng_state(), state)
-    assert [trainer.sampled(p, 12, 2) for p in reversed(prompts)] == first[::-1], "the same draws whatever ran before"
+    assert [trainer.sampled(p, 12, 2).ids for p in reversed(prompts)] == first[::-1], "the same draws whatever ran before"
     assert all(len(replies) == 2 and replies[0] != replies[1] for replies in first)
     figures = trainer.gate_figures("alice", [], prompts, 12)
-    assert figures.repetition is not None and figures.repetition == trainer.base_repetition(prompts, 12)
+    repeats, empty = trainer.base_figures(prompts, 12)
+    assert figures.repetition is not None and figures.repetition == repeats
+    assert figures.empty == pytest.approx(empty, abs=1e-6), "a fresh adapter is still the base model"
 
 
 # ---------------------------------------------------------------------------- memory budget
