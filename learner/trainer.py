@@ -334,27 +334,32 @@ class LoraTrainer:
         room = max(1, self.settings.max_train_tokens - len(sample.response_ids))
         return (sample.teacher_prompt_ids or [])[-room:] + sample.response_ids
 
-    def _teacher_targets(self, samples: list[Sample]) -> list[tuple[torch.Tensor, torch.Tensor] | None]:
+    def _teacher_targets(
+        self, samples: list[Sample], reference: list[int] = ()
+    ) -> tuple[list[tuple[torch.Tensor, torch.Tensor] | None], dict[int, torch.Tensor]]:
         """Per sample to distil (`distill_weight`, NEXTSTATE_OPD_LOSS=topk): the target's
         log-probabilities over the base model's top `opd_topk` next tokens after the teacher's
         prompt and one bin for the rest ([n, K + 1]), with those token ids ([n, K]), at each
         response position; None for the others. The target is the hinted base model itself or,
         with NEXTSTATE_OPD_TARGET=shift, the policy before this update moved by what the hint
         changes in the base model (learner/distillation.py). Computed once per update, without
-        gradients, before any of its steps."""
+        gradients, before any of its steps.
+
+        Also the policy's log-probabilities of the sampled tokens before the update for the
+        samples in `reference` (the step's KL needs them for the samples its first optimizer
+        step does not see), from the same forward pass as the shift target's policy side: one
+        pass per sample where these were two (of 16 samples in four steps, 28 passes → 16)."""
         out: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * len(samples)
         todo = [i for i, s in enumerate(samples) if s.distill_weight and s.teacher_prompt_ids]
-        if not todo:
-            return out
-        if self.settings.opd_target == "teacher":
-            for i, (values, ids) in self._hinted_topk(samples, todo).items():
+        if not todo or self.settings.opd_target == "teacher":
+            for i, (values, ids) in (self._hinted_topk(samples, todo) if todo else {}).items():
                 out[i] = (with_tail(values), ids)
-            return out
+            return out, {i: token for i, (token, _) in self._policy_passes(samples, list(reference), {}).items()}
         sides = self._base_sides(samples, todo)
-        policy = self._gathered(samples, todo, {i: ids for i, (ids, _, _) in sides.items()})
+        policy = self._policy_passes(samples, sorted(set(todo) | set(reference)), {i: ids for i, (ids, _, _) in sides.items()})
         for i, (ids, hinted, unhinted) in sides.items():
-            out[i] = (shifted_target(policy[i], hinted, unhinted), ids)
-        return out
+            out[i] = (shifted_target(policy[i][1], hinted, unhinted), ids)
+        return out, {i: policy[i][0] for i in reference}
 
     def _base_sides(self, samples: list[Sample], todo: list[int]) -> dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
         """For samples[i], i in `todo`: the hint's side of the base model — the hinted base
@@ -388,14 +393,22 @@ class LoraTrainer:
 
     def _gathered(self, samples: list[Sample], todo: list[int], ids: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
         """The active weights' log-probabilities of `ids[i]` ([response tokens, K]) at each
-        response position of samples[i], after its own prompt, a micro-batch at a time. No gradients."""
-        out: dict[int, torch.Tensor] = {}
+        response position of samples[i], after its own prompt. No gradients."""
+        return {i: at_ids for i, (_, at_ids) in self._policy_passes(samples, todo, ids).items()}
+
+    def _policy_passes(
+        self, samples: list[Sample], todo: list[int], ids: dict[int, torch.Tensor]
+    ) -> dict[int, tuple[torch.Tensor, torch.Tensor | None]]:
+        """For samples[i], i in `todo`: the active weights' log-probabilities of its response
+        tokens and, where `ids` has an entry, of `ids[i]` at each response position; a
+        micro-batch at a time, no gradients."""
+        out: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
         with torch.no_grad():
             for group in micro_batches([self._row_length(samples[i]) for i in todo], self._pass_tokens):
                 members = [todo[j] for j in group]
-                for i, (_, at_ids) in zip(members, self._response_logprobs([samples[i] for i in members],
-                                                                          [ids[i] for i in members])):
-                    out[i] = at_ids
+                for i, answer in zip(members, self._response_logprobs([samples[i] for i in members],
+                                                                      [ids.get(i) for i in members])):
+                    out[i] = answer
         return out
 
     def _backbone_and_head(self) -> tuple[torch.nn.Module, torch.nn.Module] | None:
@@ -681,12 +694,9 @@ class LoraTrainer:
         # forward passes give it for free; samples it does not see need a pass of their own
         before: list[torch.Tensor | None] = [None] * len(samples)
         self.model.eval()
-        teacher = self._teacher_targets(samples)
-        if c.minibatch < len(samples):
-            with torch.no_grad():
-                later = list(range(c.minibatch, len(samples)))
-                for i, lp in zip(later, self._logprobs_each([samples[i] for i in later])):
-                    before[i] = lp
+        teacher, reference = self._teacher_targets(samples, range(c.minibatch, len(samples)))
+        for i, lp in reference.items():
+            before[i] = lp
         self.model.train()
         try:
             for epoch in range(c.ppo_epochs):

@@ -65,7 +65,7 @@ async def test_the_teacher_is_the_base_model_reading_the_hint_at_each_response_p
     trainer.logit_rows = 3  # several LM-head chunks per response
     *replies, plain = await generate(engine, 3, max_new=7)
     samples = [distilled(make_sample(toks, temperature=0.7)) for toks in replies]
-    targets = trainer._teacher_targets(samples + [make_sample(plain)])
+    targets, _ = trainer._teacher_targets(samples + [make_sample(plain)])
     assert targets[2] is None, "a sample without a teacher's prompt is not distilled"
     for sample, (values, ids) in zip(samples, targets):
         expected = await engine.score(HINTED + sample.response_ids, len(HINTED), temperature=0.7)
@@ -104,7 +104,7 @@ def test_the_shifted_target_of_a_fresh_adapter_is_the_hinted_base_and_an_idle_hi
     teacher.ensure_scope("alice")
     shift = LoraTrainer(peaked_model_dir, LearnerSettings(lora_r=4, lora_alpha=8, opd_topk=16, opd_target="shift"))
     shift.ensure_scope("alice")
-    for (a, ids_a), (b, ids_b) in zip(teacher._teacher_targets(samples), shift._teacher_targets(samples)):
+    for (a, ids_a), (b, ids_b) in zip(teacher._teacher_targets(samples)[0], shift._teacher_targets(samples)[0]):
         assert torch.equal(ids_a, ids_b) and torch.allclose(a, b, atol=1e-5)
     idle = [distilled(make_sample(toks), teacher_prompt=PROMPT) for toks in replies]
     idle_kl = {}
@@ -115,6 +115,28 @@ def test_the_shifted_target_of_a_fresh_adapter_is_the_hinted_base_and_an_idle_hi
         idle_kl[target] = trainer.step("alice", idle).distill_kl
     assert idle_kl["shift"] == pytest.approx(0.0, abs=1e-6), idle_kl
     assert idle_kl["teacher"] > 0.01, f"the hinted base pulls the moved policy back where the hint says nothing: {idle_kl}"
+
+
+def test_one_pass_before_the_step_gives_the_shift_targets_policy_side_and_the_kl_reference(peaked_model_dir):
+    """The shift target's policy side and the step's KL reference (the policy before the update,
+    for samples the first optimizer step does not see) come from one no-grad pass per sample."""
+    from nextstate.engine.base import GeneratedToken
+
+    replies = [[GeneratedToken(t, -1.0) for t in reply] for reply in ([31, 40, 52, 33], [7, 8, 9, 10, 11], [60, 38, 41])]
+    samples = [distilled(make_sample(toks)) for toks in replies]
+    trainer = LoraTrainer(peaked_model_dir, LearnerSettings(lr=3e-2, lora_r=4, lora_alpha=8, opd_topk=16, opd_target="shift",
+                                                            minibatch_size=1, max_kl=100.0, micro_batch_tokens=1))
+    trainer.step("alice", samples)  # the adapter moves off the base model: policy and base differ
+    _, reference = trainer._teacher_targets(samples, [1, 2])
+    assert sorted(reference) == [1, 2]
+    for got, want in zip((reference[1], reference[2]), trainer._logprobs_each(samples[1:])):
+        assert torch.allclose(got, want, atol=1e-6)
+    rows, at_first_step = [], []
+    backbone, _ = trainer._backbone_and_head()
+    backbone.register_forward_pre_hook(lambda m, args, kwargs: rows.append(kwargs["input_ids"].shape[0]), with_kwargs=True)
+    trainer._optimizers["alice"].register_step_pre_hook(lambda *_: at_first_step.append(sum(rows)))
+    trainer.step("alice", samples)
+    assert at_first_step[0] == 3 + 3 + 3 + 1, "hinted base, unhinted base, the policy once each, then the first step's sample"
 
 
 def test_a_hindsight_hint_with_no_reward_trains_through_its_teacher(server_factory):
