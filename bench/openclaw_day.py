@@ -15,7 +15,9 @@ sentence please.", a short one +1.
 
 Reports:
 * lost turns: runs that exited non-zero or brought no reply (the issue's "Preflight compaction
-  required but failed" after OpenClaw's summaries failed its own checks), the compaction and
+  required but failed" after OpenClaw's summaries failed its own checks) or whose reply was cut
+  at a few words because OpenClaw asked for no more than it thought the context had left (lost,
+  counted apart as `cut_turns`, and not rated), the compaction and
   memory-flush requests OpenClaw sent, and how nextstate filed them (side turns, sessions);
 * how fast each rating was answered;
 * the wish on `HELD_OUT` questions no rating touched, through the plain API (a second user's key
@@ -106,6 +108,10 @@ def rate(server: Nextstate, data: Path, key: str, seen: str | None) -> dict:
     if turn is None or turn["id"] == seen:
         return {"status": "no new reply to rate"}
     reply = (turn["response"] or {}).get("content") or ""
+    if turn.get("finish_reason") == "length" and words(reply) < WISH_WORDS:
+        # OpenClaw asked for as many tokens as it thought were left in the context window: a
+        # reply cut at a word or two is a turn the person lost, not a short answer to reward
+        return {"response_id": turn["id"], "status": "cut", "words": words(reply)}
     rating = 1 if meets_wish(reply) else -1
     body = {"response_id": turn["id"], "rating": rating, **({} if rating > 0 else {"correction": CORRECTION})}
     started = time.monotonic()
@@ -200,14 +206,16 @@ def main() -> None:
                 turn["rating"] = rate(server, data, key, seen)
                 seen = turn["rating"].get("response_id", seen)
                 turn["words"] = turn["rating"].get("words")
+                turn["lost"] = turn["cut"] = turn["rating"]["status"] == "cut"
             turns.append(turn)
-            told = "LOST" if lost else f"{turn['words']} words"
+            told = "LOST" if lost else f"CUT at {turn['words']} words" if turn["cut"] else f"{turn['words']} words"
             print(f"turn {i}: {turn['seconds']} s, {told}, "
                   f"rating {turn.get('rating', {}).get('rating')} ({turn.get('rating', {}).get('answered_s')} s): "
                   f"{turn['reply'][:80]!r}", flush=True)
         last_rating = time.monotonic()
         result["turns"] = turns
         result["lost_turns"] = sum(t["lost"] for t in turns)
+        result["cut_turns"] = sum(bool(t.get("cut")) for t in turns)
         started, evaluated, idle_since = time.monotonic(), set(), None
         while len(evaluated) < args.versions and time.monotonic() - started < args.train_timeout:
             steps, report = published_versions(server, admin)
