@@ -26,6 +26,7 @@ from pathlib import Path
 
 import torch
 import torch.utils.checkpoint
+from transformers import LogitsProcessorList
 
 from nextstate.core.settings import LearnerSettings
 from nextstate.core.types import Sample
@@ -37,6 +38,7 @@ from nextstate.learner.host_memory import release_freed_memory
 from nextstate.learner.memory_budget import MemoryBudget, Refusal
 from nextstate.learner.micro_batches import micro_batches
 from nextstate.learner.ppo import k3_kl, ppo_token_losses
+from nextstate.learner.seeded_sampling import SeededGumbel, row_seed
 from nextstate.learner.step_sizes import KlTry, StepSizes
 from nextstate.modelio.chat_template import ChatRenderer
 from nextstate.modelio.logprobs import tempered_log_softmax, token_logprobs
@@ -501,24 +503,41 @@ class LoraTrainer:
         """The active weights' replies whose repetition the gate measures (`gate_replies`)."""
         if self.settings.gate_replies == "greedy":
             return self.greedy(prompts, max_new)
-        each = [self.sampled(prompt, max_new, GATE_SAMPLED_REPLIES) for prompt in prompts]
-        return Replies([r for one in each for r in one.ids], [e for one in each for e in one.empty])
+        return self.sampled(prompts, max_new, GATE_SAMPLED_REPLIES)
 
-    def sampled(self, prompt: list[int], max_new: int, n: int) -> Replies:
-        """`n` replies to `prompt` sampled at temperature 1, from a random stream seeded by the
-        prompt alone: the same draws for every weights asked, whatever else runs (common random
-        numbers; the process's own generator is left as it was)."""
+    def sampled(self, prompts: list[list[int]], max_new: int, n: int) -> Replies:
+        """`n` replies to each prompt sampled at temperature 1 (`ids`: a prompt's n together, in
+        the prompts' order), each from a random stream seeded by the prompt and the reply's index
+        alone (learner/seeded_sampling.py): the same draws for every weights asked, whatever else
+        runs or shares the batch (common random numbers), all in one batch."""
+        return self._generate(prompts, max_new, n)
+
+    def greedy(self, prompts: list[list[int]], max_new: int) -> Replies:
+        """Greedy replies of the active weights (the adapter as it is now, or none), all prompts
+        in one left-padded batch: on a CPU four SmolLM2 replies take ~1.5x one, not 4x."""
+        return self._generate(prompts, max_new, None)
+
+    def _generate(self, prompts: list[list[int]], max_new: int, sampled: int | None) -> Replies:
+        """Greedy replies, or `sampled` replies per prompt at temperature 1 (greedy decoding of
+        seeded Gumbel-perturbed logits), in one left-padded batch, with each prompt's chance of
+        an empty reply."""
+        if not prompts:
+            return Replies([], [])
         model = self.model if self.model is not None else self._base
-        row = prompt[-self.settings.max_train_tokens:]
-        seed = int.from_bytes(hashlib.blake2b(json.dumps(row).encode(), digest_size=4).digest(), "big")
-        ids = torch.tensor([row] * n, device=self.device)
-        with torch.no_grad(), torch.random.fork_rng(devices=[self.device] if self.device.startswith("cuda") else []):
-            torch.manual_seed(seed)
-            generated = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new,
-                                       do_sample=True, temperature=1.0, top_p=1.0, top_k=0, use_cache=True,
-                                       pad_token_id=self._pad_id(model), return_dict_in_generate=True, output_logits=True)
-        return Replies([self._until_stop(model, reply) for reply in generated.sequences[:, len(row):].tolist()],
-                       self._empty_chance(model, generated.logits[0][:1]))  # the n rows share their first step
+        pad = self._pad_id(model)
+        per_prompt = sampled or 1
+        rows = [p[-self.settings.max_train_tokens:] for p in prompts for _ in range(per_prompt)]
+        width = max(map(len, rows))
+        ids = torch.tensor([[pad] * (width - len(r)) + r for r in rows], device=self.device)
+        mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows], device=self.device)
+        noise = LogitsProcessorList([SeededGumbel([row_seed(p, j) for p in prompts for j in range(per_prompt)], width)]
+                                    if sampled else [])
+        with torch.no_grad():
+            generated = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new,
+                                       do_sample=False, use_cache=True, pad_token_id=pad, logits_processor=noise,
+                                       return_dict_in_generate=True, output_logits=True)
+        empty = self._empty_chance(model, generated.logits[0][::per_prompt])  # a prompt's rows share their first step
+        return Replies([self._until_stop(model, row) for row in generated.sequences[:, width:].tolist()], empty)
 
     @staticmethod
     def _pad_id(model: torch.nn.Module) -> int:
@@ -574,8 +593,10 @@ class LoraTrainer:
                     answer = self.greedy([p for _, p in missing], max_new)
                     per_prompt = [([repetition(ids)], empty) for ids, empty in zip(answer.ids, answer.empty)]
                 else:  # a prompt's sampled replies count one each in the mean, as the candidate's do
-                    per_prompt = [([repetition(r) for r in a.ids], a.empty[0])
-                                  for a in (self.sampled(p, max_new, GATE_SAMPLED_REPLIES) for _, p in missing)]
+                    n = GATE_SAMPLED_REPLIES
+                    answer = self.sampled([p for _, p in missing], max_new, n)
+                    per_prompt = [([repetition(r) for r in answer.ids[j * n:(j + 1) * n]], empty)
+                                  for j, empty in enumerate(answer.empty)]
             self._base_replies.update((key, figures) for (key, _), figures in zip(missing, per_prompt))
         repeats = mean([v for k in keys for v in self._base_replies[k][0]])
         empty = mean([self._base_replies[k][1] for k in keys])
@@ -584,24 +605,6 @@ class LoraTrainer:
         while len(self._base_replies) > BASE_REPLIES_KEPT:
             self._base_replies.popitem(last=False)
         return repeats, empty
-
-    def greedy(self, prompts: list[list[int]], max_new: int) -> Replies:
-        """Greedy replies of the active weights (the adapter as it is now, or none), all prompts
-        in one left-padded batch: on a CPU four SmolLM2 replies take ~1.5x one, not 4x."""
-        if not prompts:
-            return Replies([], [])
-        model = self.model if self.model is not None else self._base
-        pad = self._pad_id(model)
-        rows = [p[-self.settings.max_train_tokens:] for p in prompts]
-        width = max(map(len, rows))
-        ids = torch.tensor([[pad] * (width - len(r)) + r for r in rows], device=self.device)
-        mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows], device=self.device)
-        with torch.no_grad():
-            generated = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new,
-                                       do_sample=False, use_cache=True, pad_token_id=pad,
-                                       return_dict_in_generate=True, output_logits=True)
-        return Replies([self._until_stop(model, row) for row in generated.sequences[:, width:].tolist()],
-                       self._empty_chance(model, generated.logits[0]))
 
     def shorten_step(self, scope: str, factor: float) -> None:
         """Take the scope's weights back along their last step to `factor` of its length (the

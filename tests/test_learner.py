@@ -702,7 +702,7 @@ def test_the_chance_of_an_empty_reply_is_the_stop_tokens_share_of_the_first_step
     stops = trainer._stop_ids(model)
     assert stops, "the tiny model has a stop token"
     assert trainer.greedy([PROMPT], 4).empty[0] == pytest.approx(float(first[stops].sum()), rel=1e-4)
-    assert trainer.sampled(PROMPT, 4, 2).empty[0] == pytest.approx(float(first[stops].sum()), rel=1e-4)
+    assert trainer.sampled([PROMPT], 4, 2).empty == pytest.approx([float(first[stops].sum())], rel=1e-4)
 
 
 def test_the_gates_sampled_replies_share_their_random_draws_between_candidate_and_base(tiny_model_dir):
@@ -714,10 +714,13 @@ def test_the_gates_sampled_replies_share_their_random_draws_between_candidate_an
     trainer.ensure_scope("alice")
     prompts = [PROMPT[:8], PROMPT, PROMPT[3:20]]
     state = torch.random.get_rng_state()
-    first = [trainer.sampled(p, 12, 2).ids for p in prompts]
+    first = trainer.sampled(prompts, 12, 2).ids
     assert torch.equal(torch.random.get_rng_state(), state)
-    assert [trainer.sampled(p, 12, 2).ids for p in reversed(prompts)] == first[::-1], "the same draws whatever ran before"
-    assert all(len(replies) == 2 and replies[0] != replies[1] for replies in first)
+    pairs = [first[2 * j: 2 * j + 2] for j in range(3)]
+    again = trainer.sampled(list(reversed(prompts)), 12, 2).ids
+    assert [again[2 * j: 2 * j + 2] for j in range(3)] == pairs[::-1], "the same draws whatever shares the batch"
+    assert [trainer.sampled([p], 12, 2).ids for p in prompts] == pairs, "one batch or one prompt at a time: the same"
+    assert all(a != b for a, b in pairs)
     figures = trainer.gate_figures("alice", [], prompts, 12)
     repeats, empty = trainer.base_figures(prompts, 12)
     assert figures.repetition is not None and figures.repetition == repeats
