@@ -248,8 +248,12 @@ def main() -> None:
 
 
 def headline(result: dict) -> str:
+    def through_openclaw(e: dict) -> str:
+        o = e.get("openclaw")
+        return f", through OpenClaw {o['meets_wish']}/{o['asked']} ({o['mean_words']} words)" if o else ""
+
     evaluation = "; ".join(f"v{e['version']}: {e['plain']['meets_wish']}/{e['plain']['asked']} short "
-                           f"({e['plain']['mean_words']} words)" for e in result.get("evaluations", []))
+                           f"({e['plain']['mean_words']} words){through_openclaw(e)}" for e in result.get("evaluations", []))
     return (f"{len(result['turns'])} OpenClaw turns, {result['lost_turns']} lost; {result['main_turns']} main turns in "
             f"{result['sessions']} session(s), {result['side_turns']} side turns; held-out questions: {evaluation}")
 
