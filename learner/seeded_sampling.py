@@ -37,7 +37,7 @@ class SeededGumbel(LogitsProcessor):
         self.seeds = seeds
         self.prompt_width = prompt_width
 
-    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         step = input_ids.shape[1] - self.prompt_width
         generator = torch.Generator(device=scores.device)
         noise = torch.empty(scores.shape[-1], device=scores.device, dtype=torch.float32)
