@@ -1,20 +1,25 @@
 """Does the README's OpenClaw file keep a long day inside an 8k context? Minutes, no model.
 
     python -m bench.openclaw_window                    # the README's file, 20 turns
-    python -m bench.openclaw_window --variant before --compaction \
-        '{ qualityGuard: { enabled: false }, timeoutSeconds: 900, memoryFlush: { enabled: false } }'   # another block
+    python -m bench.openclaw_window --variant 8kb --compaction '{ qualityGuard: { enabled: false },
+        timeoutSeconds: 900, memoryFlush: { enabled: false }, maxActiveTranscriptBytes: "8kb",
+        keepRecentTokens: 600, recentTurnsPreserve: 1 }'       # another compaction block
+    python -m bench.openclaw_window --short-summaries      # summaries of a few lines
 
 A real day on SmolLM2 takes an hour and a half of two cores (bench.openclaw_day); whether
 OpenClaw compacts in time is a question of its config and of how long the replies are, not of
-the model. So here a stand-in server answers as the worst case of SmolLM2 does: every main turn a
-reply of the full limit OpenClaw asks for (512 tokens), every summary request a short summary
-with the headings OpenClaw wants; prompt sizes are counted with the embedded model's tokenizer
+the model — or so it seemed. Here a stand-in server answers as the worst case of SmolLM2 does:
+every main turn and every summary a reply of the full limit OpenClaw asks for (512 tokens for a
+turn), or with `--short-summaries` a few lines with the headings OpenClaw wants; prompt sizes are counted with the embedded model's tokenizer
 and chat template and refused past 8192 as nextstate refuses them. The same 20 questions as the
 day run, one `openclaw agent --local` each in one `--session-id`.
 
-Found with it (BENCHMARKS.md): with the README's file as it was, from turn 7 OpenClaw asked for a
-reply limit of 1 token and never compacted, as six turns of the real day did; OpenClaw's default
-tail kept verbatim (20k tokens, 3 turns) is larger than the whole window.
+What it found (BENCHMARKS.md): the README's file starved from turn 11 (a reply limit of 1 token,
+as the last turns of two real days did; from turn 19 with short summaries) and an earlier compaction
+(`maxActiveTranscriptBytes: "8kb", keepRecentTokens: 600, recentTurnsPreserve: 1`) kept every
+turn at 512 tokens, also with summaries as long as OpenClaw allows — yet a real day with that
+block starved from turn 12. The stand-in misses what a real SmolLM2 day does to OpenClaw's
+compaction; it is a quick first check of a file, not the proof.
 
 Reports, per turn, the prompt tokens, the reply limit OpenClaw asked for and the summary requests
 so far. Writes bench/results/openclaw_window-<model>[-<variant>].json.
@@ -49,7 +54,7 @@ LONG_REPLY = "Here is a long answer that goes on about many things, with lists a
 SUMMARY = "## Decisions\nnone\n## Open TODOs\nnone\n## Constraints/Rules\nnone\n## Pending user asks\nnone\n## Exact identifiers\nnone"
 
 
-def stand_in(tokenizer, calls: list[dict]) -> FastAPI:
+def stand_in(tokenizer, calls: list[dict], short_summaries: bool) -> FastAPI:
     """The worst case of a small model behind nextstate: every reply as long as allowed."""
     app = FastAPI()
 
@@ -78,7 +83,9 @@ def stand_in(tokenizer, calls: list[dict]) -> FastAPI:
             return JSONResponse(status_code=400, content={"error": {
                 "message": f"This model's maximum context length is {CONTEXT} tokens. However, you requested "
                            f"{prompt + limit} tokens", "type": "invalid_request_error", "code": "context_length_exceeded"}})
-        ids = tokenizer(SUMMARY if summary else LONG_REPLY)["input_ids"]
+        # a summary as long as allowed too, as SmolLM2's are (256-409 tokens, at OpenClaw's limit,
+        # on the real days); with `--short-summaries` the one a capable model writes
+        ids = tokenizer(SUMMARY if summary and short_summaries else LONG_REPLY)["input_ids"]
         finish = "length" if len(ids) > limit else "stop"
         reply = tokenizer.decode(ids[:limit])
         calls.append({"kind": "summary" if summary else "main", "prompt": prompt, "max_tokens": limit,
@@ -116,6 +123,8 @@ def main() -> None:
     parser.add_argument("--turns", type=int, default=len(DAY))
     parser.add_argument("--compaction", help="a json5 object in place of the README's compaction block")
     parser.add_argument("--variant", help="the result's name for that block (default: the README's file)")
+    parser.add_argument("--short-summaries", action="store_true",
+                        help="summaries of a few lines, as a capable model writes (default: as long as OpenClaw allows)")
     parser.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "nextstate-openclaw-e2e",
                         help="scratch folder (Node and OpenClaw are kept there between runs)")
     args = parser.parse_args()
@@ -126,7 +135,7 @@ def main() -> None:
     openclaw, env = install(args.work)
     calls: list[dict] = []
     port = free_port()
-    server = uvicorn.Server(uvicorn.Config(stand_in(tokenizer, calls), host="127.0.0.1", port=port, log_level="warning"))
+    server = uvicorn.Server(uvicorn.Config(stand_in(tokenizer, calls, args.short_summaries), host="127.0.0.1", port=port, log_level="warning"))
     threading.Thread(target=server.run, daemon=True).start()
     while not server.started:
         time.sleep(0.1)
@@ -147,7 +156,8 @@ def main() -> None:
     finally:
         server.should_exit = True
     starved = [t["turn"] for t in turns if t["exit"] or (t["max_tokens"] or 0) < 64]
-    save({"benchmark": "openclaw_window", "model": MODEL_ID, "variant": args.variant if args.compaction else None,
+    variant = "-".join(filter(None, [args.variant if args.compaction else None, "short-summaries" if args.short_summaries else None]))
+    save({"benchmark": "openclaw_window", "model": MODEL_ID, "variant": variant or None, "short_summaries": args.short_summaries,
           "openclaw": "openclaw@2026.9.6", "compaction": args.compaction, "config": config.replace(str(port), "PORT"),
           "turns": turns, "starved_turns": starved, "summary_requests": sum(c["kind"] == "summary" for c in calls),
           "largest_prompt": max((c["prompt"] for c in calls if c["kind"] == "main"), default=None)})
@@ -156,8 +166,8 @@ def main() -> None:
 def headline(result: dict) -> str:
     starved = result["starved_turns"]
     what = f"turns {starved[0]}-{starved[-1]} starved (reply limit < 64 tokens)" if starved else "no turn starved"
-    return (f"{len(result['turns'])} OpenClaw turns of 512-token replies in an 8k window"
-            f"{' (compaction ' + result['compaction'] + ')' if result.get('compaction') else ' (README file)'}: {what}; "
+    how = result.get("variant") or "README file"
+    return (f"{len(result['turns'])} OpenClaw turns of 512-token replies in an 8k window ({how}): {what}; "
             f"largest prompt {result['largest_prompt']} tokens, {result['summary_requests']} summary requests")
 
 
