@@ -139,6 +139,16 @@ def mean(values: list[float | None]) -> float | None:
     return sum(present) / len(present) if present else None
 
 
+def rose_past(now: float | None, serving: float | None, base: float | None, limit: float | None) -> bool:
+    """The rule of both reply checks (repetition, empty replies): `now` exceeds the base model's
+    figure by more than `limit` — anchored at the base so small rises cannot pile up version
+    after version — and is worse than the serving version's (a version no worse than the one
+    serving is not held back for it). False where a figure is missing."""
+    if now is None or base is None or limit is None:
+        return False
+    return now - base > limit and not (serving is not None and now <= serving)
+
+
 def verdict_from_figures(
     serving: GateFigures, candidate: GateFigures, base_repetition: float | None, *,
     max_likelihood_drop: float, max_repetition_rise: float, held_out: int, prompts: int,
@@ -162,18 +172,13 @@ def verdict_from_figures(
         drop = serving.liked_logprob - candidate.liked_logprob
         if drop > max_likelihood_drop:
             reasons.append(f"rewarded replies became less likely: {drop:.3f} nats/token (limit {max_likelihood_drop:g})")
-    if base_repetition is not None and candidate.repetition is not None:
-        rise = candidate.repetition - base_repetition
-        no_worse = serving.repetition is not None and candidate.repetition <= serving.repetition
-        if rise > max_repetition_rise and not no_worse:
-            reasons.append(f"greedy replies repeat themselves: {candidate.repetition:.3f} against the base model's "
-                           f"{base_repetition:.3f} (limit +{max_repetition_rise:g})"
-                           + (f" and the serving version's {serving.repetition:.3f}" if serving.repetition is not None else ""))
-    if max_empty_rise is not None and base_empty is not None and candidate.empty is not None:
-        no_worse = serving.empty is not None and candidate.empty <= serving.empty
-        if candidate.empty - base_empty > max_empty_rise and not no_worse:
-            reasons.append(f"replies end before they begin: {candidate.empty:.1%} of replies to recent prompts would be "
-                           f"empty against the base model's {base_empty:.1%} (limit +{max_empty_rise:.0%})")
+    if rose_past(candidate.repetition, serving.repetition, base_repetition, max_repetition_rise):
+        reasons.append(f"greedy replies repeat themselves: {candidate.repetition:.3f} against the base model's "
+                       f"{base_repetition:.3f} (limit +{max_repetition_rise:g})"
+                       + (f" and the serving version's {serving.repetition:.3f}" if serving.repetition is not None else ""))
+    if rose_past(candidate.empty, serving.empty, base_empty, max_empty_rise):
+        reasons.append(f"replies end before they begin: {candidate.empty:.1%} of replies to recent prompts would be "
+                       f"empty against the base model's {base_empty:.1%} (limit +{max_empty_rise:.0%})")
     return GateVerdict(not reasons, reasons, serving, candidate, base_repetition, held_out, prompts, base_empty=base_empty)
 
 

@@ -19,7 +19,7 @@ import math
 import time
 import warnings
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -337,7 +337,7 @@ class LoraTrainer:
         return (sample.teacher_prompt_ids or [])[-room:] + sample.response_ids
 
     def _teacher_targets(
-        self, samples: list[Sample], reference: list[int] = ()
+        self, samples: list[Sample], reference: Sequence[int] = ()
     ) -> tuple[list[tuple[torch.Tensor, torch.Tensor] | None], dict[int, torch.Tensor]]:
         """Per sample to distil (`distill_weight`, NEXTSTATE_OPD_LOSS=topk): the target's
         log-probabilities over the base model's top `opd_topk` next tokens after the teacher's
@@ -354,7 +354,7 @@ class LoraTrainer:
         out: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * len(samples)
         todo = [i for i, s in enumerate(samples) if s.distill_weight and s.teacher_prompt_ids]
         if not todo or self.settings.opd_target == "teacher":
-            for i, (values, ids) in (self._hinted_topk(samples, todo) if todo else {}).items():
+            for i, (values, ids) in self._hinted_topk(samples, todo).items():
                 out[i] = (with_tail(values), ids)
             return out, {i: token for i, (token, _) in self._policy_passes(samples, list(reference), {}).items()}
         sides = self._base_sides(samples, todo)
