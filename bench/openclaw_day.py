@@ -175,6 +175,7 @@ def main() -> None:
     parser.add_argument("--timeout", type=int, default=1800, help="seconds per OpenClaw turn")
     parser.add_argument("--max-tokens", type=int, default=512, help="the plain API's reply limit (the README's maxTokens)")
     parser.add_argument("--openclaw-held-out", action="store_true", help="ask the held-out questions through OpenClaw too")
+    parser.add_argument("--variant", help="the result's name (default: openclaw_day-<model>.json)")
     parser.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "nextstate-openclaw-e2e",
                         help="scratch folder (Node and OpenClaw are kept there between runs)")
     args = parser.parse_args()
@@ -189,7 +190,8 @@ def main() -> None:
     server.start()
     person = home_for(args.work, "day-home", server.port, key, env)
     result: dict = {"benchmark": "openclaw_day", "model": model_dir.name, "openclaw": "openclaw@2026.9.6",
-                    "wish": f"at most {WISH_WORDS} words (correction: {CORRECTION!r})", "config": day_config(server.port, "ns-...")}
+                    "wish": f"at most {WISH_WORDS} words (correction: {CORRECTION!r})", "config": day_config(server.port, "ns-..."),
+                    "variant": args.variant}
     evaluations = []
     try:
         print("held-out questions, base model", flush=True)

@@ -139,7 +139,7 @@ def main() -> None:
     threading.Thread(target=server.run, daemon=True).start()
     while not server.started:
         time.sleep(0.1)
-    home = args.work / "window-home"
+    home = args.work / f"window-home-{args.variant or 'readme'}"  # variants may run side by side
     shutil.rmtree(home, ignore_errors=True)
     (home / ".openclaw" / "workspace").mkdir(parents=True)
     config = with_compaction(readme_config("ns-stand-in", port), args.compaction)

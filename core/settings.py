@@ -124,6 +124,12 @@ class ServerSettings(BaseSettings):
             waits for a later request or the close, as before.
         max_sessions_per_user, max_parallel_per_user: what one user may hold, so that no user
             can close another's sessions (by opening many) or take every decoding slot.
+        harness_max_tokens: the longest reply to an agent's own request (harness_turns). An
+            agent near the end of its context asks the model to summarise the history and keeps
+            the summary in place of it; a small model's summary runs on to whatever limit the
+            agent allows (OpenClaw: 256-409 tokens, several a compaction), which fills the
+            context again and costs minutes of a CPU (BENCHMARKS.md, "A person's day with
+            OpenClaw").
     """
 
     model_config = _ENV
@@ -188,6 +194,9 @@ class ServerSettings(BaseSettings):
         list(OPENCLAW_HARNESS_TURNS),
         description="Regexes (JSON list): a request whose system prompt or last user message matches one is the "
         "agent's own (a memory flush, a compaction), served as a side turn: never a next state, a session or trained.",
+    )
+    harness_max_tokens: int = Field(
+        128, ge=0, description="Longest reply to the agent's own requests (NEXTSTATE_HARNESS_TURNS); 0 = what it asks."
     )
 
     @field_validator("session_volatile_patterns", "harness_turns")

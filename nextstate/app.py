@@ -117,6 +117,7 @@ def create_app(settings: Settings | None = None, *, engine_factory: EngineFactor
             keepalive_s=settings.server.stream_keepalive_s,
             max_parallel_per_user=settings.server.max_parallel_per_user,
             max_memory_bytes=settings.server.max_memory_mb << 20 or int(total_bytes() * 0.9),
+            harness_max_tokens=settings.server.harness_max_tokens,
         )
         services = Services(
             settings=settings, keys=keys, records=records, metrics=metrics, sessions=sessions, policies=policies,

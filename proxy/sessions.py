@@ -190,6 +190,7 @@ class TurnPlan:
     messages: list[dict[str, Any]]
     turn_index: int | None = None
     close_after: bool = False
+    harness: bool = False  # the agent's own request (a memory flush, a compaction summary)
 
     @property
     def session_id(self) -> str | None:
@@ -311,7 +312,8 @@ class SessionStore:
         """Classify a request (`request`: its chain, if made already); nothing changes until
         its reply is committed."""
         request = request if request is not None else self.chain(user, messages)
-        if turn_type is None and self._harness.matches(messages):
+        harness = turn_type is None and self._harness.matches(messages)
+        if harness:
             turn_type = "side"  # a memory flush or a compaction: never the person's reaction, never a session
         if session_id is not None:
             session = self._sessions.get((user, session_id)) or Session(session_id, user, True, self._clock())
@@ -322,6 +324,7 @@ class SessionStore:
                 session, match = Session("sess_" + secrets.token_hex(12), user, False, self._clock()), "new"
         plan = TurnPlan(session, turn_type or ("main" if match != "none" else "side"), match, request, messages)
         plan.close_after = done
+        plan.harness = harness
         if session is not None and plan.turn_type == "main":
             plan.turn_index = session.turn_count + 1
         return plan

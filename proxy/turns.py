@@ -129,6 +129,7 @@ class TurnService:
         max_parallel_per_user: int = 4,
         slots: Slots | None = None,
         max_memory_bytes: int | None = None,
+        harness_max_tokens: int = 0,
     ) -> None:
         self.engine = engine
         self.renderer = renderer
@@ -138,6 +139,7 @@ class TurnService:
         self.metrics = metrics
         self.model_name = model_name
         self.default_max_tokens = default_max_tokens
+        self.harness_max_tokens = harness_max_tokens
         self._rendering = asyncio.Semaphore(RENDER_CONCURRENCY)
         self.max_memory_bytes = max_memory_bytes
         self.activity = activity or Activity()
@@ -163,6 +165,10 @@ class TurnService:
             key.user, request.messages, session_id=hints.session_id, turn_type=hints.turn_type, done=hints.done,
             request=chain,
         )
+        if plan.harness and 0 < self.harness_max_tokens < sampling.max_new_tokens:
+            # the agent's own summary: a short one frees its context, a long one (a small model's
+            # run on to the limit) is what fills it again; and it is minutes less on a CPU
+            sampling = dataclasses.replace(sampling, max_new_tokens=self.harness_max_tokens)
         self.metrics.turns.labels(plan.turn_type, plan.match).inc()
         self.metrics.sessions_open.set(len(self.sessions))
         prep = PreparedTurn(request, key, prompt, sampling, plan, id=request.id_prefix + secrets.token_hex(12))

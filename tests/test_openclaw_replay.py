@@ -325,3 +325,25 @@ def test_a_conversation_goes_on_across_openclaws_compactions(replay):
         (second, 2): [],
     }, said
     assert all(transitions[key]["reason"] == "next_state" for key, words in said.items() if words)
+
+
+def test_openclaws_summary_requests_are_answered_at_most_harness_max_tokens_long(server_factory):
+    """A compaction summary is kept in place of the history: SmolLM2's ran on to OpenClaw's
+    limit (256-409 tokens, several a compaction), which filled the context again within a few
+    turns and took minutes of a CPU each. The agent's own requests get NEXTSTATE_HARNESS_MAX_TOKENS
+    at most; the person's turns keep what they ask for."""
+    replay = Replay(server_factory, harness_max_tokens=12)
+    try:
+        day = {row["n"]: row for row in map(json.loads, COMPACTIONS.read_text().splitlines())}
+        usage = {}
+        for n in (1, 3):  # a person's turn, then a summary request
+            replay.engine.script("word " * 200)
+            response = httpx.post(f"{replay.server.base_url}/chat/completions", timeout=60,
+                                  json={**day[n]["req_body"], "max_completion_tokens": 100, "stream": False},
+                                  headers={"Authorization": f"Bearer {replay.key}"})
+            assert response.status_code == 200, response.text
+            usage[response.headers["x-turn-type"]] = response.json()["usage"]["completion_tokens"], response.json()["choices"][0]["finish_reason"]
+        assert usage == {"main": (100, "length"), "side": (12, "length")}
+    finally:
+        replay.server.stop()
+        replay.judge.stop()
