@@ -69,6 +69,12 @@ GATE_SAMPLES, GATE_LIKED, GATE_PROMPTS, GATE_NEW_TOKENS = 24, 8, 8, 32
 # With NEXTSTATE_GATE_REPLIES=sampled, replies per prompt: sixteen in all, a mean that one
 # unlucky draw moves by a sixteenth of its repetition.
 GATE_SAMPLED_REPLIES = 2
+# The gate's replies read the last this many tokens of their prompt. An agent's prompts are
+# 5-8k tokens (OpenClaw), and on a CPU prefilling eight of them is most of a check: six
+# OpenClaw prompts of 5.4-7k tokens took 647 s to answer whole and 129 s cut to their last 2048
+# tokens, with the same greedy replies (SmolLM2, two busy cores). Candidate and base read the
+# same cut prompts, so the comparison stays paired.
+GATE_PROMPT_TOKENS = 2048
 # Each backtrack of a version the gate refused keeps this share of the step tried before.
 BACKTRACK_FACTOR = 0.5
 # A version is worse for its user only if its gain fell past the limit by more than this many
@@ -123,10 +129,11 @@ def repetition(token_ids: list[int]) -> float | None:
 
 
 def gate_prompts(candidates: list[list[int]]) -> list[list[int]]:
-    """The first GATE_PROMPTS distinct non-empty prompts (a greedy reply to the same prompt twice
-    tells nothing new)."""
+    """The first GATE_PROMPTS distinct non-empty prompts, each its last GATE_PROMPT_TOKENS (a
+    greedy reply to the same prompt twice tells nothing new)."""
     seen, out = set(), []
     for ids in candidates:
+        ids = ids[-GATE_PROMPT_TOKENS:]
         key = tuple(ids)
         if ids and key not in seen:
             seen.add(key)

@@ -151,3 +151,15 @@ def test_the_gate_answers_distinct_prompts_and_at_most_eight():
     chosen = gate_prompts([[1, 2], [], [1, 2], [3]] + [[10 + i] for i in range(20)])
     assert chosen[:2] == [[1, 2], [3]], "empty and repeated prompts are skipped, the order kept"
     assert len(chosen) == GATE_PROMPTS == 8
+
+
+def test_the_gate_reads_the_end_of_an_agents_long_prompt():
+    """Six OpenClaw prompts of 5.4-7k tokens took 647 s to answer whole on a CPU, 129 s cut to their
+    last 2048 tokens, with the same greedy replies: the gate reads each prompt's end, and two
+    prompts that end alike are one."""
+    from nextstate.learner.gate import GATE_PROMPT_TOKENS, gate_prompts
+
+    system = list(range(5000))
+    chosen = gate_prompts([[7] + system + [1, 2], [8] + system + [1, 2], system + [3]])
+    assert [len(p) for p in chosen] == [GATE_PROMPT_TOKENS] * 2
+    assert chosen[0][-2:] == [1, 2] and chosen[1][-1] == 3
