@@ -50,6 +50,9 @@ from bench.report import pyplot, save
 
 WISH_WORDS = 20
 CORRECTION = "Too long. One sentence please."
+# A reply stopped by the token limit this short was starved: OpenClaw asked for what it thought
+# was left of the context window (bench.openclaw_window counts the same way)
+STARVED_TOKENS = 64
 DAY = [
     "Good morning! What is a quick healthy breakfast I can make?",
     "How long should I boil an egg for a soft yolk?",
@@ -108,9 +111,10 @@ def rate(server: Nextstate, data: Path, key: str, seen: str | None) -> dict:
     if turn is None or turn["id"] == seen:
         return {"status": "no new reply to rate"}
     reply = (turn["response"] or {}).get("content") or ""
-    if turn.get("finish_reason") == "length" and words(reply) < WISH_WORDS:
+    if turn.get("finish_reason") == "length" and (turn.get("usage") or {}).get("completion_tokens", 0) < STARVED_TOKENS:
         # OpenClaw asked for as many tokens as it thought were left in the context window: a
-        # reply cut at a word or two is a turn the person lost, not a short answer to reward
+        # reply cut at a word or two is a turn the person lost, not a short answer to reward (a
+        # 512-token reply of few spaces is not: words alone told them apart wrongly)
         return {"response_id": turn["id"], "status": "cut", "words": words(reply)}
     rating = 1 if meets_wish(reply) else -1
     body = {"response_id": turn["id"], "rating": rating, **({} if rating > 0 else {"correction": CORRECTION})}

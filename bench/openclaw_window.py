@@ -42,7 +42,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from bench.models import bench_model
-from bench.openclaw_day import DAY
+from bench.openclaw_day import DAY, STARVED_TOKENS
 from bench.openclaw_e2e import install, run_turn
 from bench.openclaw_readme import readme_config
 from bench.report import pyplot, save
@@ -155,7 +155,7 @@ def main() -> None:
             print(json.dumps(turns[-1]), flush=True)
     finally:
         server.should_exit = True
-    starved = [t["turn"] for t in turns if t["exit"] or (t["max_tokens"] or 0) < 64]
+    starved = [t["turn"] for t in turns if t["exit"] or (t["max_tokens"] or 0) < STARVED_TOKENS]
     variant = "-".join(filter(None, [args.variant if args.compaction else None, "short-summaries" if args.short_summaries else None]))
     save({"benchmark": "openclaw_window", "model": MODEL_ID, "variant": variant or None, "short_summaries": args.short_summaries,
           "openclaw": "openclaw@2026.9.6", "compaction": args.compaction, "config": config.replace(str(port), "PORT"),
@@ -165,7 +165,7 @@ def main() -> None:
 
 def headline(result: dict) -> str:
     starved = result["starved_turns"]
-    what = f"turns {starved[0]}-{starved[-1]} starved (reply limit < 64 tokens)" if starved else "no turn starved"
+    what = f"turns {starved[0]}-{starved[-1]} starved (reply limit < {STARVED_TOKENS} tokens)" if starved else "no turn starved"
     how = result.get("variant") or "README file"
     return (f"{len(result['turns'])} OpenClaw turns of 512-token replies in an 8k window ({how}): {what}; "
             f"largest prompt {result['largest_prompt']} tokens, {result['summary_requests']} summary requests")

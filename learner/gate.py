@@ -180,7 +180,7 @@ def verdict_from_figures(
         if drop > max_likelihood_drop:
             reasons.append(f"rewarded replies became less likely: {drop:.3f} nats/token (limit {max_likelihood_drop:g})")
     if rose_past(candidate.repetition, serving.repetition, base_repetition, max_repetition_rise):
-        reasons.append(f"greedy replies repeat themselves: {candidate.repetition:.3f} against the base model's "
+        reasons.append(f"replies to recent prompts repeat themselves: {candidate.repetition:.3f} against the base model's "
                        f"{base_repetition:.3f} (limit +{max_repetition_rise:g})"
                        + (f" and the serving version's {serving.repetition:.3f}" if serving.repetition is not None else ""))
     if rose_past(candidate.empty, serving.empty, base_empty, max_empty_rise):
