@@ -214,6 +214,14 @@ class LoraTrainer:
         self.model.set_adapter(name)
         return name, self._params(name)
 
+    def _at_base(self, scope: str) -> bool:
+        """Whether the scope's weights are still the base model's (every LoRA B zero, as peft
+        makes them: a scope's first update, or one undone back to the start). Its figures are
+        then the base model's, which are computed once and kept; on an agent's 5-8k-token
+        prompts that spares a new user's first update minutes of a CPU."""
+        name = self.ensure_scope(scope)
+        return all(not p.any() for n, p in self.model.named_parameters() if "lora_B" in n and f".{name}." in n)
+
     # ---------------------------------------------------------------- persistence
 
     def save(self, scope: str, path: Path) -> None:
@@ -431,8 +439,9 @@ class LoraTrainer:
         compared with nothing, and the probe is most of the cost."""
         self._activate(scope)
         self.model.eval()
+        at_base = self._at_base(scope)
         with torch.no_grad():
-            now = self._logprobs_each(held_out) if held_out else []
+            now = self._logprobs_each(held_out) if held_out and not at_base else []
             base: list[torch.Tensor | None] = [self._base_held_out.get(s.id) if s.id is not None else None for s in held_out]
             missing = [i for i, b in enumerate(base) if b is None]
             if missing or (probe and self._base_probe_nll is None):
@@ -443,17 +452,20 @@ class LoraTrainer:
                             self._base_held_out[held_out[i].id] = lp
                     if probe and self._base_probe_nll is None:
                         self._base_probe_nll = self._probe_nll()
-            probe_nll = self._probe_nll() if probe else None
-            moves = self._hint_moves(held_out)
+            probe_nll = (self._base_probe_nll if at_base else self._probe_nll()) if probe else None
+            moves = self._hint_moves(held_out, at_base)
+        if at_base:
+            now = list(base)
         while len(self._base_held_out) > BASE_HELD_OUT_KEPT:
             self._base_held_out.popitem(last=False)
         return held_out_figures(held_out, now, base, probe_nll, self._base_probe_nll, moves)  # type: ignore[arg-type]
 
-    def _hint_moves(self, held_out: list[Sample]) -> list[HintMove | None]:
+    def _hint_moves(self, held_out: list[Sample], at_base: bool = False) -> list[HintMove | None]:
         """Per held-out turn with a teacher's prompt (a hint or correction): the hinted base
         model's top K at each response position, the base model's log-probabilities of them
         without the hint (both computed once and kept), and the active weights' (the `wish`
-        figure, learner/held_out.py); None for the others."""
+        figure, learner/held_out.py; the base model's again while they are `at_base`); None for
+        the others."""
         todo = [i for i, s in enumerate(held_out) if s.teacher_prompt_ids and s.id is not None]
         if not todo:
             return [None] * len(held_out)
@@ -466,7 +478,8 @@ class LoraTrainer:
         while len(self._base_hint_moves) > BASE_HELD_OUT_KEPT:
             self._base_hint_moves.popitem(last=False)
         kept = {i: self._base_hint_moves[held_out[i].id] for i in todo}
-        version = self._gathered(held_out, todo, {i: ids for i, (ids, _, _) in kept.items()})
+        version = ({i: unhinted for i, (_, _, unhinted) in kept.items()} if at_base
+                   else self._gathered(held_out, todo, {i: ids for i, (ids, _, _) in kept.items()}))
         return [HintMove(kept[i][1], kept[i][2], version[i]) if i in kept else None for i in range(len(held_out))]
 
     def _probe_nll(self) -> float:
@@ -496,6 +509,9 @@ class LoraTrainer:
         self.model.eval()
         with torch.no_grad():
             per_token = [float(lp.mean()) for lp in self._logprobs_each(liked)] if liked else []
+        if self._at_base(scope):  # the base model's replies, answered once for the gate's base side too
+            repeats, empty = self.base_figures(prompts, max_new)
+            return GateFigures(mean(per_token), repeats, empty=empty)
         replies = self.gate_replies(prompts, max_new)
         return GateFigures(mean(per_token), mean([repetition(r) for r in replies.ids]), empty=mean(replies.empty))
 

@@ -91,6 +91,31 @@ async def test_a_version_is_scored_against_the_base_model_and_forgets_nothing_at
     assert moved.gain > 0 and moved.kl > 0 and moved.forgetting != 0
 
 
+async def test_a_scope_still_at_the_base_model_is_scored_from_the_base_models_kept_figures(tiny_model_dir, engine):
+    """A new user's first update: the serving weights are the base model's, whose figures the
+    gate computes for its base side anyway (kept). They are not computed a second time through
+    the adapter: on an agent's 5-8k-token prompts each pass is minutes of a CPU."""
+    trainer = LoraTrainer(tiny_model_dir, LearnerSettings(lr=5e-3, lora_r=4, lora_alpha=8))
+    held = [make_sample(t).model_copy(update={"id": i + 1}) for i, t in enumerate(await generate(engine, 3))]
+    prompts = [s.prompt_ids for s in held]
+    passes, generations = [], []
+    each, generate_ = trainer._logprobs_each, trainer._generate
+    trainer._logprobs_each = lambda samples: passes.append(len(samples)) or each(samples)
+    trainer._generate = lambda *a: generations.append(len(a[0])) or generate_(*a)
+    assert trainer._at_base("alice")
+    serving = trainer.version_figures("alice", held, probe=False)
+    gate = trainer.gate_figures("alice", [], prompts, 8)
+    assert passes == [3] and generations == [3], "the base model's side only, once"
+    assert serving.gain == pytest.approx(0.0, abs=1e-6) and serving.kl == pytest.approx(0.0, abs=1e-6)
+    assert (gate.repetition, gate.empty) == trainer.base_figures(prompts, 8) and generations == [3], "kept"
+    trainer.step("alice", held)
+    assert not trainer._at_base("alice")
+    passes.clear(), generations.clear()
+    trainer.version_figures("alice", held, probe=False)
+    trainer.gate_figures("alice", [], prompts, 8)
+    assert passes == [3] and generations == [3], "moved weights are scored through the adapter"
+
+
 def test_held_out_turns_are_never_trained_and_each_version_keeps_its_figures(server_factory):
     server = learning_server(server_factory, batch_size=3, held_out_every=4)
     feed(server, served_samples(server, 8))  # the 4th and the 8th are held out: two updates of three
