@@ -251,6 +251,8 @@ class Learner:
         plan = await asyncio.to_thread(self.trainer.memory_plan, batch)
         if isinstance(plan, Refusal):  # before the gate's passes: they cost memory too
             return self._not_started(record, StepResult.not_started(scope, batch, plan), current.version)
+        if self.gate:  # minutes on a CPU when the prompts are an agent's: say so, not "preparing"
+            self._phase(scope, len(batch), "scoring the serving version for the gate")
         held = await asyncio.to_thread(self.gate.hold_out, scope, batch) if self.gate else None
         self._phase(scope, len(batch), "training")
         result = await asyncio.to_thread(self.trainer.step, scope, batch, self._passes)
