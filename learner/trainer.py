@@ -455,7 +455,7 @@ class LoraTrainer:
             probe_nll = (self._base_probe_nll if at_base else self._probe_nll()) if probe else None
             moves = self._hint_moves(held_out, at_base)
         if at_base:
-            now = list(base)
+            now = [b for b in base if b is not None]  # every one filled above
         while len(self._base_held_out) > BASE_HELD_OUT_KEPT:
             self._base_held_out.popitem(last=False)
         return held_out_figures(held_out, now, base, probe_nll, self._base_probe_nll, moves)  # type: ignore[arg-type]
