@@ -14,12 +14,12 @@ turn), or with `--short-summaries` a few lines with the headings OpenClaw wants;
 and chat template and refused past 8192 as nextstate refuses them. The same 20 questions as the
 day run, one `openclaw agent --local` each in one `--session-id`.
 
-What it found (BENCHMARKS.md): the README's file starved from turn 11 (a reply limit of 1 token,
-as the last turns of two real days did; from turn 19 with short summaries) and an earlier compaction
-(`maxActiveTranscriptBytes: "8kb", keepRecentTokens: 600, recentTurnsPreserve: 1`) kept every
-turn at 512 tokens, also with summaries as long as OpenClaw allows — yet a real day with that
-block starved from turn 12. The stand-in misses what a real SmolLM2 day does to OpenClaw's
-compaction; it is a quick first check of a file, not the proof.
+What it found (BENCHMARKS.md): with OpenClaw's own keep settings (20k tokens, three turns copied
+into the summary) a day starved from turn 11 (a reply limit of 1 token, as the last turns of two
+real days did); `keepRecentTokens: 1000, recentTurnsPreserve: 0`, the README's file since, kept
+every one of 20 turns at 512 tokens, and a real day with it lost no turn. An 8 kB compaction
+trigger passed here and starved a real day: the stand-in is a quick first check of a file, not
+the proof.
 
 Reports, per turn, the prompt tokens, the reply limit OpenClaw asked for and the summary requests
 so far. Writes bench/results/openclaw_window-<model>[-<variant>].json.
