@@ -15,9 +15,9 @@ sentence please.", a short one +1.
 
 Reports:
 * lost turns: runs that exited non-zero or brought no reply (the issue's "Preflight compaction
-  required but failed" after OpenClaw's summaries failed its own checks) or whose reply was cut
-  at a few words because OpenClaw asked for no more than it thought the context had left (lost,
-  counted apart as `cut_turns`, and not rated), the compaction and
+  required but failed" after OpenClaw's summaries failed its own checks) or whose reply the
+  token limit stopped under STARVED_TOKENS because OpenClaw asked for no more than it thought the
+  context had left (lost, counted apart as `cut_turns`, and not rated), the compaction and
   memory-flush requests OpenClaw sent, and how nextstate filed them (side turns, sessions);
 * how fast each rating was answered;
 * the wish on `HELD_OUT` questions no rating touched, through the plain API (a second user's key
