@@ -451,12 +451,9 @@ def final_evaluation(server, user: str, args, scorer) -> dict:
                                              args.max_tokens, args.temperature), timeout=600)
         replies += [{"task_index": index, "first_reply": text, "score": scorer.score(task, text)} for text in texts]
     scores = [r["score"] for r in replies]
-    nll, base_nll = held_out_nll(server, policy.adapter), held_out_nll(server, None)
     return {
         "version": policy.version,
-        "held_out_nll": nll,
-        "base_held_out_nll": base_nll,
-        "perplexity_ratio": round(math.exp(nll - base_nll), 4),  # final version's perplexity / the base model's
+        **perplexity_figures(held_out_nll(server, policy.adapter), held_out_nll(server, None)),
         "replies": len(replies),
         "score": round(statistics.fmean(scores), 3),
         "score_stderr": standard_error(scores),
@@ -470,34 +467,40 @@ def final_evaluation(server, user: str, args, scorer) -> dict:
 
 # Held-out general text for the quality check: a version that learnt a person's preference must
 # still model ordinary prose about as well as the base model (mean negative log-likelihood per
-# token, as perplexity). Written for this bench, on no task's topic.
-GENERAL_TEXT = (
-    "The river rises in the hills to the north and runs for about two hundred miles before it reaches the sea. "
-    "In spring the snow melts and the water climbs over its banks, which is why the old town was built on higher ground.",
-    "A library lends books, but it also keeps newspapers, maps and letters that no one else has kept. Historians "
-    "visit it to read what people wrote at the time, before anyone knew how the story would end.",
-    "To change a bicycle tyre, first let out the remaining air, then lever one side of the tyre off the rim. Pull out "
-    "the inner tube, find the hole, and either patch it or fit a new tube before putting the tyre back.",
-    "Bees visit flowers to collect nectar and pollen. As they move from one flower to the next, they carry pollen with "
-    "them, and that is how many fruit trees and vegetables are pollinated.",
-    "The committee met on Tuesday to discuss the budget for next year. Most members agreed that the roads needed "
-    "repair, but they could not agree on whether to raise taxes or to borrow the money.",
-    "Light travels faster than sound, which is why you see the lightning before you hear the thunder. Counting the "
-    "seconds between the two tells you roughly how far away the storm is.",
-)
+# token, as perplexity). ~3,000 tokens written for this bench, apart from the gate's own probe:
+# the six passages it began with (~250 tokens) could not tell a 1-2% change from chance.
+GENERAL_TEXT = tuple(line for line in (Path(__file__).with_name("held_out_prose.txt").read_text().splitlines())
+                     if line.strip() and not line.startswith("#"))
 
 
-def held_out_nll(server, adapter: str | None) -> float:
-    """Mean negative log-likelihood per token of GENERAL_TEXT under `adapter` (None: the base)."""
+def held_out_nll(server, adapter: str | None) -> list[tuple[float, int]]:
+    """Negative log-likelihood and token count of each GENERAL_TEXT passage under `adapter`
+    (None: the base model)."""
     turns = server.app.state.services.turns
     tokenizer = turns.renderer.tokenizer
-    total, count = 0.0, 0
+    passages = []
     for text in GENERAL_TEXT:
         ids = tokenizer.encode(text, add_special_tokens=False)
         scores = server.call(turns.engine.score(ids, 1, adapter=adapter), timeout=600)
-        total -= sum(scores)
-        count += len(scores)
-    return round(total / count, 4)
+        passages.append((-sum(scores), len(scores)))
+    return passages
+
+
+def perplexity_figures(version: list[tuple[float, int]], base: list[tuple[float, int]]) -> dict:
+    """The version's perplexity on the held-out prose over the base model's, with a standard
+    error from the passages' spread (the text is a sample of prose; the error says how much a
+    different sample of the same size might read)."""
+    tokens = sum(count for _, count in base)
+    nll, base_nll = sum(n for n, _ in version) / tokens, sum(n for n, _ in base) / tokens
+    ratio = math.exp(nll - base_nll)
+    per_passage = [(v - b) / count for (v, count), (b, _) in zip(version, base)]
+    return {
+        "held_out_nll": round(nll, 4),
+        "base_held_out_nll": round(base_nll, 4),
+        "held_out_tokens": tokens,
+        "perplexity_ratio": round(ratio, 4),
+        "perplexity_ratio_stderr": round(ratio * statistics.stdev(per_passage) / math.sqrt(len(per_passage)), 4),
+    }
 
 
 def updates_to_reach(tasks: list[dict], target: float = 0.8, window: int = 16) -> int | None:
