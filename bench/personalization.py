@@ -270,6 +270,9 @@ class ModeRun:
     steps: list[dict] = field(default_factory=list)
     calibration: dict | None = None  # the judge's start-up check, as the server saw it
     final: dict | None = None  # final_evaluation() of the version serving after the last task
+    # per version served: its perplexity on the held-out prose over the base model's, minus one
+    # (the bench's own reading of what the gate calls forgetting)
+    prose_forgetting: dict[int, float] = field(default_factory=dict)
 
 
 def engine_settings(args) -> dict:
@@ -345,6 +348,8 @@ def run_mode(mode: str, policy: Path, tasks: list[str], args, judge: dict, user,
         **tuned, **judge, **engine_settings(args),
     ) as server:
         client = OpenAI(base_url=server.base_url, api_key=server.key("simulated-user"), max_retries=0, timeout=600)
+        base_prose = held_out_nll(server, None)
+        run.prose_forgetting[0] = 0.0
         for i, task in enumerate(tasks):
             started = time.perf_counter()
             messages = [{"role": "user", "content": task}]
@@ -380,6 +385,10 @@ def run_mode(mode: str, policy: Path, tasks: list[str], args, judge: dict, user,
             time.sleep(args.think_s)  # the user reads the reply; background judging and learning run
             if learning and getattr(args, "wait_for_learner", False):
                 wait_for_learner(server, "simulated-user")
+            if learning and (policy := server.app.state.services.turns.policies.current("simulated-user")).version \
+                    not in run.prose_forgetting:  # a new version serves: read it before the next replaces it
+                figures = perplexity_figures(held_out_nll(server, policy.adapter), base_prose)
+                run.prose_forgetting[policy.version] = round(figures["perplexity_ratio"] - 1, 5)
         if learning:  # the run's learning ends with its tasks: a step still under way would not serve them
             server.call(server.app.state.services.learner.aclose())
         run.steps = [{k: v for k, v in s.items() if k != "sample_ids"} | {"samples": len(s.get("sample_ids", []))}
@@ -571,7 +580,7 @@ def seeds_report(paths: list[str]) -> None:
     pooled: list[dict] = []
     for (instruction, mode, setting), runs in groups.items():
         for _, run, _ in runs:
-            pooled += figures_against_success(run["tasks"], run.get("steps", []))
+            pooled += figures_against_success(run["tasks"], run.get("steps", []), run.get("prose_forgetting"))
         curves = [by_window(run) for _, run, _ in runs]
         curve = " · ".join(spread([c[i] for c in curves if i < len(c)]) for i in range(max(map(len, curves))))
         finals = [s["final"] for _, _, s in runs if s.get("final")]
@@ -585,6 +594,9 @@ def seeds_report(paths: list[str]) -> None:
         if (r := gain_correlation(pooled, figure)) is not None:
             versions = sum(1 for row in pooled if row.get(figure) is not None)
             print(f"held-out {figure} against measured success, over {versions} versions of these runs: Pearson's r = {r}")
+    if (r := gain_correlation(pooled, "forgetting", "prose_forgetting")) is not None:
+        versions = sum(1 for row in pooled if row.get("forgetting") is not None and row.get("prose_forgetting") is not None)
+        print(f"the gate's forgetting against the bench's held-out prose, over {versions} versions: Pearson's r = {r}")
 
 
 def _places(value: float | None, places: int = 3) -> str:
@@ -619,10 +631,12 @@ def report(paths: list[str]) -> None:
                   f"| {evaluated} |")
 
 
-def figures_against_success(tasks: list[dict], steps: list[dict]) -> list[dict]:
+def figures_against_success(tasks: list[dict], steps: list[dict], prose: dict | None = None) -> list[dict]:
     """Per version (v0, the base model, included with gain and forgetting 0): what the learner
     measured on the held-out turns (learner/held_out.py) beside what the simulated user got
-    from it — the mean first-reply success of the tasks that version answered."""
+    from it — the mean first-reply success of the tasks that version answered — and, where the
+    run read it, the version's forgetting on the bench's own held-out prose (`prose`)."""
+    prose = {int(v): f for v, f in (prose or {}).items()}  # JSON keeps the versions as strings
     served: dict[int, list[float]] = {}
     for t in tasks:
         served.setdefault(t["version"], []).append(t["score"])
@@ -630,14 +644,16 @@ def figures_against_success(tasks: list[dict], steps: list[dict]) -> list[dict]:
     figures.update({s["version"]: s["figures"] for s in steps if s.get("published") and s.get("figures")})
     return [{"version": v, "gain": f.get("gain"), "accepted": f.get("accepted"), "rejected": f.get("rejected"),
              "wish": f.get("wish"), "forgetting": f.get("forgetting"), "held_out": f.get("held_out"),
-             "success": round(statistics.fmean(served[v]), 3), "tasks": len(served[v])}
+             "success": round(statistics.fmean(served[v]), 3), "tasks": len(served[v]),
+             "prose_forgetting": prose.get(v)}
             for v, f in sorted(figures.items()) if v in served]
 
 
-def gain_correlation(rows: list[dict], figure: str = "gain") -> float | None:
+def gain_correlation(rows: list[dict], figure: str = "gain", truth: str = "success") -> float | None:
     """Pearson's r between each version's held-out `figure` (gain, or its halves accepted and
-    rejected) and its measured success (None under three versions, or with no spread in either)."""
-    pairs = [(r[figure], r["success"]) for r in rows if r.get(figure) is not None]
+    rejected) and its measured `truth` (success; or the bench's prose forgetting against the
+    gate's), None under three versions or with no spread in either."""
+    pairs = [(r[figure], r[truth]) for r in rows if r.get(figure) is not None and r.get(truth) is not None]
     if len(pairs) < 3 or len({g for g, _ in pairs}) < 2 or len({s for _, s in pairs}) < 2:
         return None
     return round(statistics.correlation([g for g, _ in pairs], [s for _, s in pairs]), 3)
@@ -665,7 +681,7 @@ def summarise(run: ModeRun) -> dict:
         "score_by_window": [round(statistics.fmean(scores[i:i + WINDOW]), 3) for i in range(0, len(scores), WINDOW)],
         "score_by_serving_version": {k: {"score": round(statistics.fmean(v), 3), "tasks": len(v)} for k, v in by_version.items()},
         "final": run.final and {k: v for k, v in run.final.items() if k != "samples"},
-        "versions": (rows := figures_against_success([asdict(t) for t in run.tasks], run.steps)),
+        "versions": (rows := figures_against_success([asdict(t) for t in run.tasks], run.steps, run.prose_forgetting)),
         "gain_vs_success": gain_correlation(rows),
     }
 
@@ -854,7 +870,8 @@ def main() -> None:
                   f"{summary['score_last_quarter']:.2f} (last quarter), {summary['updates_published']} updates")
             result["summary"].append(summary)
             result["runs"].append({"mode": run.mode, "steps": run.steps, "calibration": run.calibration,
-                                   "tasks": [asdict(t) for t in run.tasks], "final": run.final})
+                                   "tasks": [asdict(t) for t in run.tasks], "final": run.final,
+                                   "prose_forgetting": run.prose_forgetting})
             save(result)  # after every mode: an interrupted run keeps the modes it finished
     finally:
         if rule_judge is not None:
