@@ -532,6 +532,14 @@ class LearnerSettings(BaseSettings):
             drop is over two standard errors: learner/gate.py), or whose perplexity on the
             shipped general-text probe is more than this share above the base model's (its
             forgetting).
+        gate_user_figure, gate_max_wish_drop: which held-out figure says a version is worse
+            for its user. "gain" (the default): the gain, as above. "wish": where both
+            versions were scored on four or more held-out turns that came with a hint, the
+            share of the hint's move the version makes untold (learner/held_out.py) may fall at
+            most `gate_max_wish_drop` below the serving version's (past two standard errors);
+            the gain decides where there are fewer. Over 39 versions of ten bench runs the wish
+            moved with the simulated user's measured success (Pearson's r +0.70) where the gain
+            hardly did (+0.16) (BENCHMARKS.md, issue 40).
         opd_topk: with NEXTSTATE_OPD_LOSS=topk, the teacher's most likely tokens kept at each
             position (the rest is one bin): 32 hold all but a sliver of a small model's mass.
         opd_target: with NEXTSTATE_OPD_LOSS=topk or both, what the policy is pulled towards.
@@ -614,6 +622,12 @@ class LearnerSettings(BaseSettings):
     )
     gate_max_forgetting: float = Field(
         0.05, ge=0, description="Gate: most a version's perplexity on the general-text probe may rise over the base model's."
+    )
+    gate_user_figure: Literal["gain", "wish"] = Field(
+        "gain", description="Gate: the held-out figure that says a version is worse for its user (wish: where hinted turns allow)."
+    )
+    gate_max_wish_drop: float = Field(
+        0.1, ge=0, description="Gate, gate_user_figure=wish: most a version's wish may fall below the serving version's."
     )
     opd_topk: int = Field(32, ge=1, description="opd_loss=topk: the teacher's top tokens kept per position.")
     opd_target: Literal["teacher", "shift"] = Field(

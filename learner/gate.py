@@ -160,11 +160,20 @@ def verdict_from_figures(
     serving: GateFigures, candidate: GateFigures, base_repetition: float | None, *,
     max_likelihood_drop: float, max_repetition_rise: float, held_out: int, prompts: int,
     max_gain_drop: float | None = None, max_forgetting: float | None = None,
-    base_empty: float | None = None, max_empty_rise: float | None = None,
+    base_empty: float | None = None, max_empty_rise: float | None = None, max_wish_drop: float | None = None,
 ) -> GateVerdict:
+    """`max_wish_drop` (None: the gain decides) lets the wish say whether the version is worse
+    for its user, where both versions were scored on MIN_GAIN_TURNS hinted held-out turns."""
     reasons = []
     now, was = candidate.version, serving.version
-    if (max_gain_drop is not None and now is not None and was is not None and now.gain is not None
+    wish = now.wish_drop_from(was) if max_wish_drop is not None and now is not None and was is not None else None
+    if wish is not None and wish[2] >= MIN_GAIN_TURNS and now.wish is not None and was.wish is not None:
+        drop, error, turns = wish
+        if drop > max_wish_drop and (error is None or drop > GAIN_DROP_ERRORS * error):
+            reasons.append(f"worse for its user: it makes {now.wish:.2f} of what their hints asked for untold against the "
+                           f"serving version's {was.wish:.2f}, on {turns} hinted held-out turns (limit -{max_wish_drop:g}"
+                           + (f"; {drop:.3f} ± {error:.3f})" if error is not None else ")"))
+    elif (max_gain_drop is not None and now is not None and was is not None and now.gain is not None
             and was.gain is not None and now.held_out >= MIN_GAIN_TURNS):
         paired = now.drop_from(was)
         drop, error = paired if paired is not None else (was.gain - now.gain, None)
@@ -262,6 +271,7 @@ class PublishGate:
             max_repetition_rise=s.gate_max_repetition_rise, held_out=len(held.liked), prompts=len(held.prompts),
             max_gain_drop=s.gate_max_gain_drop, max_forgetting=s.gate_max_forgetting,
             base_empty=base_empty, max_empty_rise=s.gate_max_empty_rise,
+            max_wish_drop=s.gate_max_wish_drop if s.gate_user_figure == "wish" else None,
         )
         verdict.seconds = round(time.monotonic() - started, 2)
         return verdict

@@ -90,9 +90,12 @@ class VersionFigures:
     wish: float | None = None  # share of the hint's move made without the hint (None: no held-out turn with a hint)
     rejected: float | None = None  # nats/token the rejected ones became less likely
     turn_gains: list[float | None] = field(default_factory=list, repr=False)  # each turn's own gain, in order
+    # each turn's (numerator, denominator) of the wish slope, in order; None for a turn without a hint
+    turn_wishes: list[tuple[float, float] | None] = field(default_factory=list, repr=False)
 
     def to_dict(self) -> dict[str, Any]:
-        return {k: (round(v, 5) if isinstance(v, float) else v) for k, v in asdict(self).items() if k != "turn_gains"}
+        return {k: (round(v, 5) if isinstance(v, float) else v) for k, v in asdict(self).items()
+                if k not in ("turn_gains", "turn_wishes")}
 
     def drop_from(self, serving: VersionFigures) -> tuple[float, float | None] | None:
         """How much less this version gained than `serving` on the same held-out turns: the mean
@@ -109,6 +112,27 @@ class VersionFigures:
             return mean, None
         variance = sum((d - mean) ** 2 for d in diffs) / (len(diffs) - 1)
         return mean, math.sqrt(variance / len(diffs))
+
+
+    def wish_drop_from(self, serving: VersionFigures) -> tuple[float, float | None, int] | None:
+        """How much less of the hint's move this version makes untold than `serving` on the same
+        hinted held-out turns: (drop, its standard error, turns), or None when they were not
+        scored on the same turns or none had a hint. Each turn's denominator is the base
+        model's alone, the same for both versions, so the drop is the difference of the two
+        pooled wishes; its error is the ratio estimator's (the turns' numerators against their
+        denominators), None under two turns."""
+        if len(self.turn_wishes) != len(serving.turn_wishes):
+            return None
+        pairs = [(was[0] - now[0], now[1]) for now, was in zip(self.turn_wishes, serving.turn_wishes)
+                 if now is not None and was is not None and now[1] > 0]
+        spread = sum(d for _, d in pairs)
+        if not pairs or spread <= 0:
+            return None
+        drop = sum(c for c, _ in pairs) / spread
+        if len(pairs) < 2:
+            return drop, None, 1
+        residuals = sum((c - drop * d) ** 2 for c, d in pairs)
+        return drop, math.sqrt(len(pairs) / (len(pairs) - 1) * residuals) / spread, len(pairs)
 
 
 @dataclass
@@ -175,7 +199,8 @@ def figures(samples: list[Sample], now: list[torch.Tensor], base: list[torch.Ten
     forgetting = None
     if probe_nll is not None and base_probe_nll is not None:
         forgetting = math.exp(probe_nll - base_probe_nll) - 1
-    terms = [wish_terms(m) for m in (moves or []) if m is not None]
+    turn_wishes = [wish_terms(m) if m is not None else None for m in (moves or [None] * len(samples))]
+    terms = [t for t in turn_wishes if t is not None]
     spread = sum(d for _, d in terms)
     return VersionFigures(
         gain=weighted / weight if weight else None,
@@ -185,5 +210,6 @@ def figures(samples: list[Sample], now: list[torch.Tensor], base: list[torch.Ten
         accepted=rises[True][0] / rises[True][1] if rises[True][1] else None,
         rejected=-rises[False][0] / rises[False][1] if rises[False][1] else None,
         turn_gains=turn_gains,
+        turn_wishes=turn_wishes,
         wish=sum(n for n, _ in terms) / spread if spread > 0 else None,
     )

@@ -70,6 +70,37 @@ def test_worse_for_its_user_is_a_drop_past_the_limit_and_past_its_noise():
     assert "turn_gains" not in VersionFigures(0.1, 0.0, 0.0, 1, turn_gains=[0.1]).to_dict(), "manifests keep the totals"
 
 
+def test_with_gate_user_figure_wish_the_hinted_turns_decide_and_the_gain_where_there_are_too_few():
+    """NEXTSTATE_GATE_USER_FIGURE=wish: a version that does less of what the hints asked for, on
+    every hinted held-out turn, is worse for its user whatever its gain, and one whose wish held
+    is not, whatever its gain; one turn's swing is not; under four hinted turns the gain decides."""
+    def figures(wishes: list[float], gains: list[float]) -> VersionFigures:
+        terms = [(w, 1.0) for w in wishes]  # each turn's denominator: the base model's, the same for both
+        return VersionFigures(sum(gains) / len(gains), 0.0, 0.0, len(gains), wish=sum(wishes) / len(wishes),
+                              turn_gains=gains, turn_wishes=terms)
+
+    def verdict(serving: VersionFigures, candidate: VersionFigures, figure: str = "wish"):
+        return verdict_from_figures(GateFigures(None, None, serving), GateFigures(None, None, candidate), None,
+                                    max_likelihood_drop=0.1, max_repetition_rise=0.05, held_out=4, prompts=0,
+                                    max_gain_drop=0.05, max_wish_drop=0.1 if figure == "wish" else None)
+
+    serving = figures([0.6, 0.5, 0.7, 0.6], [0.0] * 4)
+    less = figures([0.3, 0.25, 0.4, 0.3], [0.1] * 4)  # its gain rose
+    refused = verdict(serving, less)
+    assert not refused.passed and refused.reasons[0].startswith("worse for its user: it makes 0.31 of what their hints")
+    assert "on 4 hinted held-out turns" in refused.reasons[0]
+    assert verdict(serving, less, figure="gain").passed, "the gain alone would have let it serve"
+    assert verdict(serving, figures([-0.2, 0.55, 0.75, 0.65], [0.0] * 4)).passed, "one turn's swing"
+    assert verdict(figures([0.6] * 4, [0.0] * 4), figures([0.6] * 4, [-0.1] * 4)).passed, \
+        "where the wish is measured it decides: a gain that fell while the wish held does not refuse"
+    few = figures([0.6, 0.6, 0.6], [0.0] * 3) , figures([0.1, 0.1, 0.1], [-0.1] * 3)
+    assert verdict(*few).passed, "three hinted turns: too few for either"
+    unhinted = VersionFigures(0.0, 0.0, 0.0, 4, turn_gains=[0.0] * 4, turn_wishes=[None] * 4)
+    worse_gain = VersionFigures(-0.1, 0.0, 0.0, 4, turn_gains=[-0.1] * 4, turn_wishes=[None] * 4)
+    assert not verdict(unhinted, worse_gain).passed, "no hinted turn: the gain decides"
+    assert "turn_wishes" not in serving.to_dict()
+
+
 def test_a_version_that_unlearns_what_users_liked_does_not_serve(server_factory):
     server = learning_server(server_factory, publish_gate=True, lr=2e-2, max_kl=1e9, gate_backtracks=0)
     liked = served_samples(server, 4, advantage=1.0)
