@@ -468,6 +468,12 @@ class LearnerSettings(BaseSettings):
             wait, ready, with the reason and a try count: a rating is never lost to the brake.
         max_advantage: per-token advantages are clipped to ± this when training, so no sample
             (an outcome standardised over a tiny spread, a bug upstream) dominates an update.
+        empty_guard: where the trained weights give a sample's prompt more than this chance of
+            ending the reply before it begins (a stop token first), the update also pushes that
+            chance down (a hinge on its log at the reply's first position, learner/trainer.py);
+            0 turns it off. Updates of a length wish, and of an opening word on a seed where most
+            replies were rejected, raised it tenfold an update until the gate refused them for
+            empty replies (4.6-13% against the base model's 0.0%: BENCHMARKS.md, issue 38).
         max_staleness: a sample served by a version more than this many versions behind its
             scope's current one is dropped (and recorded) instead of trained: its old logprobs
             no longer describe the policy being trained (AReaL bounds off-policyness alike).
@@ -577,6 +583,9 @@ class LearnerSettings(BaseSettings):
         4, ge=0, description="Shortenings an update over max_kl may try before it is not published (its samples wait)."
     )
     max_advantage: float = Field(5.0, gt=0, description="Per-token advantages are clipped to ± this in training.")
+    empty_guard: float = Field(
+        0.0, ge=0, lt=1, description="Training pushes down a first-token stop chance above this (an empty reply); 0 = off."
+    )
     max_staleness: int = Field(8, ge=0, description="Samples served more than this many versions ago are dropped; 0 = any.")
     max_user_share: float = Field(
         0.5, gt=0, le=1, description="Shared scope: most of a batch one user's samples may fill (with several users)."

@@ -20,7 +20,7 @@ import time
 import warnings
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -55,6 +55,10 @@ OPTIMIZER_STATE = "optimizer.pt"
 WEIGHT_DECAY = 0.1
 BETAS = (0.9, 0.98)
 GRAD_CLIP = 1.0
+# NEXTSTATE_EMPTY_GUARD's hinge counts as this many response tokens' loss: a sample's whole
+# reply is ~10-50 tokens, each pushed by an advantage of at most a few units, and the drift
+# towards empty replies is their side effect; one strongly weighted position holds it back.
+EMPTY_GUARD_WEIGHT = 8.0
 EPS = 0.2
 EPS_HIGH = 0.28
 
@@ -82,6 +86,7 @@ class StepResult:
     pass_tokens: int = 0  # padded tokens a forward pass could hold (the step's memory plan)
     peak_added_mb: float = 0.0  # the most a training pass added to memory, measured
     distill_kl: float = 0.0  # mean KL(π_θ ‖ π_teacher) over distilled tokens in training (NEXTSTATE_OPD_LOSS=topk)
+    guarded: int = 0  # sample passes whose empty-reply chance was over NEXTSTATE_EMPTY_GUARD, and pushed down
 
     @classmethod
     def not_started(cls, scope: str, samples: list[Sample], refusal: Refusal) -> StepResult:
@@ -119,6 +124,14 @@ def learner_dtype(setting: str, device: str) -> torch.dtype:
 def adapter_name(scope: str) -> str:
     """peft adapter names become module keys: keep them to letters and digits."""
     return "a" + hashlib.sha256(scope.encode()).hexdigest()[:16]
+
+
+class ResponsePass(NamedTuple):
+    """One sample's side of a forward pass (LoraTrainer._response_logprobs)."""
+
+    token: torch.Tensor  # [response tokens] the response tokens' logprobs
+    gathered: torch.Tensor | None  # [response tokens, K] the given ids' logprobs, where ids were given
+    first_stop: torch.Tensor | None  # log chance of a stop token first (an empty reply), where asked
 
 
 class LoraTrainer:
@@ -279,26 +292,32 @@ class LoraTrainer:
     def _logprobs_many(self, samples: list[Sample]) -> list[torch.Tensor]:
         """Logprobs of each sample's response tokens, in fp32, from one forward pass over the
         samples right-padded to a common length (a micro-batch, learner/micro_batches.py)."""
-        return [lp for lp, _ in self._response_logprobs(samples)]
+        return [answer.token for answer in self._response_logprobs(samples)]
 
     def _response_logprobs(
-        self, samples: list[Sample], gather: list[torch.Tensor | None] | None = None
-    ) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
-        """Per sample: the logprobs of its response tokens and, where `gather` gives token ids
-        ([response tokens, K], the teacher's top K), the logprobs of those ids too."""
+        self, samples: list[Sample], gather: list[torch.Tensor | None] | None = None, first_stop: bool = False
+    ) -> list[ResponsePass]:
+        """Per sample: the logprobs of its response tokens; where `gather` gives token ids
+        ([response tokens, K], the teacher's top K), the logprobs of those ids too; with
+        `first_stop`, the log of the chance (at temperature 1) that the reply ends at its first
+        token, the chance the gate calls an empty reply."""
         rows = [self._train_ids(s)[:-1] for s in samples]  # nothing is predicted after the last token
         targets = [torch.tensor(s.response_ids, device=self.device) for s in samples]
+        stops = self._stop_ids(self.model if self.model is not None else self._base) if first_stop else []
 
-        def at(logits: torch.Tensor, i: int, part: slice) -> tuple[torch.Tensor, torch.Tensor]:
+        def at(logits: torch.Tensor, i: int, part: slice) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
             logprobs = tempered_log_softmax(logits, samples[i].logprob_temperature)
             token = logprobs.gather(-1, targets[i][part].unsqueeze(-1)).squeeze(-1)
             ids = gather[i] if gather is not None else None
-            return token, (logprobs.gather(-1, ids[part]) if ids is not None else token[:0])
+            first = (torch.log_softmax(logits[:1].float(), -1)[:, stops].logsumexp(-1)
+                     if stops and part.start == 0 else token[:0])
+            return token, (logprobs.gather(-1, ids[part]) if ids is not None else token[:0]), first
 
         out = []
         for i, pieces in enumerate(self._over_responses(rows, [len(s.response_ids) for s in samples], at)):
-            token = torch.cat([p[0] for p in pieces])
-            out.append((token, torch.cat([p[1] for p in pieces]) if gather is not None and gather[i] is not None else None))
+            token, first = torch.cat([p[0] for p in pieces]), torch.cat([p[2] for p in pieces])
+            out.append(ResponsePass(token, torch.cat([p[1] for p in pieces]) if gather is not None and gather[i] is not None else None,
+                                    first[0] if first.numel() else None))
         return out
 
     def _over_responses(self, rows: list[list[int]], response_lengths: list[int],
@@ -418,7 +437,7 @@ class LoraTrainer:
                 members = [todo[j] for j in group]
                 for i, answer in zip(members, self._response_logprobs([samples[i] for i in members],
                                                                       [ids.get(i) for i in members])):
-                    out[i] = answer
+                    out[i] = (answer.token, answer.gathered)
         return out
 
     def _backbone_and_head(self) -> tuple[torch.nn.Module, torch.nn.Module] | None:
@@ -701,7 +720,7 @@ class LoraTrainer:
         self._before[scope] = (weights_before, optimizer_before)
         dropped: set[int] = set()
         totals = {"loss": 0.0, "pg": 0.0, "kl": 0.0, "clipped": 0.0, "mismatch": 0.0, "grad_norm": 0.0, "distill": 0.0,
-                  "distilled": 0.0}
+                  "distilled": 0.0, "guarded": 0.0}
         tokens = sum(sum(s.loss_mask) for s in samples)
         mean_adv = sum(a * m for s in samples for a, m in zip(s.advantages, s.loss_mask)) / max(tokens, 1)
         skipped = None
@@ -728,14 +747,16 @@ class LoraTrainer:
                         members = [live[j] for j in group]
                         with self.memory.meter() as meter:
                             outputs = self._response_logprobs(
-                                [samples[i] for i in members], [t[1] if (t := teacher[i]) else None for i in members])
-                            logprobs_of = [lp for lp, _ in outputs]
+                                [samples[i] for i in members], [t[1] if (t := teacher[i]) else None for i in members],
+                                first_stop=c.empty_guard > 0)
+                            logprobs_of = [answer.token for answer in outputs]
                             base_of: list[torch.Tensor | None] = [None] * len(members)
                             if c.kl_coef > 0:
                                 with torch.no_grad(), self.model.disable_adapter():
                                     base_of = self._logprobs_many([samples[i] for i in members])
                             losses = []
-                            for i, logprobs, base, (_, student_topk) in zip(members, logprobs_of, base_of, outputs):
+                            for i, logprobs, base, answer in zip(members, logprobs_of, base_of, outputs):
+                                student_topk = answer.gathered
                                 s = samples[i]
                                 if steps == 0 and before[i] is None:
                                     before[i] = logprobs.detach()
@@ -750,6 +771,10 @@ class LoraTrainer:
                                     totals["distill"] += float(distill.detach().sum())
                                     totals["distilled"] += float(mask.sum())
                                 loss = (tok_loss * mask).sum() / batch_tokens
+                                if answer.first_stop is not None:  # an empty reply is no one's wish
+                                    guard = torch.relu(answer.first_stop - math.log(c.empty_guard))
+                                    loss = loss + EMPTY_GUARD_WEIGHT * guard / batch_tokens
+                                    totals["guarded"] += float(guard.detach() > 0)
                                 if not torch.isfinite(loss):
                                     dropped.add(i)  # this sample alone is left out; the batch trains on
                                     continue
@@ -812,6 +837,7 @@ class LoraTrainer:
             mismatch=totals["mismatch"] / max(tokens, 1),
             mean_advantage=mean_adv,
             distill_kl=totals["distill"] / totals["distilled"] if totals["distilled"] else 0.0,
+            guarded=int(totals["guarded"]),
             grad_norm=totals["grad_norm"],
             seconds=time.monotonic() - started,
             skipped=skipped,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import re
 import time
 
@@ -818,3 +819,25 @@ def test_a_second_learner_on_one_adapters_folder_is_refused_before_serving(tmp_p
     finally:
         held.close()
     check_no_other_learner(settings)
+
+
+async def test_the_empty_guard_pushes_down_a_reply_ending_before_it_begins(tiny_model_dir, engine):
+    """NEXTSTATE_EMPTY_GUARD: where the trained weights would end a reply at its first token more
+    often than the guard allows, the update pushes that chance down; off, the same update does not."""
+    rejected = [make_sample(toks, advantage=-1.0) for toks in await generate(engine, 4)]
+
+    def first_stop(t: LoraTrainer) -> float:
+        t._activate("shared")
+        with torch.no_grad():
+            return math.exp(float(t._response_logprobs(rejected[:1], first_stop=True)[0].first_stop))
+
+    def stepped(guard: float) -> tuple[LoraTrainer, object]:
+        torch.manual_seed(0)
+        t = LoraTrainer(tiny_model_dir, LearnerSettings(lr=5e-3, lora_r=4, lora_alpha=8, max_kl=1e9, empty_guard=guard))
+        return t, t.step("shared", rejected)
+
+    before = first_stop(LoraTrainer(tiny_model_dir, LearnerSettings(lora_r=4, lora_alpha=8)))
+    off, off_result = stepped(0.0)
+    on, on_result = stepped(before / 4)  # the base model is already past it: the guard is on from the start
+    assert off_result.guarded == 0 and on_result.guarded > 0
+    assert first_stop(on) < min(before, first_stop(off)), (before, first_stop(on), first_stop(off))
