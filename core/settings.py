@@ -546,9 +546,9 @@ class LearnerSettings(BaseSettings):
             versions were scored on four or more held-out turns that came with a hint, the
             share of the hint's move the version makes untold (learner/held_out.py) may fall at
             most `gate_max_wish_drop` below the serving version's (past two standard errors);
-            the gain decides where there are fewer. Over 39 versions of ten bench runs the wish
-            moved with the simulated user's measured success (Pearson's r +0.70) where the gain
-            hardly did (+0.16) (BENCHMARKS.md, issue 40).
+            the gain decides where there are fewer. Over 55 versions of 14 bench runs the wish
+            moved with the simulated user's measured success (Pearson's r +0.68) where the gain
+            hardly did (+0.18) (BENCHMARKS.md, issue 40). Not yet run on against off.
         opd_topk: with NEXTSTATE_OPD_LOSS=topk, the teacher's most likely tokens kept at each
             position (the rest is one bin): 32 hold all but a sliver of a small model's mass.
         opd_target: with NEXTSTATE_OPD_LOSS=topk or both, what the policy is pulled towards.

@@ -113,7 +113,6 @@ class VersionFigures:
         variance = sum((d - mean) ** 2 for d in diffs) / (len(diffs) - 1)
         return mean, math.sqrt(variance / len(diffs))
 
-
     def wish_drop_from(self, serving: VersionFigures) -> tuple[float, float | None, int] | None:
         """How much less of the hint's move this version makes untold than `serving` on the same
         hinted held-out turns: (drop, its standard error, turns), or None when they were not
