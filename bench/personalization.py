@@ -478,7 +478,7 @@ def final_evaluation(server, user: str, args, scorer) -> dict:
 # still model ordinary prose about as well as the base model (mean negative log-likelihood per
 # token, as perplexity). ~2,300 tokens written for this bench, apart from the gate's own probe:
 # the six passages it began with (~250 tokens) could not tell a 1-2% change from chance.
-GENERAL_TEXT = tuple(line for line in (Path(__file__).with_name("held_out_prose.txt").read_text().splitlines())
+GENERAL_TEXT = tuple(line for line in (Path(__file__).with_name("held_out_prose.txt").read_text(encoding="utf-8").splitlines())
                      if line.strip() and not line.startswith("#"))
 
 
