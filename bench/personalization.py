@@ -395,7 +395,7 @@ def run_mode(mode: str, policy: Path, tasks: list[str], args, judge: dict, user,
                      for s in server.app.state.services.learner.steps] if learning else []
         run.calibration = server.app.state.services.judge.calibration.to_dict() if learning else None
         if args.final_samples:
-            run.final = final_evaluation(server, "simulated-user", args, scorer)
+            run.final = final_evaluation(server, "simulated-user", args, scorer, base_prose)
             print(f"{mode:>8}: final evaluation of v{run.final['version']}: score {run.final['score']:.3f} "
                   f"(± {run.final['score_stderr']}), repeated words {run.final['repetition']} over "
                   f"{run.final['replies']} sampled replies", flush=True)
@@ -447,7 +447,7 @@ def standard_error(values: list[float | None]) -> float | None:
     return round(statistics.stdev(present) / len(present) ** 0.5, 4) if len(present) > 1 else None
 
 
-def final_evaluation(server, user: str, args, scorer) -> dict:
+def final_evaluation(server, user: str, args, scorer, base_prose: list[tuple[float, int]]) -> dict:
     """`args.final_samples` replies to each of the TASKS from the version serving `user` now,
     scored and measured as the runs' first replies are. The learner must be stopped first: a
     version it published meanwhile would unload the one being evaluated."""
@@ -462,7 +462,7 @@ def final_evaluation(server, user: str, args, scorer) -> dict:
     scores = [r["score"] for r in replies]
     return {
         "version": policy.version,
-        **perplexity_figures(held_out_nll(server, policy.adapter), held_out_nll(server, None)),
+        **perplexity_figures(held_out_nll(server, policy.adapter), base_prose),
         "replies": len(replies),
         "score": round(statistics.fmean(scores), 3),
         "score_stderr": standard_error(scores),

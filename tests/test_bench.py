@@ -10,7 +10,7 @@ import pytest
 
 from bench.personalization import (
     INSTRUCTIONS, THANKS, ChatModel, ModelScorer, ModelUser, Preference, PreferenceJudge, RuleScorer, RuleUser,
-    TASKS, final_evaluation, headline, mean_repetition, report, repetition, run_mode, summarise,
+    TASKS, final_evaluation, headline, held_out_nll, mean_repetition, report, repetition, run_mode, summarise,
 )
 from bench.models import bench_server
 from bench.report import LOG_HEADING, upsert_row
@@ -176,11 +176,13 @@ def test_final_evaluation_samples_the_serving_version_on_fixed_seeds_and_leaves_
     preference = Preference(INSTRUCTIONS["capital"], "capital")
     args = argparse.Namespace(final_samples=3, max_tokens=6, temperature=1.0)
     with bench_server(tiny_model_dir, "policy", learn=False, judge_enabled=False) as server:
-        first = final_evaluation(server, "simulated-user", args, RuleScorer(preference))
-        again = final_evaluation(server, "simulated-user", args, RuleScorer(preference))
+        base = held_out_nll(server, None)
+        first = final_evaluation(server, "simulated-user", args, RuleScorer(preference), base)
+        again = final_evaluation(server, "simulated-user", args, RuleScorer(preference), base)
         server.call(server.app.state.services.turns.records.flush())
         assert len(server.app.state.services.turns.sessions) == 0 and server.app.state.services.turns.records.written == 0
     assert first == again and first["version"] == 0 and first["replies"] == 3 * len(TASKS)
+    assert first["perplexity_ratio"] == 1.0, "the base model against its own reading of the prose"
     assert [r["task_index"] for r in first["samples"]] == [i for i in range(len(TASKS)) for _ in range(3)]
     assert len({r["first_reply"] for r in first["samples"]}) > len(TASKS), "each seed draws its own reply"
     assert first["score"] == pytest.approx(sum(r["score"] for r in first["samples"]) / len(first["samples"]), abs=5e-4)
