@@ -32,7 +32,6 @@ from pathlib import Path
 
 import torch
 
-from bench.models import bench_model
 from bench.report import pyplot, save
 from nextstate.core.memory import process_status_bytes
 from nextstate.core.settings import LearnerSettings
@@ -50,15 +49,16 @@ SHAPES = {
 }
 
 
-def build(shape: str, out: Path, dtype: torch.dtype) -> Path:
-    """A random-weight Qwen3 model directory of the named shape (tokenizer not needed)."""
+def build(shape: str, out: Path, dtype: torch.dtype, device: str) -> Path:
+    """A random-weight Qwen3 model directory of the named shape (tokenizer not needed), its
+    weights drawn on `device` (an 8B model's 8 billion draws take minutes on a CPU)."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     config = Qwen3Config(**SHAPES[shape], max_position_embeddings=40960, tie_word_embeddings=False,
                          torch_dtype=str(dtype).removeprefix("torch."))
     with torch.device("meta"):
         model = Qwen3ForCausalLM(config)
-    model = model.to_empty(device="cpu").to(dtype)
+    model = model.to_empty(device=device).to(dtype)
     for p in model.parameters():
         torch.nn.init.normal_(p, std=0.02)
     model.save_pretrained(out)
@@ -116,7 +116,7 @@ def measure(shape: str, lengths: list[int], batch: int, device: str, micro_batch
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         dtype = torch.bfloat16 if device == "cuda" else torch.float32
-        model_dir = model_dir or build(shape, Path(tmp) / shape, dtype)
+        model_dir = model_dir or build(shape, Path(tmp) / shape, dtype, device)
         trainer = LoraTrainer(model_dir, settings, device=device)
         trainer.ensure_scope("shared")
         loaded = current_bytes(device)
@@ -162,11 +162,13 @@ def measure(shape: str, lengths: list[int], batch: int, device: str, micro_batch
 def plot(result: dict):
     plt = pyplot()
     figure, (mem, speed) = plt.subplots(1, 2, figsize=(11, 4))
-    for shape in dict.fromkeys(r["shape"] for r in result["rows"]):
-        rows = [r for r in result["rows"] if r["shape"] == shape and not r["error"]]
-        mem.plot([r["tokens_per_sample"] for r in rows], [r["peak_gib"] for r in rows], marker="o", label=shape)
-        speed.plot([r["tokens_per_sample"] for r in rows], [r["seconds"] for r in rows], marker="o", label=shape)
-    mem.set(xlabel="tokens per sample", ylabel="peak memory (GiB)", title=f"one update, batch {result['batch']}")
+    # One line per shape and batch: a file may gather runs of several batch sizes.
+    for shape, batch in dict.fromkeys((r["shape"], r["batch"]) for r in result["rows"]):
+        rows = [r for r in result["rows"] if (r["shape"], r["batch"]) == (shape, batch) and not r["error"]]
+        label = f"{shape}, batch {batch}"
+        mem.plot([r["tokens_per_sample"] for r in rows], [r["peak_gib"] for r in rows], marker="o", label=label)
+        speed.plot([r["tokens_per_sample"] for r in rows], [r["seconds"] for r in rows], marker="o", label=label)
+    mem.set(xlabel="tokens per sample", ylabel="peak memory (GiB)", title="one update")
     speed.set(xlabel="tokens per sample", ylabel="seconds per update", title=result["device"])
     for axis in (mem, speed):
         axis.legend()
@@ -194,6 +196,8 @@ def main() -> None:
     args = parser.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     rows = []
+    if args.smol:  # imported here: the shapes' run on a GPU machine needs no server or its packages
+        from bench.models import bench_model
     model = args.model or (bench_model(smol=True) if args.smol else None)
     shapes = [model.name] if model is not None else args.shapes
     for shape in shapes:
