@@ -74,7 +74,8 @@ from pathlib import Path
 from openai import OpenAI
 
 from bench.models import bench_model, bench_server
-from bench.report import pyplot, save
+from bench.reply_surprise import REFERENCE_REPLIES, reading, surprise
+from bench.report import pyplot, render, save
 from nextstate.core.settings import JudgeSettings, LearnerSettings
 from nextstate.engine.base import SamplingParams
 from nextstate.learner.gate import GATE_PROMPTS
@@ -442,6 +443,53 @@ async def _sampled_replies(turns, adapter, messages: list[dict], seeds: list[int
     return list(await asyncio.gather(*(one(seed) for seed in seeds)))
 
 
+def final_seeds(index: int, n: int) -> list[int]:
+    """The final evaluation's seeds for TASKS[index]: the same for every run and version."""
+    return [FINAL_SEED + 1_009 * index + k for k in range(n)]
+
+
+def reference_readings(server, max_tokens: int, temperature: float) -> dict[str, list[list[float]]]:
+    """The base model's readings of its own replies to each of the TASKS, on the final
+    evaluation's first seeds: what bench/reply_surprise.py compares a version's replies with."""
+    turns = server.app.state.services.turns
+    reference = {}
+    for index, task in enumerate(TASKS):
+        own = server.call(_sampled_replies(turns, None, [{"role": "user", "content": task}],
+                                           final_seeds(index, REFERENCE_REPLIES), max_tokens, temperature), timeout=600)
+        reference[task] = [reading(server, task, text) for text in own]
+    return reference
+
+
+def replies_surprise(server, replies: list[dict], reference: dict[str, list[list[float]]]) -> dict:
+    """How strange the final evaluation's replies read to the base model (bench/reply_surprise.py)."""
+    return surprise([(TASKS[r["task_index"]], reading(server, TASKS[r["task_index"]], r["first_reply"]))
+                     for r in replies], reference)
+
+
+def reread(paths: list[str]) -> None:
+    """Add the surprise figure to saved results whose final evaluation predates it (SmolLM2 runs
+    of the embedded engine: the base model and its seeded sampling are what the run had)."""
+    references: dict[tuple[int, float], dict] = {}
+    with bench_server(bench_model(smol=True), "policy", learn=False, judge_enabled=False) as server:
+        for path in map(Path, paths):
+            result = json.loads(path.read_text())
+            if result.get("model") != "SmolLM2-135M-Instruct":
+                print(f"{path.name}: not a SmolLM2 run, left as it is")
+                continue
+            key = (result["settings"]["max_tokens"], result["settings"]["temperature"])
+            for run, summary in zip(result["runs"], result["summary"]):
+                if run.get("final"):
+                    if key not in references:
+                        references[key] = reference_readings(server, *key)
+                    figures = replies_surprise(server, run["final"]["samples"], references[key])
+                    run["final"].update(figures)
+                    summary["final"].update(figures)
+                    print(f"{path.name} ({run['mode']}): surprise {figures['surprise']} ± {figures['surprise_stderr']}",
+                          flush=True)
+            path.write_text(json.dumps(result, indent=2) + "\n")
+            render(path)
+
+
 def standard_error(values: list[float | None]) -> float | None:
     present = [v for v in values if v is not None]
     return round(statistics.stdev(present) / len(present) ** 0.5, 4) if len(present) > 1 else None
@@ -455,14 +503,15 @@ def final_evaluation(server, user: str, args, scorer, base_prose: list[tuple[flo
     policy = turns.policies.current(user)
     replies = []
     for index, task in enumerate(TASKS):
-        seeds = [FINAL_SEED + 1_009 * index + k for k in range(args.final_samples)]
-        texts = server.call(_sampled_replies(turns, policy.adapter, [{"role": "user", "content": task}], seeds,
-                                             args.max_tokens, args.temperature), timeout=600)
+        texts = server.call(_sampled_replies(turns, policy.adapter, [{"role": "user", "content": task}],
+                                             final_seeds(index, args.final_samples), args.max_tokens, args.temperature),
+                            timeout=600)
         replies += [{"task_index": index, "first_reply": text, "score": scorer.score(task, text)} for text in texts]
     scores = [r["score"] for r in replies]
     return {
         "version": policy.version,
         **perplexity_figures(held_out_nll(server, policy.adapter), base_prose),
+        **replies_surprise(server, replies, reference_readings(server, args.max_tokens, args.temperature)),
         "replies": len(replies),
         "score": round(statistics.fmean(scores), 3),
         "score_stderr": standard_error(scores),
@@ -571,8 +620,9 @@ def seeds_report(paths: list[str]) -> None:
         return f"{statistics.fmean(values):.2f} ± {sd:.2f}"
 
     print("| preference | mode | setting | seeds | success per window of 16 tasks (mean ± sd over seeds) | updates to 0.8 "
-          "(per seed) | final version | final score | repeated words, final | perplexity, final / base |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+          "(per seed) | final version | final score | repeated words, final | perplexity, final / base "
+          "| surprise to the base model, final (nats/token) |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     def by_window(run: dict) -> list[float]:  # from the tasks: older result files have no summary of it
         scores = [t["score"] for t in run["tasks"]]
         return [statistics.fmean(scores[i:i + WINDOW]) for i in range(0, len(scores), WINDOW)]
@@ -589,7 +639,7 @@ def seeds_report(paths: list[str]) -> None:
         versions = ", ".join(f"v{f['version']}" for f in finals)
         print(f"| {instruction} | {mode} | {setting or '—'} | {', '.join(str(seed) for seed, _, _ in runs)} | {curve} | "
               f"{reach} | {versions} | {spread([f['score'] for f in finals])} | {spread([f.get('repetition') for f in finals])} | "
-              f"{spread([f.get('perplexity_ratio') for f in finals])} |")
+              f"{spread([f.get('perplexity_ratio') for f in finals])} | {spread([f.get('surprise') for f in finals])} |")
     for figure in ("gain", "accepted", "rejected", "wish"):
         if (r := gain_correlation(pooled, figure)) is not None:
             versions = sum(1 for row in pooled if row.get(figure) is not None)
@@ -696,7 +746,9 @@ def headline(result: dict) -> str:
         if run.get("final"):
             final = run["final"]
             parts[-1] += (f", final evaluation of v{final['version']}: {final['score']:.2f}, "
-                          f"repeated words {_places(final['repetition'], 2)} ({final['replies']} replies)")
+                          f"repeated words {_places(final['repetition'], 2)}"
+                          + (f", surprise {final['surprise']:.2f} nats/token" if final.get("surprise") is not None else "")
+                          + f" ({final['replies']} replies)")
     return "first-reply score, first → last quarter of tasks: " + ", ".join(parts)
 
 
@@ -787,12 +839,17 @@ def main() -> None:
     parser.add_argument("--report", nargs="+", metavar="JSON", help="print saved results as a table and exit")
     parser.add_argument("--seeds-report", nargs="+", metavar="JSON",
                         help="print runs of several seeds, grouped by preference and mode, as curves with spread")
+    parser.add_argument("--reread", nargs="+", metavar="JSON",
+                        help="add the surprise figure (bench/reply_surprise.py) to saved SmolLM2 results and exit")
     args = parser.parse_args()
     if args.report:
         report(args.report)
         return
     if args.seeds_report:
         seeds_report(args.seeds_report)
+        return
+    if args.reread:
+        reread(args.reread)
         return
 
     policy = bench_model(model=args.policy, smol=args.smol, peaked=True)

@@ -186,6 +186,22 @@ def test_final_evaluation_samples_the_serving_version_on_fixed_seeds_and_leaves_
     assert [r["task_index"] for r in first["samples"]] == [i for i in range(len(TASKS)) for _ in range(3)]
     assert len({r["first_reply"] for r in first["samples"]}) > len(TASKS), "each seed draws its own reply"
     assert first["score"] == pytest.approx(sum(r["score"] for r in first["samples"]) / len(first["samples"]), abs=5e-4)
+    # the base model's replies against its own: the reference's seeds are the first two of three
+    assert first["surprise_replies"] > 0 and abs(first["surprise"]) < 1.0
+
+
+def test_surprise_reads_replies_against_the_base_models_own_cut_to_their_length():
+    """0 for replies like the base model's own; a short reply is compared with the start of the
+    base model's replies (the least predictable part), so brevity alone is not strangeness."""
+    from bench.reply_surprise import surprise
+
+    own = {"q": [[-4.0, -2.0, -1.0, -1.0], [-5.0, -3.0, -1.0, -1.0]]}
+    assert surprise([("q", [-4.5, -2.5, -1.0, -1.0])], own)["surprise"] == 0.0
+    assert surprise([("q", [-4.5, -2.5])], own)["surprise"] == 0.0, "as short as the start, as likely as it"
+    strange = surprise([("q", [-9.0, -8.0]), ("q", [-7.0, -6.0])], own)
+    assert strange["surprise"] == pytest.approx(4.0) and strange["surprise_replies"] == 2
+    assert strange["surprise_stderr"] == pytest.approx(1.0)
+    assert surprise([("q", []), ("other", [-1.0])], own)["surprise"] is None, "empty replies and unknown tasks left out"
 
 
 def test_personalization_with_explicit_feedback_trains_past_a_judge_that_cannot_judge(tiny_model_dir):
