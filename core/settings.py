@@ -508,6 +508,12 @@ class LearnerSettings(BaseSettings):
             first token (an empty reply) may exceed the base model's. SmolLM2's is under 0.001% on
             everyday questions; a length wish taught over four updates served 6% empty replies
             (12 of 192) before this check. 0.02: one reply in fifty more than the base model.
+        gate_max_surprise: the most a version's replies to recent prompts may read worse to the
+            base model than its own replies (mean log-probability per token, each reply against
+            the base model's replies to the same prompt cut to its length; learner/gate.py
+            `surprise`); 0 = off. What the other checks miss: a length wish met at 0.86 on three
+            seeds with replies such as "Ladle." and "SmolMLO." to everyday questions (sampled
+            replies 2.0-2.3 nats/token worse than the base model's own, BENCHMARKS.md).
         gate_replies: the replies whose repetition the gate measures. `greedy`: one greedy
             reply per prompt. `sampled`: two replies per prompt sampled at temperature 1 (the
             OpenAI API's default, what most clients are served), each prompt's with the same
@@ -613,6 +619,9 @@ class LearnerSettings(BaseSettings):
     )
     gate_max_empty_rise: float = Field(
         0.02, ge=0, description="Gate: most the chance of an empty reply (a stop token first) may exceed the base model's."
+    )
+    gate_max_surprise: float = Field(
+        0.0, ge=0, description="Gate: most nats/token the replies may read worse to the base model than its own; 0 = off."
     )
     gate_replies: Literal["greedy", "sampled"] = Field(
         "greedy", description="Gate: repetition of greedy replies, or of replies sampled at temperature 1 (common seeds)."

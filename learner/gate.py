@@ -35,6 +35,14 @@ is scored on recent samples of its scope that it did not train on:
   (BENCHMARKS.md), while the base model's chance on the shipped everyday questions is under 0.001%.
   As with repetition, a version no emptier than the one serving is not refused for it.
 
+* **surprise** (NEXTSTATE_GATE_MAX_SURPRISE, off at 0): the base model reads the replies to
+  those prompts and they may not be more than the limit less likely, per token, than its own
+  replies to the same prompts (cut to the same length). Repetition, empty replies and the probe's
+  perplexity all passed versions that met a length wish with nonsense ("Ladle.", "SmolMLO."),
+  and an opening word on a seed whose first updates saw only rejections garbled its replies the
+  same way ("ALL SOLITES"). As with repetition, a version no stranger than the one serving is
+  not refused for it.
+
 A version that fails is tried again at half its step (`gate_backtracks` times, as a line search
 backtracks): an update in a good direction that went too far keeps part of what it learned
 instead of none, and the held-back samples are not wasted whole. One that still fails is
@@ -92,6 +100,7 @@ class GateFigures:
     repetition: float | None  # mean share of repeated trigrams in greedy replies
     version: VersionFigures | None = None  # gain, kl and forgetting on the scope's held-out turns (learner/held_out.py)
     empty: float | None = None  # mean chance that a reply ends at its first token
+    surprise: float | None = None  # how much worse the base model reads the replies than its own (nats/token)
 
 
 @dataclass
@@ -128,6 +137,19 @@ def repetition(token_ids: list[int]) -> float | None:
     return 1 - len(set(trigrams)) / len(trigrams)
 
 
+def surprise(read: list[float], own: list[list[float]]) -> float | None:
+    """How much less likely the base model finds a reply (`read`: its log-probability of each
+    token) than its own replies to the same prompt (`own`), each cut to the reply's length, in
+    nats per token; None for an empty reply. Cut, because a reply's first tokens are the least
+    predictable (SmolLM2's own replies read -4.5 nats at their first token, -2.8 over sixteen):
+    a short reply is compared with the start of the base model's, so brevity is not strangeness."""
+    own = [o for o in own if o]
+    if not read or not own:
+        return None
+    expected = sum(sum(o[:len(read)]) / len(o[:len(read)]) for o in own) / len(own)
+    return expected - sum(read) / len(read)
+
+
 def gate_prompts(candidates: list[list[int]]) -> list[list[int]]:
     """The first GATE_PROMPTS distinct non-empty prompts, each its last GATE_PROMPT_TOKENS (a
     greedy reply to the same prompt twice tells nothing new)."""
@@ -161,6 +183,7 @@ def verdict_from_figures(
     max_likelihood_drop: float, max_repetition_rise: float, held_out: int, prompts: int,
     max_gain_drop: float | None = None, max_forgetting: float | None = None,
     base_empty: float | None = None, max_empty_rise: float | None = None, max_wish_drop: float | None = None,
+    max_surprise: float | None = None,
 ) -> GateVerdict:
     """`max_wish_drop` (None: the gain decides) lets the wish say whether the version is worse
     for its user, where both versions were scored on MIN_GAIN_TURNS hinted held-out turns."""
@@ -195,6 +218,9 @@ def verdict_from_figures(
     if rose_past(candidate.empty, serving.empty, base_empty, max_empty_rise):
         reasons.append(f"replies end before they begin: {candidate.empty:.1%} of replies to recent prompts would be "
                        f"empty against the base model's {base_empty:.1%} (limit +{max_empty_rise:.0%})")
+    if rose_past(candidate.surprise, serving.surprise, 0.0, max_surprise):
+        reasons.append(f"replies read as nonsense to the base model: {candidate.surprise:.2f} nats/token less likely than "
+                       f"its own replies to the same prompts (limit {max_surprise:g})")
     return GateVerdict(not reasons, reasons, serving, candidate, base_repetition, held_out, prompts, base_empty=base_empty)
 
 
@@ -272,6 +298,7 @@ class PublishGate:
             max_gain_drop=s.gate_max_gain_drop, max_forgetting=s.gate_max_forgetting,
             base_empty=base_empty, max_empty_rise=s.gate_max_empty_rise,
             max_wish_drop=s.gate_max_wish_drop if s.gate_user_figure == "wish" else None,
+            max_surprise=s.gate_max_surprise or None,
         )
         verdict.seconds = round(time.monotonic() - started, 2)
         return verdict

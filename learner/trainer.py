@@ -31,7 +31,7 @@ from transformers import LogitsProcessorList
 from nextstate.core.settings import LearnerSettings
 from nextstate.core.types import Sample
 from nextstate.learner.distillation import shifted_target, teacher_topk, topk_reverse_kl, with_tail
-from nextstate.learner.gate import GATE_SAMPLED_REPLIES, GateFigures, Replies, mean, repetition
+from nextstate.learner.gate import GATE_SAMPLED_REPLIES, GateFigures, Replies, mean, repetition, surprise
 from nextstate.learner.learning_rate import resolve_learning_rate
 from nextstate.learner.held_out import HintMove, VersionFigures, figures as held_out_figures, probe_sentences, shipped_lines
 from nextstate.learner.host_memory import release_freed_memory
@@ -530,9 +530,16 @@ class LoraTrainer:
             per_token = [float(lp.mean()) for lp in self._logprobs_each(liked)] if liked else []
         if self._at_base(scope):  # the base model's replies, answered once for the gate's base side too
             repeats, empty = self.base_figures(prompts, max_new)
-            return GateFigures(mean(per_token), repeats, empty=empty)
+            return GateFigures(mean(per_token), repeats, empty=empty,
+                               surprise=0.0 if self.settings.gate_max_surprise and prompts else None)
         replies = self.gate_replies(prompts, max_new)
-        return GateFigures(mean(per_token), mean([repetition(r) for r in replies.ids]), empty=mean(replies.empty))
+        figures = GateFigures(mean(per_token), mean([repetition(r) for r in replies.ids]), empty=mean(replies.empty))
+        if self.settings.gate_max_surprise and prompts:
+            own = self.base_own_readings(prompts, max_new)
+            per_prompt = len(replies.ids) // len(prompts)
+            read = self.base_readings([p for p in prompts for _ in range(per_prompt)], replies.ids)
+            figures.surprise = mean([surprise(r, own[i // per_prompt]) for i, r in enumerate(read)])
+        return figures
 
     def gate_replies(self, prompts: list[list[int]], max_new: int) -> Replies:
         """The active weights' replies whose repetition the gate measures (`gate_replies`)."""
@@ -615,23 +622,53 @@ class LoraTrainer:
             self._renderer = ChatRenderer.from_dir(self.model_dir)
         return self._renderer
 
+    def base_readings(self, prompts: list[list[int]], replies: list[list[int]]) -> list[list[float]]:
+        """The base model's log-probability of each token of each reply given its prompt (a
+        trailing stop token left out: ending is what a length wish asks for), packed into
+        forward passes as training is (the gate's `surprise`)."""
+        stops = set(self._stop_ids(self.model))
+        bodies = [r[:-1] if r and r[-1] in stops else r for r in replies]
+        rows = [p[-self.settings.max_train_tokens:] + b for p, b in zip(prompts, bodies)]
+        todo = [i for i, b in enumerate(bodies) if b]
+        out: list[list[float]] = [[] for _ in replies]
+        with torch.no_grad(), self.model.disable_adapter():
+            for group in micro_batches([len(rows[i]) - 1 for i in todo], self._pass_tokens):
+                members = [todo[j] for j in group]
+
+                def at(logits: torch.Tensor, k: int, part: slice) -> torch.Tensor:
+                    return token_logprobs(logits, torch.tensor(bodies[members[k]], device=self.device)[part], 1.0)
+
+                for i, pieces in zip(members, self._over_responses([rows[i][:-1] for i in members],
+                                                                   [len(bodies[i]) for i in members], at)):
+                    out[i] = torch.cat(pieces).tolist()
+        return out
+
+    def base_own_readings(self, prompts: list[list[int]], max_new: int) -> list[list[list[float]]]:
+        """Per prompt, the base model's readings of its own gate replies (`base_figures` answers
+        and keeps them): what a version's replies are compared with."""
+        self.base_figures(prompts, max_new)
+        return [self._base_replies[key][2] for key in self._base_reply_keys(prompts, max_new)]
+
+    def _base_reply_keys(self, prompts: list[list[int]], max_new: int) -> list[tuple]:
+        how = self.settings.gate_replies
+        return [(hash(tuple(p)), len(p), max_new, how) for p in prompts]  # a digest: prompts run to thousands of tokens
+
     def base_figures(self, prompts: list[list[int]], max_new: int) -> tuple[float | None, float | None]:
         """The base model's repetition and chance of an empty reply on these prompts, on the
         replies `gate_replies` names; the base never changes, so each prompt is answered once (on
         a CPU a reply of SmolLM2 costs seconds)."""
         how = self.settings.gate_replies
-        keys = [(hash(tuple(p)), len(p), max_new, how) for p in prompts]  # a digest: prompts run to thousands of tokens
+        keys = self._base_reply_keys(prompts, max_new)
         missing = [(k, p) for k, p in zip(keys, prompts) if k not in self._base_replies]
         if missing:
+            n = 1 if how == "greedy" else GATE_SAMPLED_REPLIES  # a prompt's sampled replies count one each in the mean
             with self.model.disable_adapter():
-                if how == "greedy":
-                    answer = self.greedy([p for _, p in missing], max_new)
-                    per_prompt = [([repetition(ids)], empty) for ids, empty in zip(answer.ids, answer.empty)]
-                else:  # a prompt's sampled replies count one each in the mean, as the candidate's do
-                    n = GATE_SAMPLED_REPLIES
-                    answer = self.sampled([p for _, p in missing], max_new, n)
-                    per_prompt = [([repetition(r) for r in answer.ids[j * n:(j + 1) * n]], empty)
-                                  for j, empty in enumerate(answer.empty)]
+                answer = (self.greedy([p for _, p in missing], max_new) if how == "greedy"
+                          else self.sampled([p for _, p in missing], max_new, n))
+            read = (self.base_readings([p for _, p in missing for _ in range(n)], answer.ids)
+                    if self.settings.gate_max_surprise else [[] for _ in answer.ids])
+            per_prompt = [([repetition(r) for r in answer.ids[j * n:(j + 1) * n]], empty, read[j * n:(j + 1) * n])
+                          for j, empty in enumerate(answer.empty)]
             self._base_replies.update((key, figures) for (key, _), figures in zip(missing, per_prompt))
         repeats = mean([v for k in keys for v in self._base_replies[k][0]])
         empty = mean([self._base_replies[k][1] for k in keys])

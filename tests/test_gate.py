@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from nextstate.learner.gate import GATE_NEW_TOKENS, GateFigures, repetition, verdict_from_figures
+from nextstate.learner.gate import GATE_NEW_TOKENS, GateFigures, repetition, surprise, verdict_from_figures
 from nextstate.learner.held_out import VersionFigures
 from tests.test_learner import feed, learning_server, served_samples, wait_for
 
@@ -48,6 +48,34 @@ def test_a_version_that_would_serve_empty_replies_does_not_pass():
     assert sliding.base_empty == 0.0
     assert verdict(0.08, 0.06).passed, "no emptier than the serving version"
     assert verdict(0.0, 0.5, base=None).passed and verdict(0.0, None).passed, "unmeasured: nothing to compare"
+
+
+def test_surprise_compares_a_reply_with_the_base_models_own_cut_to_its_length():
+    own = [[-4.0, -2.0, -1.0, -1.0], [-5.0, -3.0, -1.0, -1.0]]
+    assert surprise([-4.5, -2.5, -1.0, -1.0], own) == 0.0, "as likely as the base model's own"
+    assert surprise([-4.5, -2.5], own) == 0.0, "a short reply against the start of the base model's: brevity is not strange"
+    assert surprise([-9.0, -8.0], own) == pytest.approx(5.0)
+    assert surprise([], own) is None and surprise([-1.0], [[]]) is None
+
+
+def test_a_version_whose_replies_read_as_nonsense_to_the_base_model_does_not_pass():
+    """NEXTSTATE_GATE_MAX_SURPRISE: anchored at the base model (0), and a version no stranger
+    than the one serving is not held back for it; off by default."""
+    def verdict(serving: float | None, candidate: float | None, limit: float | None = 1.0):
+        return verdict_from_figures(GateFigures(None, None, surprise=serving), GateFigures(None, None, surprise=candidate),
+                                    None, max_likelihood_drop=0.1, max_repetition_rise=0.05, held_out=0, prompts=8,
+                                    max_surprise=limit)
+
+    assert verdict(0.0, 0.6).passed
+    strange = verdict(0.2, 2.1)
+    assert not strange.passed and strange.reasons == [
+        "replies read as nonsense to the base model: 2.10 nats/token less likely than its own replies to the same "
+        "prompts (limit 1)"]
+    assert verdict(2.5, 2.1).passed, "no stranger than the serving version"
+    assert verdict(0.0, 2.1, limit=None).passed and verdict(0.0, None).passed, "off, or unmeasured"
+    from nextstate.core.settings import LearnerSettings
+
+    assert LearnerSettings().gate_max_surprise == 0.0
 
 
 def test_worse_for_its_user_is_a_drop_past_the_limit_and_past_its_noise():

@@ -728,6 +728,33 @@ def test_the_gates_sampled_replies_share_their_random_draws_between_candidate_an
     assert figures.empty == pytest.approx(empty, abs=1e-6), "a fresh adapter is still the base model"
 
 
+def test_the_gates_surprise_reads_replies_with_the_base_model(tiny_model_dir):
+    """NEXTSTATE_GATE_MAX_SURPRISE: the base model's reading of a reply is its log-probability
+    of each token (the trailing stop left out), the same packed or one at a time; a fresh adapter
+    is the base model (surprise 0) and a trained one reads as stranger."""
+    trainer = LoraTrainer(tiny_model_dir, LearnerSettings(lr=5e-2, lora_r=4, lora_alpha=8, max_kl=1e9, gate_max_surprise=1.0))
+    trainer.ensure_scope("alice")
+    prompts = [PROMPT[:8], PROMPT, PROMPT[3:20]]
+    stop = trainer._stop_ids(trainer.model)[0]
+    replies = [[7, 8, 9, stop], [10, 11], [12]]
+    read = trainer.base_readings(prompts, replies)
+    assert [len(r) for r in read] == [3, 2, 1]
+    with torch.no_grad():
+        logits = trainer._base(input_ids=torch.tensor([prompts[0] + [7, 8, 9]])).logits[0].float()
+    expected = torch.log_softmax(logits[len(prompts[0]) - 1:-1], -1).gather(1, torch.tensor([[7], [8], [9]]))[:, 0]
+    assert read[0] == pytest.approx(expected.tolist(), abs=1e-4)
+    assert trainer.base_readings([prompts[1]], [replies[1]])[0] == pytest.approx(read[1], abs=1e-5)
+    assert trainer.gate_figures("alice", [], prompts, 12).surprise == pytest.approx(0.0, abs=1e-4)
+    from types import SimpleNamespace
+
+    reply = trainer.greedy([PROMPT], 8).ids[0]
+    old = trainer.base_readings([PROMPT], [reply])[0]
+    tokens = [SimpleNamespace(token_id=t, logprob=lp) for t, lp in zip(reply, old)]
+    assert trainer.step("alice", [make_sample(tokens, advantage=-1.0) for _ in range(4)]).skipped is None
+    trained = trainer.gate_figures("alice", [], prompts, 12)
+    assert trained.surprise is not None and trained.surprise != pytest.approx(0.0, abs=1e-3)
+
+
 # ---------------------------------------------------------------------------- memory budget
 
 
