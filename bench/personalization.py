@@ -463,7 +463,7 @@ def reference_readings(server, max_tokens: int, temperature: float) -> dict[str,
 def replies_surprise(server, replies: list[dict], reference: dict[str, list[list[float]]]) -> dict:
     """How strange the final evaluation's replies read to the base model (bench/reply_surprise.py)."""
     return surprise([(TASKS[r["task_index"]], reading(server, TASKS[r["task_index"]], r["first_reply"]))
-                     for r in replies], reference)
+                     for r in replies], reference, [r["score"] for r in replies])
 
 
 def reread(paths: list[str]) -> None:

@@ -19,8 +19,15 @@ from __future__ import annotations
 
 import statistics
 
+from nextstate.learner.gate import surprise as gate_surprise
+
 # Base-model replies per question that are the reference (the final evaluation's first seeds).
 REFERENCE_REPLIES = 2
+# A reply that fits the wish counts as sensible only if it reads at most this much worse than
+# the base model's own (nats per token). Over the 96-task runs' replies (2026-11-27): one of the
+# base model's own replies in ten reads worse than this, 4-6% of the opening word's fluent runs,
+# 25-60% of the length wish's runs at 0.86.
+SENSIBLE_SURPRISE = 2.0
 
 
 def reading(server, task: str, reply: str) -> list[float]:
@@ -33,21 +40,26 @@ def reading(server, task: str, reply: str) -> list[float]:
     return server.call(turns.engine.score(prompt + ids, len(prompt), adapter=None), timeout=600)
 
 
-def surprise(replies: list[tuple[str, list[float]]], reference: dict[str, list[list[float]]]) -> dict:
-    """Mean surprise of `replies` ((question, base reading) pairs) over the base model's own
-    replies to each question (`reference`: their readings), each reference cut to the reply's
-    length; with its standard error over replies. Empty replies are left out (the bench counts
-    them apart)."""
-    per_reply = []
-    for task, read in replies:
-        own = [r for r in reference.get(task, []) if r]
-        if not read or not own:
-            continue
-        expected = statistics.fmean(statistics.fmean(r[:len(read)]) for r in own)
-        per_reply.append(expected - statistics.fmean(read))
-    if not per_reply:
-        return {"surprise": None, "surprise_stderr": None, "surprise_replies": 0}
-    error = statistics.stdev(per_reply) / len(per_reply) ** 0.5 if len(per_reply) > 1 else None
-    return {"surprise": round(statistics.fmean(per_reply), 3),
-            "surprise_stderr": None if error is None else round(error, 3),
-            "surprise_replies": len(per_reply)}
+def per_reply(replies: list[tuple[str, list[float]]], reference: dict[str, list[list[float]]]) -> list[float | None]:
+    """Each reply's surprise ((question, base reading) pairs) over the base model's own replies
+    to its question (`reference`: their readings), each reference cut to the reply's length;
+    None for an empty reply or an unknown question (the bench counts empty replies apart)."""
+    return [gate_surprise(read, reference.get(task, [])) for task, read in replies]
+
+
+def surprise(replies: list[tuple[str, list[float]]], reference: dict[str, list[list[float]]],
+             scores: list[float] | None = None) -> dict:
+    """The mean surprise of `replies` with its standard error over replies; with the wish's
+    `scores` of the same replies, also `score_sensible`: the share that fit the wish and read no
+    stranger than SENSIBLE_SURPRISE (an empty reply is not sensible)."""
+    each = per_reply(replies, reference)
+    present = [x for x in each if x is not None]
+    figures: dict = {"surprise": None, "surprise_stderr": None, "surprise_replies": len(present)}
+    if present:
+        figures["surprise"] = round(statistics.fmean(present), 3)
+        if len(present) > 1:
+            figures["surprise_stderr"] = round(statistics.stdev(present) / len(present) ** 0.5, 3)
+    if scores is not None and each:
+        figures["score_sensible"] = round(statistics.fmean(
+            score if x is not None and x <= SENSIBLE_SURPRISE else 0.0 for score, x in zip(scores, each)), 3)
+    return figures

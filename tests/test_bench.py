@@ -202,6 +202,9 @@ def test_surprise_reads_replies_against_the_base_models_own_cut_to_their_length(
     assert strange["surprise"] == pytest.approx(4.0) and strange["surprise_replies"] == 2
     assert strange["surprise_stderr"] == pytest.approx(1.0)
     assert surprise([("q", []), ("other", [-1.0])], own)["surprise"] is None, "empty replies and unknown tasks left out"
+    # the wish met with nonsense does not count as sensible; an empty reply neither
+    mixed = surprise([("q", [-4.5, -2.5]), ("q", [-9.0, -8.0]), ("q", [])], own, scores=[1.0, 1.0, 1.0])
+    assert mixed["score_sensible"] == pytest.approx(1 / 3, abs=1e-3) and mixed["surprise_replies"] == 2
 
 
 def test_personalization_with_explicit_feedback_trains_past_a_judge_that_cannot_judge(tiny_model_dir):
