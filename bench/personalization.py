@@ -621,8 +621,8 @@ def seeds_report(paths: list[str]) -> None:
 
     print("| preference | mode | setting | seeds | success per window of 16 tasks (mean ± sd over seeds) | updates to 0.8 "
           "(per seed) | final version | final score | repeated words, final | perplexity, final / base "
-          "| surprise to the base model, final (nats/token) |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+          "| surprise to the base model, final (nats/token) | final score, sensible replies only |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     def by_window(run: dict) -> list[float]:  # from the tasks: older result files have no summary of it
         scores = [t["score"] for t in run["tasks"]]
         return [statistics.fmean(scores[i:i + WINDOW]) for i in range(0, len(scores), WINDOW)]
@@ -639,7 +639,8 @@ def seeds_report(paths: list[str]) -> None:
         versions = ", ".join(f"v{f['version']}" for f in finals)
         print(f"| {instruction} | {mode} | {setting or '—'} | {', '.join(str(seed) for seed, _, _ in runs)} | {curve} | "
               f"{reach} | {versions} | {spread([f['score'] for f in finals])} | {spread([f.get('repetition') for f in finals])} | "
-              f"{spread([f.get('perplexity_ratio') for f in finals])} | {spread([f.get('surprise') for f in finals])} |")
+              f"{spread([f.get('perplexity_ratio') for f in finals])} | {spread([f.get('surprise') for f in finals])} | "
+              f"{spread([f.get('score_sensible') for f in finals])} |")
     for figure in ("gain", "accepted", "rejected", "wish"):
         if (r := gain_correlation(pooled, figure)) is not None:
             versions = sum(1 for row in pooled if row.get(figure) is not None)
