@@ -10,7 +10,7 @@ The figure here is the base model's mean log-probability per token of each reply
 question, against that of the base model's own replies to the same question (sampled on the
 same seeds), cut to the same length: **surprise**, in nats per token, 0 for replies like the
 base model's own. Length-matched because a reply's first tokens are the least predictable (the
-base model's own replies read −4.5 nats at their first token, −2.8 over 16): a wish for short
+base model's own replies read about −4.5 nats at their first token, −2.8 over 16): a wish for short
 replies must not read as strangeness by itself. The stop token is left out, so a reply ending
 early is not counted against it either — the wish asks for that.
 """
