@@ -513,7 +513,9 @@ class LearnerSettings(BaseSettings):
             the base model's replies to the same prompt cut to its length; learner/gate.py
             `surprise`); 0 = off. What the other checks miss: a length wish met at 0.86 on three
             seeds with replies such as "Ladle." and "SmolMLO." to everyday questions (sampled
-            replies 2.0-2.3 nats/token worse than the base model's own, BENCHMARKS.md).
+            replies 2.0-2.4 nats/token worse than the base model's own, BENCHMARKS.md). It reads
+            the replies `gate_replies` names; greedy ones stayed sensible while sampled ones did
+            not, and on sampled ones it held back a few versions without making replies answers.
         gate_replies: the replies whose repetition the gate measures. `greedy`: one greedy
             reply per prompt. `sampled`: two replies per prompt sampled at temperature 1 (the
             OpenAI API's default, what most clients are served), each prompt's with the same
