@@ -40,19 +40,14 @@ def reading(server, task: str, reply: str) -> list[float]:
     return server.call(turns.engine.score(prompt + ids, len(prompt), adapter=None), timeout=600)
 
 
-def per_reply(replies: list[tuple[str, list[float]]], reference: dict[str, list[list[float]]]) -> list[float | None]:
-    """Each reply's surprise ((question, base reading) pairs) over the base model's own replies
-    to its question (`reference`: their readings), each reference cut to the reply's length;
-    None for an empty reply or an unknown question (the bench counts empty replies apart)."""
-    return [gate_surprise(read, reference.get(task, [])) for task, read in replies]
-
-
 def surprise(replies: list[tuple[str, list[float]]], reference: dict[str, list[list[float]]],
              scores: list[float] | None = None) -> dict:
-    """The mean surprise of `replies` with its standard error over replies; with the wish's
+    """The mean surprise of `replies` ((question, base reading) pairs) over the base model's own
+    replies to each question (`reference`: their readings, learner/gate.py `surprise`), with its
+    standard error over replies; an empty reply or an unknown question has none. With the wish's
     `scores` of the same replies, also `score_sensible`: the share that fit the wish and read no
     stranger than SENSIBLE_SURPRISE (an empty reply is not sensible)."""
-    each = per_reply(replies, reference)
+    each = [gate_surprise(read, reference.get(task, [])) for task, read in replies]
     present = [x for x in each if x is not None]
     figures: dict = {"surprise": None, "surprise_stderr": None, "surprise_replies": len(present)}
     if present:
