@@ -74,11 +74,12 @@ from pathlib import Path
 from openai import OpenAI
 
 from bench.models import bench_model, bench_server
-from bench.reply_surprise import REFERENCE_REPLIES, reading, surprise
+from bench.reply_surprise import REFERENCE_REPLIES, SENSIBLE_SURPRISE, reading, surprise
 from bench.report import pyplot, render, save
 from nextstate.core.settings import JudgeSettings, LearnerSettings
 from nextstate.engine.base import SamplingParams
 from nextstate.learner.gate import GATE_PROMPTS
+from nextstate.learner.gate import surprise as gate_surprise
 from tests.judge_server import ScriptedJudge
 
 MODES = ("none", "binary", "opd", "combined")
@@ -109,6 +110,7 @@ TASKS = [
     "Write a reminder to call my mother.",
 ]
 THANKS = "Thanks, that's exactly how I like it."
+NOT_AN_ANSWER = "No, that doesn't answer my question."
 
 
 @dataclass
@@ -221,6 +223,17 @@ class ModelUser:
         return text.lower().startswith("thank"), text
 
 
+def react(user, task: str, reply: str, strangeness: float | None, wants_answers: bool) -> tuple[bool, str]:
+    """The simulated user's reaction to `reply`. With `wants_answers` (--sensible-user), a reply
+    the base model reads as nonsense (`strangeness`: its surprise, bench/reply_surprise.py, over
+    SENSIBLE_SURPRISE, or an empty reply) is turned down whatever the wish says: a person who
+    asks for short replies still wants an answer, and a rule user that thanks "Ladle." for a
+    bakery name teaches the learner that nonsense is welcome (the length wish's 0.86, 2026-11-27)."""
+    if wants_answers and (strangeness is None or strangeness > SENSIBLE_SURPRISE):
+        return False, f"{NOT_AN_ANSWER} {user.preference.instruction} Please try again: {task}"
+    return user.react(task, reply)
+
+
 class RuleScorer:
     def __init__(self, preference: Preference) -> None:
         self.preference = preference
@@ -262,6 +275,7 @@ class TaskRecord:
     first_reply: str
     attempts: int  # replies until one fitted (0 = none did)
     seconds: float
+    surprise: float | None = None  # the first reply's, to the base model (bench/reply_surprise.py); None if empty
 
 
 @dataclass
@@ -350,11 +364,13 @@ def run_mode(mode: str, policy: Path, tasks: list[str], args, judge: dict, user,
     ) as server:
         client = OpenAI(base_url=server.base_url, api_key=server.key("simulated-user"), max_retries=0, timeout=600)
         base_prose = held_out_nll(server, None)
+        reference = reference_readings(server, args.max_tokens, args.temperature)
+        wants_answers = getattr(args, "sensible_user", False)
         run.prose_forgetting[0] = 0.0
         for i, task in enumerate(tasks):
             started = time.perf_counter()
             messages = [{"role": "user", "content": task}]
-            version, first, attempts = None, None, 0
+            version, first, first_surprise, attempts = None, None, None, 0
             for attempt in range(1, args.max_attempts + 1):
                 raw = client.chat.completions.with_raw_response.create(
                     model="policy", messages=messages, max_tokens=args.max_tokens, temperature=args.temperature,
@@ -362,9 +378,10 @@ def run_mode(mode: str, policy: Path, tasks: list[str], args, judge: dict, user,
                 )
                 completion = raw.parse()
                 reply = completion.choices[0].message.content or ""
+                strangeness = gate_surprise(reading(server, task, reply), reference.get(task, []))
                 if first is None:
-                    first, version = reply, int(raw.headers["x-policy-version"])
-                fitted, reaction = user.react(task, reply)
+                    first, version, first_surprise = reply, int(raw.headers["x-policy-version"]), strangeness
+                fitted, reaction = react(user, task, reply, strangeness, wants_answers)
                 if args.feedback:  # the user also rates the reply itself, as README's POST /v1/feedback
                     client.post("/feedback", cast_to=object, body={
                         "response_id": completion.id, "rating": 1 if fitted else -1,
@@ -377,7 +394,8 @@ def run_mode(mode: str, policy: Path, tasks: list[str], args, judge: dict, user,
                     # The reaction is the last reply's next state; sending it is what lets that reply be judged.
                     client.chat.completions.create(model="policy", messages=messages, max_tokens=1, seed=i)
                     break
-            record = TaskRecord(i, version, scorer.score(task, first), first, attempts, round(time.perf_counter() - started, 3))
+            record = TaskRecord(i, version, scorer.score(task, first), first, attempts,
+                                round(time.perf_counter() - started, 3), first_surprise)
             run.tasks.append(record)
             if (i + 1) % 10 == 0 or i + 1 == len(tasks):
                 recent = [t.score for t in run.tasks[-16:]]
@@ -396,7 +414,7 @@ def run_mode(mode: str, policy: Path, tasks: list[str], args, judge: dict, user,
                      for s in server.app.state.services.learner.steps] if learning else []
         run.calibration = server.app.state.services.judge.calibration.to_dict() if learning else None
         if args.final_samples:
-            run.final = final_evaluation(server, "simulated-user", args, scorer, base_prose)
+            run.final = final_evaluation(server, "simulated-user", args, scorer, base_prose, reference)
             print(f"{mode:>8}: final evaluation of v{run.final['version']}: score {run.final['score']:.3f} "
                   f"(± {run.final['score_stderr']}), repeated words {run.final['repetition']} over "
                   f"{run.final['replies']} sampled replies", flush=True)
@@ -495,10 +513,14 @@ def standard_error(values: list[float | None]) -> float | None:
     return round(statistics.stdev(present) / len(present) ** 0.5, 4) if len(present) > 1 else None
 
 
-def final_evaluation(server, user: str, args, scorer, base_prose: list[tuple[float, int]]) -> dict:
+def final_evaluation(server, user: str, args, scorer, base_prose: list[tuple[float, int]],
+                     reference: dict[str, list[list[float]]] | None = None) -> dict:
     """`args.final_samples` replies to each of the TASKS from the version serving `user` now,
-    scored and measured as the runs' first replies are. The learner must be stopped first: a
-    version it published meanwhile would unload the one being evaluated."""
+    scored and measured as the runs' first replies are (`reference`: reference_readings(), read
+    here when not given). The learner must be stopped first: a version it published meanwhile
+    would unload the one being evaluated."""
+    if reference is None:
+        reference = reference_readings(server, args.max_tokens, args.temperature)
     turns = server.app.state.services.turns
     policy = turns.policies.current(user)
     replies = []
@@ -511,7 +533,7 @@ def final_evaluation(server, user: str, args, scorer, base_prose: list[tuple[flo
     return {
         "version": policy.version,
         **perplexity_figures(held_out_nll(server, policy.adapter), base_prose),
-        **replies_surprise(server, replies, reference_readings(server, args.max_tokens, args.temperature)),
+        **replies_surprise(server, replies, reference),
         "replies": len(replies),
         "score": round(statistics.fmean(scores), 3),
         "score_stderr": standard_error(scores),
@@ -559,6 +581,18 @@ def perplexity_figures(version: list[tuple[float, int]], base: list[tuple[float,
         "perplexity_ratio": round(ratio, 4),
         "perplexity_ratio_stderr": round(ratio * statistics.stdev(per_passage) / math.sqrt(len(per_passage)), 4),
     }
+
+
+def sensible_scores(tasks: list[dict]) -> list[float] | None:
+    """Each first reply's score, counted only where it reads no stranger than SENSIBLE_SURPRISE
+    to the base model (None for runs saved before the tasks carried their surprise)."""
+    if not tasks or "surprise" not in tasks[0]:
+        return None
+    return [t["score"] if t["surprise"] is not None and t["surprise"] <= SENSIBLE_SURPRISE else 0.0 for t in tasks]
+
+
+def by_window(scores: list[float]) -> list[float]:
+    return [round(statistics.fmean(scores[i:i + WINDOW]), 3) for i in range(0, len(scores), WINDOW)]
 
 
 def updates_to_reach(tasks: list[dict], target: float = 0.8, window: int = 16) -> int | None:
@@ -619,25 +653,29 @@ def seeds_report(paths: list[str]) -> None:
         sd = statistics.stdev(values) if len(values) > 1 else 0.0
         return f"{statistics.fmean(values):.2f} ± {sd:.2f}"
 
-    print("| preference | mode | setting | seeds | success per window of 16 tasks (mean ± sd over seeds) | updates to 0.8 "
+    def curve_of(curves: list[list[float]]) -> str:
+        curves = [c for c in curves if c]
+        return " · ".join(spread([c[i] for c in curves if i < len(c)]) for i in range(max(map(len, curves)))) \
+            if curves else "—"
+
+    print("| preference | mode | setting | seeds | success per window of 16 tasks (mean ± sd over seeds) "
+          "| the same, sensible replies only | updates to 0.8 "
           "(per seed) | final version | final score | repeated words, final | perplexity, final / base "
           "| surprise to the base model, final (nats/token) | final score, sensible replies only |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
-    def by_window(run: dict) -> list[float]:  # from the tasks: older result files have no summary of it
-        scores = [t["score"] for t in run["tasks"]]
-        return [statistics.fmean(scores[i:i + WINDOW]) for i in range(0, len(scores), WINDOW)]
-
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     pooled: list[dict] = []
     for (instruction, mode, setting), runs in groups.items():
         for _, run, _ in runs:
             pooled += figures_against_success(run["tasks"], run.get("steps", []), run.get("prose_forgetting"))
-        curves = [by_window(run) for _, run, _ in runs]
-        curve = " · ".join(spread([c[i] for c in curves if i < len(c)]) for i in range(max(map(len, curves))))
+        # from the tasks: older result files have no summary of either
+        curve = curve_of([by_window([t["score"] for t in run["tasks"]]) for _, run, _ in runs])
+        sensible = curve_of([by_window(scores) for _, run, _ in runs if (scores := sensible_scores(run["tasks"]))])
         finals = [s["final"] for _, _, s in runs if s.get("final")]
         reached = [updates_to_reach(run["tasks"]) for _, run, _ in runs]
         reach = ", ".join("never" if r is None else str(r) for r in reached)
         versions = ", ".join(f"v{f['version']}" for f in finals)
-        print(f"| {instruction} | {mode} | {setting or '—'} | {', '.join(str(seed) for seed, _, _ in runs)} | {curve} | "
+        print(f"| {instruction} | {mode} | {setting or '—'} | {', '.join(str(seed) for seed, _, _ in runs)} | {curve} "
+              f"| {sensible} | "
               f"{reach} | {versions} | {spread([f['score'] for f in finals])} | {spread([f.get('repetition') for f in finals])} | "
               f"{spread([f.get('perplexity_ratio') for f in finals])} | {spread([f.get('surprise') for f in finals])} | "
               f"{spread([f.get('score_sensible') for f in finals])} |")
@@ -729,7 +767,8 @@ def summarise(run: ModeRun) -> dict:
         "updates_published": sum(1 for s in run.steps if s.get("published")),
         "updates_skipped": sum(1 for s in run.steps if not s.get("published")),
         "updates_to_0_8": updates_to_reach([asdict(t) for t in run.tasks]),
-        "score_by_window": [round(statistics.fmean(scores[i:i + WINDOW]), 3) for i in range(0, len(scores), WINDOW)],
+        "score_by_window": by_window(scores),
+        "score_sensible_by_window": (sensible := sensible_scores([asdict(t) for t in run.tasks])) and by_window(sensible),
         "score_by_serving_version": {k: {"score": round(statistics.fmean(v), 3), "tasks": len(v)} for k, v in by_version.items()},
         "final": run.final and {k: v for k, v in run.final.items() if k != "samples"},
         "versions": (rows := figures_against_success([asdict(t) for t in run.tasks], run.steps, run.prose_forgetting)),
@@ -798,6 +837,9 @@ def main() -> None:
         f"{k} = {v}" for k, v in KINDS.items()))
     parser.add_argument("--target", type=float, default=0.15, help="marker:auto picks the word with this base probability")
     parser.add_argument("--preference", help="the preference in words (needed with a model user/scorer)")
+    parser.add_argument("--sensible-user", action="store_true",
+                        help="the user also turns down a reply the base model reads as nonsense (surprise over "
+                             f"{SENSIBLE_SURPRISE:g} nats/token, bench/reply_surprise.py): \"{NOT_AN_ANSWER} ...\"")
     parser.add_argument("--max-attempts", type=int, default=2, help="replies per task before the user moves on")
     parser.add_argument("--max-tokens", type=int, default=None)
     parser.add_argument("--temperature", type=float, default=1.0)
@@ -899,7 +941,8 @@ def main() -> None:
         "variant": args.variant,
         "preference": asdict(preference),
         "marker_probability": marker_probability,
-        "user": args.user_url and f"{args.user_model} at {args.user_url}" or "rules",
+        "user": (args.user_url and f"{args.user_model} at {args.user_url}" or "rules") + (
+            f", turning down nonsense (surprise > {SENSIBLE_SURPRISE:g})" if args.sensible_user else ""),
         "judge": args.judge_url and f"{args.judge_model} at {args.judge_url}" or (
             "the default (the served model itself)" if args.feedback or args.served_judge else "rules (PreferenceJudge)"),
         "judge_fallback": args.judge_fallback or JudgeSettings().judge_fallback,
@@ -916,7 +959,7 @@ def main() -> None:
         "scorer": args.scorer_url and f"{args.scorer_model} at {args.scorer_url}" or "rules",
         "settings": {k: getattr(args, k) for k in ("tasks", "seed", "max_attempts", "max_tokens", "temperature", "think_s",
                                                     "batch", "lr", "lora_r", "kl_coef", "votes", "final_samples",
-                                                    "wait_for_learner")},
+                                                    "wait_for_learner", "sensible_user")},
         "summary": [],
         "runs": [],
     }

@@ -9,8 +9,9 @@ import json
 import pytest
 
 from bench.personalization import (
-    INSTRUCTIONS, THANKS, ChatModel, ModelScorer, ModelUser, Preference, PreferenceJudge, RuleScorer, RuleUser,
-    TASKS, final_evaluation, headline, held_out_nll, mean_repetition, report, repetition, run_mode, summarise,
+    INSTRUCTIONS, NOT_AN_ANSWER, THANKS, ChatModel, ModelScorer, ModelUser, Preference, PreferenceJudge, RuleScorer,
+    RuleUser, TASKS, final_evaluation, headline, held_out_nll, mean_repetition, react, report, repetition, run_mode,
+    summarise,
 )
 from bench.models import bench_server
 from bench.report import LOG_HEADING, upsert_row
@@ -151,7 +152,7 @@ def test_personalization_loop_runs_over_http_and_trains(tiny_model_dir):
     args = argparse.Namespace(defaults=False, feedback=False, votes=1, batch=2, lr=5e-3, lora_r=4, kl_coef=0.0, max_attempts=2, max_tokens=4,
                               temperature=1.0, seed=0, think_s=0.3, sglang_url=None, final_samples=1, wait_for_learner=True)
     try:
-        run = run_mode("binary", tiny_model_dir, ["Name a colour."] * 8, args,
+        run = run_mode("binary", tiny_model_dir, [TASKS[0]] * 8, args,
                        {"judge_base_url": judge.base_url, "judge_model": "rules"}, RuleUser(preference), RuleScorer(preference))
     finally:
         judge.stop()
@@ -166,6 +167,9 @@ def test_personalization_loop_runs_over_http_and_trains(tiny_model_dir):
     assert run.final["version"] >= run.tasks[-1].version and run.final["replies"] == len(TASKS)
     # every published version carries its held-out figures; the summary sets them beside its measured success
     assert all(s.get("figures") and s["figures"]["forgetting"] is not None for s in published)
+    # every first reply carries how strange the base model reads it (None only for an empty one)
+    assert all(t.surprise is not None or not t.first_reply.strip() for t in run.tasks)
+    assert len(summarise(run)["score_sensible_by_window"]) == 1
     rows = summarise(run)["versions"]
     assert rows[0]["version"] == 0 and rows[0]["gain"] == 0.0 and all(0 <= r["success"] <= 1 for r in rows)
 
@@ -207,6 +211,19 @@ def test_surprise_reads_replies_against_the_base_models_own_cut_to_their_length(
     assert mixed["score_sensible"] == pytest.approx(1 / 3, abs=1e-3) and mixed["surprise_replies"] == 2
 
 
+def test_the_sensible_user_turns_down_nonsense_whatever_the_wish():
+    """--sensible-user: a reply that fits the wish but reads as nonsense to the base model (or is
+    empty) is turned down, with the wish repeated so the hint still carries it; a sensible one
+    is judged by the wish alone, as without the flag."""
+    user = RuleUser(Preference(INSTRUCTIONS["short"], "short"))
+    assert react(user, "Name a bakery.", "Ladle.", 3.1, wants_answers=False) == (True, THANKS)
+    fitted, said = react(user, "Name a bakery.", "Ladle.", 3.1, wants_answers=True)
+    assert not fitted and said.startswith(NOT_AN_ANSWER) and INSTRUCTIONS["short"] in said and said.endswith("Name a bakery.")
+    assert not react(user, "Name a bakery.", "", None, wants_answers=True)[0]
+    assert react(user, "Name a bakery.", "Sweet Crumbs.", 0.4, wants_answers=True) == (True, THANKS)
+    assert not react(user, "Name a bakery.", " ".join(["word"] * 20), 0.4, wants_answers=True)[0], "the wish still counts"
+
+
 def test_personalization_with_explicit_feedback_trains_past_a_judge_that_cannot_judge(tiny_model_dir):
     """--feedback: the user rates every reply; the default judge (the served tiny model) fails
     its calibration, so what trains is the ratings alone."""
@@ -245,7 +262,8 @@ def test_the_seeds_report_groups_runs_by_setting_across_seeds(tmp_path, capsys):
     from bench.personalization import seeds_report
 
     def result(variant: str, seed: int, scores: list[float], final: float) -> str:
-        tasks = [{"score": s, "version": i // 4, "first_reply": "a b c d"} for i, s in enumerate(scores)]
+        tasks = [{"score": s, "version": i // 4, "first_reply": "a b c d", "surprise": 2.5 if i % 2 else 0.1}
+                 for i, s in enumerate(scores)]
         summary = {"mode": "combined", "final": {"version": 3, "score": final, "repetition": 0.1, "perplexity_ratio": 1.0}}
         path = tmp_path / f"{variant}.json"
         path.write_text(json.dumps({"variant": variant, "preference": {"instruction": "Be brief."}, "settings": {"seed": seed},
@@ -258,4 +276,5 @@ def test_the_seeds_report_groups_runs_by_setting_across_seeds(tmp_path, capsys):
     rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| Be brief.")]
     assert len(rows) == 2
     on = next(r for r in rows if "| on |" in r)
+    assert "| 0.00 ± 0.00 · 0.50 ± 0.71 | 0.00 ± 0.00 · 0.25 ± 0.35 |" in on, "half the replies read as nonsense"
     assert "| 0, 1 |" in on and "0.00 ± 0.00 · 0.50 ± 0.71" in on and "0.50 ± 0.14" in on and "| 7, never |" in on, on  # the window of tasks 13-28 reaches 0.81: task 28 was served by v7
