@@ -81,8 +81,9 @@ class DecodeBatch:
             self.length -= shared
         return out
 
-    def inputs(self, device: torch.device) -> dict:
-        """The forward pass's arguments for this step: each row's last token, at its position."""
+    def inputs(self, device: torch.device, cache_argument: str) -> dict:
+        """The forward pass's arguments for this step: each row's last token, at its position
+        (`cache_argument`: the model's keyword for its cache, kv_cache.cache_argument)."""
         ids = torch.tensor([[job.last_token] for job in self.rows], device=device)
         positions = torch.tensor([[self.length - pad] for pad in self.pads], device=device)
         mask = None
@@ -92,7 +93,7 @@ class DecodeBatch:
                 mask[i, :pad] = 0
         return {
             "input_ids": ids, "position_ids": positions, "attention_mask": mask,
-            "past_key_values": self.cache,
+            cache_argument: self.cache,
         }
 
     def advanced(self) -> None:

@@ -18,6 +18,8 @@ be cut to an arbitrary prefix): `reusable` says whether a cache is one.
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
@@ -63,6 +65,14 @@ def new_cache() -> DynamicCache:
     cache = DynamicCache()
     cache.layer_class_to_replicate = GrowingLayer
     return cache
+
+
+def cache_argument(model: torch.nn.Module) -> str:
+    """The keyword a model's forward takes its cache by: transformers 5.2x renamed
+    `past_key_values` to `cache` (the old name warns at every step and goes in 5.40); the
+    versions before it know only the old one. The cache is updated in place either way, so the
+    caller keeps the object it passed rather than reading it back by either name."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
 def reusable(cache: object) -> bool:

@@ -51,6 +51,7 @@ class ModelRunner:
         base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=DTYPES[dtype]).to(self.device)
         base.eval()
         self.adapters = AdapterSlots(base)
+        self.cache_argument = kv_cache.cache_argument(base)
         self.constraints = ConstraintCompiler(model_dir)
         self.prefix = PrefixCache(kv_cache_mb * 2**20)
         self.batching = batching
@@ -81,13 +82,13 @@ class ModelRunner:
             ids = [job.last_token]
         # A generation needs the next-token logits only; a scoring job those of its chunk.
         keep = len(ids) if job.score_from is not None else 1
+        if job.cache is None:
+            job.cache = kv_cache.new_cache()
         with self.adapters.use(job.adapter):
             out = self.adapters.model(
                 input_ids=torch.tensor([ids], device=self.device), use_cache=True,
-                past_key_values=kv_cache.new_cache() if job.cache is None else job.cache,
-                logits_to_keep=keep,
+                **{self.cache_argument: job.cache}, logits_to_keep=keep,
             )
-        job.cache = out.past_key_values
         job.last_step = time.monotonic()
         self.stats.forward_passes += 1
         first = job.fed
@@ -132,9 +133,9 @@ class ModelRunner:
         row_names = self.adapters.row_names(adapters)
         if row_names is None:  # one adapter for every row: routed as for a single job
             with self.adapters.use(adapters[0]):
-                out = self.adapters.model(**batch.inputs(self.device), use_cache=True, logits_to_keep=1)
+                out = self.adapters.model(**batch.inputs(self.device, self.cache_argument), use_cache=True, logits_to_keep=1)
         else:  # several: peft applies each row's LoRA to its own row
-            out = self.adapters.model(**batch.inputs(self.device), use_cache=True, logits_to_keep=1, adapter_names=row_names)
+            out = self.adapters.model(**batch.inputs(self.device, self.cache_argument), use_cache=True, logits_to_keep=1, adapter_names=row_names)
         batch.advanced()
         self.stats.forward_passes += 1
         now = time.monotonic()
