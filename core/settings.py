@@ -567,6 +567,11 @@ class LearnerSettings(BaseSettings):
             has learnt there instead of being drawn back to the base (learner/distillation.py).
             The default: `teacher` capped the opening word at the hinted model's own 0.60 and
             held the length wish back (0.37 against `shift`'s 0.80, seed 0).
+        opd_anchor: with opd_target=shift, the share of the way the target's starting point goes
+            back from the policy to the base model at every position before the hint's shift
+            is added (log-probabilities; 0 = the pure shift, 1 = the hinted base model, as
+            `teacher`): the shift alone keeps what the policy drifted to where the hint says
+            nothing, nonsense included (learner/distillation.py).
         learner_memory_mb: the most a training pass may add to memory; 0 = what the machine
             has free (80% of MemAvailable or the container's room on the CPU, of the device's
             free memory on a GPU). Every pass is measured, micro-batches shrink to what fits,
@@ -655,6 +660,9 @@ class LearnerSettings(BaseSettings):
     opd_topk: int = Field(32, ge=1, description="opd_loss=topk: the teacher's top tokens kept per position.")
     opd_target: Literal["teacher", "shift"] = Field(
         "shift", description="opd_loss=topk: pull towards the hinted base model, or the policy shifted by what the hint changes."
+    )
+    opd_anchor: float = Field(
+        0.0, ge=0, le=1, description="opd_target=shift: share of the way the target starts back at the base model (0 = pure shift)."
     )
     learner_memory_mb: int = Field(
         0, ge=0, description="Most memory a training pass may add (MB); 0 = what is free. A step that would not fit waits."

@@ -24,6 +24,13 @@ hinted base pulls every position back to the base model's habits, also where the
 nothing (a length the policy had learnt, the reply's wording); the shift pulls only where the
 hint moves something, and by as much as it moves it (the idea of contrastive decoding and of
 "proxy tuning", Liu et al. 2024: the difference of two prompts' logits as the steering signal).
+
+The shift alone keeps *whatever* the policy has drifted to where the hint says nothing, nonsense
+included: on the length wish the policy's short replies turned into "Ladle." and "SmolMLO." (1.7-
+2.4 nats a token stranger than the base model's own) and nothing in the target pulled back.
+NEXTSTATE_OPD_ANCHOR takes the shift's starting point a share of the way back to the base model at
+every position — a geometric mixture of the two, between the pure shift (0) and the hinted base
+model (1) — so the policy keeps most of what it learnt and loses the drift the hint never asked for.
 """
 
 from __future__ import annotations
@@ -55,13 +62,20 @@ def teacher_topk(logits: torch.Tensor, temperature: float, k: int) -> tuple[torc
     return values, ids
 
 
-def shifted_target(policy: torch.Tensor, hinted: torch.Tensor, unhinted: torch.Tensor) -> torch.Tensor:
+def shifted_target(policy: torch.Tensor, hinted: torch.Tensor, unhinted: torch.Tensor,
+                   anchor: float = 0.0) -> torch.Tensor:
     """The policy moved by the hint's effect on the base model, over the K + 1 bins.
 
     policy, hinted, unhinted: [n, K] log-probabilities of the hinted base model's top K tokens
     under the policy before the update, the base model reading the hint, and the base model
-    without it. Returns [n, K + 1] log-probabilities (the last bin: all other tokens)."""
-    target = with_tail(policy) + with_tail(hinted) - with_tail(unhinted)
+    without it. `anchor` (NEXTSTATE_OPD_ANCHOR) first takes the policy that share of the way
+    back to the base model, in log-probabilities: 0 is the pure shift, 1 the hinted base model
+    itself (NEXTSTATE_OPD_TARGET=teacher). Returns [n, K + 1] log-probabilities (the last bin:
+    all other tokens)."""
+    start = with_tail(policy)
+    if anchor:
+        start = start + anchor * (with_tail(unhinted) - start)
+    target = start + with_tail(hinted) - with_tail(unhinted)
     return target - torch.logsumexp(target, dim=-1, keepdim=True)
 
 

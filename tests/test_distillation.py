@@ -117,6 +117,22 @@ def test_the_shifted_target_of_a_fresh_adapter_is_the_hinted_base_and_an_idle_hi
     assert idle_kl["teacher"] > 0.01, f"the hinted base pulls the moved policy back where the hint says nothing: {idle_kl}"
 
 
+def test_the_anchor_takes_the_shift_back_towards_the_base_model_where_the_hint_says_nothing():
+    """NEXTSTATE_OPD_ANCHOR: 0 is the pure shift, 1 the hinted base model (the `teacher`
+    target), and between them a hint that changes nothing pulls the drifted policy that share
+    of the way back to the base model."""
+    from nextstate.learner.distillation import shifted_target, with_tail
+
+    drifted = torch.log_softmax(torch.tensor([[3.0, 0.0, -1.0]]), -1)  # the policy: top K = 3 tokens of 4
+    base = torch.log_softmax(torch.tensor([[0.0, 2.0, 0.0, 0.0]]), -1)[:, :3]
+    hinted = torch.log_softmax(torch.tensor([[0.0, 0.0, 2.0, 0.0]]), -1)[:, :3]
+    assert torch.allclose(shifted_target(drifted, hinted, hinted, 0.0), with_tail(drifted), atol=1e-5), "no hint, no pull"
+    assert torch.allclose(shifted_target(drifted, hinted, base, 1.0), with_tail(hinted), atol=1e-5), "the teacher"
+    halfway = shifted_target(drifted, base, base, 0.5).exp()[0]
+    assert with_tail(base).exp()[0, 1] > halfway[1] > with_tail(drifted).exp()[0, 1], "between the drift and the base"
+    assert float(halfway.sum()) == pytest.approx(1.0, abs=1e-5)
+
+
 def test_one_pass_before_the_step_gives_the_shift_targets_policy_side_and_the_kl_reference(peaked_model_dir):
     """The shift target's policy side and the step's KL reference (the policy before the update,
     for samples the first optimizer step does not see) come from one no-grad pass per sample."""
