@@ -11,6 +11,11 @@ to the message as the teacher reads a hint, and scores them with the kind's own 
 hinted model rarely does is one that no self-distillation can teach it: only the rare sampled
 reply that fits, rewarded, can.
 
+Beside each share, the share of replies that fit *and* read as sense (`sensible`: no more than
+2 nats a token stranger to the base model than its own replies to the untold task,
+bench/reply_surprise.py), and their mean surprise: what the teacher can show of the wish met
+with an answer, which is all a self-taught model can learn of it without nonsense.
+
 Writes bench/results/teacher_ceiling-<model>.json.
 """
 
@@ -20,7 +25,9 @@ import argparse
 import statistics
 
 from bench.models import bench_model, bench_server
-from bench.personalization import KINDS, TASKS, Preference, _sampled_replies, instruction_for
+from bench.personalization import (
+    KINDS, TASKS, Preference, _sampled_replies, instruction_for, reference_readings, replies_surprise,
+)
 from bench.report import pyplot, save
 from nextstate.judge.teacher import enhanced_messages
 
@@ -33,18 +40,20 @@ def main() -> None:
     parser.add_argument("--marker", default="The", help="the opening word (bench.personalization's marker:auto picks 'The' on SmolLM2)")
     parser.add_argument("--samples", type=int, default=4, help="replies per task and placement")
     parser.add_argument("--max-tokens", type=int, default=48)
+    parser.add_argument("--variant", help="a name for this run: its results get their own file (e.g. a subset of --kinds)")
     args = parser.parse_args()
 
     policy = bench_model(model=args.policy, smol=args.smol, peaked=True)
     rows = []
     with bench_server(policy, "policy", learn=False, judge_enabled=False) as server:
         turns = server.app.state.services.turns
+        reference = reference_readings(server, args.max_tokens, 1.0)
         for kind in args.kinds:
             rule = f"marker:{args.marker}" if KINDS[kind] == "marker:auto" else KINDS[kind]
             preference = Preference(instruction_for(rule), rule)
             row = {"kind": kind, "rule": rule, "instruction": preference.instruction}
             for placement in ("asked", "hinted"):
-                fits, examples = [], []
+                fits, examples, replies = [], [], []
                 for i, task in enumerate(TASKS):
                     messages = [{"role": "user", "content": task}]
                     if placement == "hinted":
@@ -52,17 +61,25 @@ def main() -> None:
                     seeds = [7 * i + k for k in range(args.samples)]
                     texts = server.call(_sampled_replies(turns, None, messages, seeds, args.max_tokens, 1.0), timeout=600)
                     fits += [preference.fits(t) for t in texts]
+                    replies += [{"task_index": i, "first_reply": t, "score": float(preference.fits(t))} for t in texts]
                     examples.append(texts[0][:160])
                 row[placement] = round(statistics.fmean(fits), 3)
+                read = replies_surprise(server, replies, reference)
+                row[f"{placement}_sensible"], row[f"{placement}_surprise"] = read["score_sensible"], read["surprise"]
                 row[f"{placement}_examples"] = examples[:4]
-            print(f"{kind:8} as asked {row['asked']:.2f}, told as the teacher is {row['hinted']:.2f}", flush=True)
+            print(f"{kind:8} as asked {row['asked']:.2f} ({row['asked_sensible']:.2f} sensible), told as the teacher is "
+                  f"{row['hinted']:.2f} ({row['hinted_sensible']:.2f} sensible)", flush=True)
             rows.append(row)
-    save({"benchmark": "teacher_ceiling", "model": policy.name, "replies_per_placement": args.samples * len(TASKS),
+    save({"benchmark": "teacher_ceiling", "model": policy.name, "variant": args.variant,
+          "replies_per_placement": args.samples * len(TASKS),
           "max_tokens": args.max_tokens, "kinds": rows})
 
 
 def headline(result: dict) -> str:
-    return "; ".join(f"{r['kind']} {r['asked']:.2f} → {r['hinted']:.2f} told" for r in result["kinds"]) + (
+    def sensible(r: dict) -> str:  # results saved before the sensible share have none
+        return f" ({r['asked_sensible']:.2f} → {r['hinted_sensible']:.2f} sensible)" if "hinted_sensible" in r else ""
+
+    return "; ".join(f"{r['kind']} {r['asked']:.2f} → {r['hinted']:.2f} told{sensible(r)}" for r in result["kinds"]) + (
         f" (share of {result['replies_per_placement']} replies that fit, as asked → with the hint the teacher reads)")
 
 
