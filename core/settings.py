@@ -571,7 +571,9 @@ class LearnerSettings(BaseSettings):
             back from the policy to the base model at every position before the hint's shift
             is added (log-probabilities; 0 = the pure shift, 1 = the hinted base model, as
             `teacher`): the shift alone keeps what the policy drifted to where the hint says
-            nothing, nonsense included (learner/distillation.py).
+            nothing, nonsense included (learner/distillation.py). Off: at 0.5 (one seed) it
+            traded the length wish (0.71 against 0.88) for less strange replies, not for more
+            sensible ones (BENCHMARKS.md, "A user who turns down nonsense").
         learner_memory_mb: the most a training pass may add to memory; 0 = what the machine
             has free (80% of MemAvailable or the container's room on the CPU, of the device's
             free memory on a GPU). Every pass is measured, micro-batches shrink to what fits,

@@ -30,7 +30,10 @@ included: on the length wish the policy's short replies turned into "Ladle." and
 2.4 nats a token stranger than the base model's own) and nothing in the target pulled back.
 NEXTSTATE_OPD_ANCHOR takes the shift's starting point a share of the way back to the base model at
 every position — a geometric mixture of the two, between the pure shift (0) and the hinted base
-model (1) — so the policy keeps most of what it learnt and loses the drift the hint never asked for.
+model (1). Measured at 0.5 on the length wish (one seed, BENCHMARKS.md "A user who turns down
+nonsense"): the replies read less strange (1.40 nats a token against 1.68) and the prose's
+perplexity came back within 5% (1.026 against 1.094), but the wish fell (0.71 against 0.88) and
+the share of sensible replies that fit it did not rise. Off (0) by default.
 """
 
 from __future__ import annotations

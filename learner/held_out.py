@@ -54,8 +54,8 @@ the version is from the base model on this person's own prompts.
 
 **forgetting** (a share; 0 for the base model): exp(NLL_v − NLL_base) − 1 on the general-text probe
 shipped with the package (learner/probe/general_text.txt, 195 plain sentences, read as passages
-of eight): how much more surprised the version is than the base model by ordinary text. 0.05 is a perplexity 5% above the
-base model's.
+of eight): how much more surprised the version is than the base model by ordinary text. 0.05 is
+a perplexity 5% above the base model's.
 
 Cheap by construction: one forward pass without gradients per held-out turn (its base-model
 logprobs are computed once and kept) and one over the probe (~3,000 tokens) per version.
@@ -172,7 +172,8 @@ def probe_sentences() -> list[str]:
 # tokens (no context) weigh most, and a version that learnt short replies reads them *better*
 # than the base model while it reads longer text worse: on the bench's 96-task runs the gate's
 # single sentences said −1.3% to −2.3% where 2,300 tokens of held-out prose said +1.2% to +4.4%
-# (BENCHMARKS.md, "The held-out figures against the truth").
+# (BENCHMARKS.md, "The held-out figures against the truth"). Whether passages read those
+# versions as the prose does is not measured yet (2026-11-27: every bench run predates them).
 PROBE_PASSAGE_SENTENCES = 8
 
 
