@@ -53,9 +53,9 @@ been accepted. Only turns with a teacher's prompt count (NEXTSTATE_OPD_LOSS=topk
 the version is from the base model on this person's own prompts.
 
 **forgetting** (a share; 0 for the base model): exp(NLL_v − NLL_base) − 1 on the general-text probe
-shipped with the package (learner/probe/general_text.txt, 195 plain sentences, read as passages
-of eight): how much more surprised the version is than the base model by ordinary text. 0.05 is
-a perplexity 5% above the base model's.
+shipped with the package (learner/probe/general_text.txt, 195 plain sentences): how much more
+surprised the version is than the base model by ordinary text. 0.05 is a perplexity 5% above the
+base model's.
 
 Cheap by construction: one forward pass without gradients per held-out turn (its base-model
 logprobs are computed once and kept) and one over the probe (~3,000 tokens) per version.
@@ -164,23 +164,10 @@ def shipped_lines(name: str) -> list[str]:
 
 
 def probe_sentences() -> list[str]:
-    """The general-text probe, one sentence each."""
+    """The general-text probe, one sentence each, each read on its own. Read as passages of
+    eight they did not see what sentences miss (2026-11-27, the length wish, 48 tasks): a version
+    that learnt short replies read −2.0% on them and +4.0% on the bench's held-out prose."""
     return shipped_lines("general_text.txt")
-
-
-# Sentences of the probe read together as one passage. Read one by one, each sentence's first
-# tokens (no context) weigh most, and a version that learnt short replies reads them *better*
-# than the base model while it reads longer text worse: on the bench's 96-task runs the gate's
-# single sentences said −1.3% to −2.3% where 2,300 tokens of held-out prose said +1.2% to +4.4%
-# (BENCHMARKS.md, "The held-out figures against the truth"). Whether passages read those
-# versions as the prose does is not measured yet (2026-11-27: every bench run predates them).
-PROBE_PASSAGE_SENTENCES = 8
-
-
-def probe_passages() -> list[str]:
-    """The general-text probe as passages of PROBE_PASSAGE_SENTENCES consecutive sentences."""
-    sentences = probe_sentences()
-    return [" ".join(sentences[i:i + PROBE_PASSAGE_SENTENCES]) for i in range(0, len(sentences), PROBE_PASSAGE_SENTENCES)]
 
 
 def figures(samples: list[Sample], now: list[torch.Tensor], base: list[torch.Tensor],
