@@ -74,12 +74,11 @@ from pathlib import Path
 from openai import OpenAI
 
 from bench.models import bench_model, bench_server
-from bench.reply_surprise import REFERENCE_REPLIES, SENSIBLE_SURPRISE, reading, surprise
+from bench.reply_surprise import REFERENCE_REPLIES, SENSIBLE_SURPRISE, of_reply, reading, surprise
 from bench.report import pyplot, render, save
 from nextstate.core.settings import JudgeSettings, LearnerSettings
 from nextstate.engine.base import SamplingParams
 from nextstate.learner.gate import GATE_PROMPTS
-from nextstate.learner.gate import surprise as gate_surprise
 from tests.judge_server import ScriptedJudge
 
 MODES = ("none", "binary", "opd", "combined")
@@ -378,7 +377,9 @@ def run_mode(mode: str, policy: Path, tasks: list[str], args, judge: dict, user,
                 )
                 completion = raw.parse()
                 reply = completion.choices[0].message.content or ""
-                strangeness = gate_surprise(reading(server, task, reply), reference.get(task, []))
+                # read by the base model where it counts: every reply the sensible user judges, every first reply
+                strangeness = of_reply(task, reading(server, task, reply), reference) \
+                    if wants_answers or first is None else None
                 if first is None:
                     first, version, first_surprise = reply, int(raw.headers["x-policy-version"]), strangeness
                 fitted, reaction = react(user, task, reply, strangeness, wants_answers)

@@ -40,6 +40,13 @@ def reading(server, task: str, reply: str) -> list[float]:
     return server.call(turns.engine.score(prompt + ids, len(prompt), adapter=None), timeout=600)
 
 
+def of_reply(task: str, read: list[float], reference: dict[str, list[list[float]]]) -> float | None:
+    """One reply's surprise: its base reading `read` against the base model's own replies to
+    `task` (`reference`: their readings, learner/gate.py `surprise`); None for an empty reply or
+    an unknown question."""
+    return gate_surprise(read, reference.get(task, []))
+
+
 def surprise(replies: list[tuple[str, list[float]]], reference: dict[str, list[list[float]]],
              scores: list[float] | None = None) -> dict:
     """The mean surprise of `replies` ((question, base reading) pairs) over the base model's own
@@ -47,7 +54,7 @@ def surprise(replies: list[tuple[str, list[float]]], reference: dict[str, list[l
     standard error over replies; an empty reply or an unknown question has none. With the wish's
     `scores` of the same replies, also `score_sensible`: the share that fit the wish and read no
     stranger than SENSIBLE_SURPRISE (an empty reply is not sensible)."""
-    each = [gate_surprise(read, reference.get(task, [])) for task, read in replies]
+    each = [of_reply(task, read, reference) for task, read in replies]
     present = [x for x in each if x is not None]
     figures: dict = {"surprise": None, "surprise_stderr": None, "surprise_replies": len(present)}
     if present:

@@ -14,7 +14,8 @@ reply that fits, rewarded, can.
 Beside each share, the share of replies that fit *and* read as sense (`sensible`: no more than
 2 nats a token stranger to the base model than its own replies to the untold task,
 bench/reply_surprise.py), and their mean surprise: what the teacher can show of the wish met
-with an answer, which is all a self-taught model can learn of it without nonsense.
+with an answer. Not a hard ceiling: the binary reward can take a wish further (the opening word
+was learnt to 0.9 sensible where its teacher shows 0.44, BENCHMARKS.md).
 
 Writes bench/results/teacher_ceiling-<model>.json.
 """
@@ -53,17 +54,16 @@ def main() -> None:
             preference = Preference(instruction_for(rule), rule)
             row = {"kind": kind, "rule": rule, "instruction": preference.instruction}
             for placement in ("asked", "hinted"):
-                fits, examples, replies = [], [], []
+                examples, replies = [], []
                 for i, task in enumerate(TASKS):
                     messages = [{"role": "user", "content": task}]
                     if placement == "hinted":
                         messages = enhanced_messages(messages, preference.instruction)
                     seeds = [7 * i + k for k in range(args.samples)]
                     texts = server.call(_sampled_replies(turns, None, messages, seeds, args.max_tokens, 1.0), timeout=600)
-                    fits += [preference.fits(t) for t in texts]
                     replies += [{"task_index": i, "first_reply": t, "score": float(preference.fits(t))} for t in texts]
                     examples.append(texts[0][:160])
-                row[placement] = round(statistics.fmean(fits), 3)
+                row[placement] = round(statistics.fmean(r["score"] for r in replies), 3)
                 read = replies_surprise(server, replies, reference)
                 row[f"{placement}_sensible"], row[f"{placement}_surprise"] = read["score_sensible"], read["surprise"]
                 row[f"{placement}_examples"] = examples[:4]
