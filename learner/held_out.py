@@ -53,12 +53,12 @@ been accepted. Only turns with a teacher's prompt count (NEXTSTATE_OPD_LOSS=topk
 the version is from the base model on this person's own prompts.
 
 **forgetting** (a share; 0 for the base model): exp(NLL_v − NLL_base) − 1 on the general-text probe
-shipped with the package (learner/probe/general_text.txt, 195 plain sentences): how much more
-surprised the version is than the base model by ordinary text. 0.05 is a perplexity 5% above the
-base model's.
+shipped with the package (learner/probe/general_text.txt, 60 passages of plain text, about 200
+sentences): how much more surprised the version is than the base model by ordinary text. 0.05 is a
+perplexity 5% above the base model's.
 
 Cheap by construction: one forward pass without gradients per held-out turn (its base-model
-logprobs are computed once and kept) and one over the probe (~3,000 tokens) per version.
+logprobs are computed once and kept) and one over the probe (~5,000 tokens) per version.
 """
 
 from __future__ import annotations
@@ -163,10 +163,12 @@ def shipped_lines(name: str) -> list[str]:
     return [line.strip() for line in text.splitlines() if line.strip() and not line.startswith("#")]
 
 
-def probe_sentences() -> list[str]:
-    """The general-text probe, one sentence each, each read on its own. Read as passages of
-    eight they did not see what sentences miss (2026-11-27, the length wish, 48 tasks): a version
-    that learnt short replies read −2.0% on them and +4.0% on the bench's held-out prose."""
+def probe_passages() -> list[str]:
+    """The general-text probe, each passage read on its own. Passages of explanation and story,
+    because a version that learnt short plain replies reads short plain sentences *better*: the
+    one-line sentences this probe held before read −2.0% on such a version where the bench's
+    held-out prose read +4.0% (2026-11-27, the length wish), and grouping those sentences eight
+    at a time did not change it; it is the kind of text that matters, not the context's length."""
     return shipped_lines("general_text.txt")
 
 

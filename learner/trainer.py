@@ -33,7 +33,7 @@ from nextstate.core.types import Sample
 from nextstate.learner.distillation import shifted_target, teacher_topk, topk_reverse_kl, with_tail
 from nextstate.learner.gate import GATE_SAMPLED_REPLIES, GateFigures, Replies, mean, repetition, surprise
 from nextstate.learner.learning_rate import resolve_learning_rate
-from nextstate.learner.held_out import HintMove, VersionFigures, figures as held_out_figures, probe_sentences, shipped_lines
+from nextstate.learner.held_out import HintMove, VersionFigures, figures as held_out_figures, probe_passages, shipped_lines
 from nextstate.learner.host_memory import release_freed_memory
 from nextstate.learner.memory_budget import MemoryBudget, Refusal
 from nextstate.learner.micro_batches import micro_batches
@@ -505,7 +505,7 @@ class LoraTrainer:
         """Mean NLL per token of the general-text probe under the active weights (no grad)."""
         if self._probe is None:
             tokenizer = self._chat().tokenizer
-            self._probe = [ids for text in probe_sentences()
+            self._probe = [ids for text in probe_passages()
                            if len(ids := tokenizer.encode(text, add_special_tokens=False)) > 1]
         total, tokens = 0.0, 0
         for group in micro_batches([len(ids) - 1 for ids in self._probe], self._pass_tokens):

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from nextstate.core.settings import LearnerSettings
-from nextstate.learner.held_out import HintMove, figures, probe_sentences, wish_terms
+from nextstate.learner.held_out import HintMove, figures, probe_passages, wish_terms
 from nextstate.learner.trainer import LoraTrainer
 from nextstate.progress import render_text
 from tests.test_learner import (  # noqa: F401  (engine: a fixture)
@@ -20,8 +20,10 @@ from tests.test_learner import (  # noqa: F401  (engine: a fixture)
 
 
 def test_the_probe_is_plain_text_of_a_few_hundred_sentences():
-    sentences = probe_sentences()
-    assert len(sentences) >= 150 and all(s[0].isupper() and s[-1] in ".?!" for s in sentences)
+    passages = probe_passages()
+    assert len(passages) >= 50 and all(p[0].isupper() or p[0] == '"' for p in passages)
+    assert all(p.rstrip('"')[-1] in ".?!" for p in passages)
+    assert sum(p.count(". ") + 1 for p in passages) >= 150, "passages of several sentences each"
 
 
 def test_gain_weighs_each_token_by_what_the_person_wanted_from_where_its_writer_had_it():
