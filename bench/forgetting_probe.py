@@ -39,11 +39,54 @@ def lines(path: Path) -> list[str]:
             if line.strip() and not line.startswith("#")]
 
 
-def main() -> None:
+def readings(model_dir: Path, texts: dict[str, list[str]], steps: int, every: int, lr: float, seed: int) -> list[dict]:
+    """Each text's forgetting (perplexity over the base model's, minus 1) after every `every`
+    steps of LoRA toward the terse replies."""
     import torch
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    torch.manual_seed(seed)
+    rng = random.Random(seed)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+
+    def nll(items: list[str]) -> float:
+        total = tokens = 0
+        model.eval()
+        with torch.no_grad():
+            for text in items:
+                ids = torch.tensor([tokenizer.encode(text)])
+                read = model(ids, use_cache=False).logits[0, :-1].log_softmax(-1).gather(1, ids[0, 1:, None])
+                total -= float(read.sum())
+                tokens += read.numel()
+        return total / tokens
+
+    base = {name: nll(items) for name, items in texts.items()}
+    model = get_peft_model(model, LoraConfig(r=16, lora_alpha=32, target_modules=[
+        "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]))
+    optimiser = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr)
+    rows, started = [], time.monotonic()
+    for step in range(1, steps + 1):
+        model.train()
+        optimiser.zero_grad()
+        for _ in range(4):
+            prompt = tokenizer.apply_chat_template([{"role": "user", "content": rng.choice(QUESTIONS)}],
+                                                   tokenize=False, add_generation_prompt=True)
+            prompt_ids = tokenizer.encode(prompt)
+            reply_ids = tokenizer.encode(rng.choice(TERSE) + tokenizer.eos_token)
+            labels = torch.tensor([[-100] * len(prompt_ids) + reply_ids])
+            (model(torch.tensor([prompt_ids + reply_ids]), labels=labels, use_cache=False).loss / 4).backward()
+        optimiser.step()
+        if step % every == 0:
+            row = {"step": step, **{name: round(math.exp(nll(items) - base[name]) - 1, 5) for name, items in texts.items()}}
+            rows.append(row)
+            print(f"step {step:3} ({time.monotonic() - started:.0f} s): "
+                  + ", ".join(f"{name} {row[name]:+.1%}" for name in texts), flush=True)
+    return rows
+
+
+def main() -> None:
     from bench.models import bench_model
     from nextstate.learner.held_out import probe_passages
 
@@ -56,49 +99,16 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
 
-    torch.manual_seed(args.seed)
-    rng = random.Random(args.seed)
     policy = bench_model(model=args.policy, smol=args.policy is None)
-    tokenizer = AutoTokenizer.from_pretrained(policy)
-    model = AutoModelForCausalLM.from_pretrained(policy, dtype=torch.float32)
     texts = {"probe": probe_passages(), "prose": lines(Path(__file__).with_name("held_out_prose.txt"))}
     texts.update({name: lines(Path(path)) for name, path in (t.split("=", 1) for t in args.texts)})
+    rows = readings(policy, texts, args.steps, args.every, args.lr, args.seed)
+    from transformers import AutoTokenizer
 
-    def nll(items: list[str]) -> float:
-        total = tokens = 0
-        model.eval()
-        with torch.no_grad():
-            for text in items:
-                ids = torch.tensor([tokenizer.encode(text)])
-                read = model(ids).logits[0, :-1].log_softmax(-1).gather(1, ids[0, 1:, None])
-                total -= float(read.sum())
-                tokens += read.numel()
-        return total / tokens
-
-    base = {name: nll(items) for name, items in texts.items()}
-    model = get_peft_model(model, LoraConfig(r=16, lora_alpha=32, target_modules=[
-        "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]))
-    optimiser = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.lr)
-    readings, started = [], time.monotonic()
-    for step in range(1, args.steps + 1):
-        model.train()
-        optimiser.zero_grad()
-        for _ in range(4):
-            prompt = tokenizer.apply_chat_template([{"role": "user", "content": rng.choice(QUESTIONS)}],
-                                                   tokenize=False, add_generation_prompt=True)
-            prompt_ids = tokenizer.encode(prompt)
-            reply_ids = tokenizer.encode(rng.choice(TERSE) + tokenizer.eos_token)
-            labels = torch.tensor([[-100] * len(prompt_ids) + reply_ids])
-            (model(torch.tensor([prompt_ids + reply_ids]), labels=labels).loss / 4).backward()
-        optimiser.step()
-        if step % args.every == 0:
-            row = {"step": step, **{name: round(math.exp(nll(items) - base[name]) - 1, 5) for name, items in texts.items()}}
-            readings.append(row)
-            print(f"step {step:3} ({time.monotonic() - started:.0f} s): "
-                  + ", ".join(f"{name} {row[name]:+.1%}" for name in texts), flush=True)
+    tokenizer = AutoTokenizer.from_pretrained(policy)
     save({"benchmark": "forgetting_probe", "model": policy.name, "lr": args.lr, "seed": args.seed,
           "tokens": {name: sum(len(tokenizer.encode(t)) for t in items) for name, items in texts.items()},
-          "readings": readings})
+          "readings": rows})
 
 
 def headline(result: dict) -> str:

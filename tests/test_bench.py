@@ -278,3 +278,20 @@ def test_the_seeds_report_groups_runs_by_setting_across_seeds(tmp_path, capsys):
     on = next(r for r in rows if "| on |" in r)
     assert "| 0.00 ± 0.00 · 0.50 ± 0.71 | 0.00 ± 0.00 · 0.25 ± 0.35 |" in on, "half the replies read as nonsense"
     assert "| 0, 1 |" in on and "0.00 ± 0.00 · 0.50 ± 0.71" in on and "0.50 ± 0.14" in on and "| 7, never |" in on, on  # the window of tasks 13-28 reaches 0.81: task 28 was served by v7
+
+
+def test_the_forgetting_probe_bench_reads_every_text_as_a_version_drifts(tiny_model_dir):
+    from bench.forgetting_probe import readings
+
+    rows = readings(tiny_model_dir, {"a": ["The bus leaves at noon.", "Bread rises."], "b": ["Rain falls on the hill."]},
+                    steps=2, every=1, lr=1e-2, seed=0)
+    assert [r["step"] for r in rows] == [1, 2] and all(r["a"] > -1 and r["b"] > -1 for r in rows)
+    assert rows[-1]["a"] != 0.0, "the LoRA moved the model, so its reading moved"
+
+
+def test_the_experienced_teacher_reads_the_wish_then_what_the_person_took():
+    from bench.teacher_ceiling import with_experience
+
+    assert with_experience("Be brief.", []) == "Be brief."
+    hint = with_experience("Be brief.", [("Why is the sky blue?", "Light scatters.")])
+    assert hint.startswith("Be brief.\n\n") and hint.endswith("Q: Why is the sky blue?\nA: Light scatters.")
