@@ -29,8 +29,17 @@ from bench.models import bench_model, bench_server
 from bench.personalization import (
     KINDS, TASKS, Preference, _sampled_replies, instruction_for, reference_readings, replies_surprise,
 )
+from bench.reply_surprise import SENSIBLE_SURPRISE, of_reply, reading
 from bench.report import pyplot, save
 from nextstate.judge.teacher import enhanced_messages
+
+
+def with_experience(instruction: str, accepted: list[tuple[str, str]]) -> str:
+    """The hint an experience-augmented teacher reads (OpenClaw-RL's OEL track): the wish, then
+    replies the person accepted to other questions, so the teacher sees what "short" or "begins
+    with" meant to them, not only the words of the wish."""
+    shown = "\n".join(f"Q: {task}\nA: {reply}" for task, reply in accepted)
+    return f"{instruction}\n\nReplies they accepted before:\n{shown}" if accepted else instruction
 
 
 def main() -> None:
@@ -41,6 +50,9 @@ def main() -> None:
     parser.add_argument("--marker", default="The", help="the opening word (bench.personalization's marker:auto picks 'The' on SmolLM2)")
     parser.add_argument("--samples", type=int, default=4, help="replies per task and placement")
     parser.add_argument("--max-tokens", type=int, default=48)
+    parser.add_argument("--experience", type=int, default=0,
+                        help="also tell the teacher K replies the person accepted to other tasks (the asked replies "
+                             "that fit and read as sense): the OEL track's experience-augmented teacher")
     parser.add_argument("--variant", help="a name for this run: its results get their own file (e.g. a subset of --kinds)")
     args = parser.parse_args()
 
@@ -53,12 +65,18 @@ def main() -> None:
             rule = f"marker:{args.marker}" if KINDS[kind] == "marker:auto" else KINDS[kind]
             preference = Preference(instruction_for(rule), rule)
             row = {"kind": kind, "rule": rule, "instruction": preference.instruction}
-            for placement in ("asked", "hinted"):
+            accepted: list[tuple[int, str, str]] = []  # (task index, task, reply) the person would have taken
+            placements = ("asked", "hinted") + (("experienced",) if args.experience else ())
+            for placement in placements:
                 examples, replies = [], []
                 for i, task in enumerate(TASKS):
                     messages = [{"role": "user", "content": task}]
                     if placement == "hinted":
                         messages = enhanced_messages(messages, preference.instruction)
+                    elif placement == "experienced":
+                        nearest = sorted((e for e in accepted if e[0] != i), key=lambda e: (i - e[0]) % len(TASKS))
+                        others = [(t, r) for _, t, r in nearest[:args.experience]]  # the tasks just before
+                        messages = enhanced_messages(messages, with_experience(preference.instruction, others))
                     seeds = [7 * i + k for k in range(args.samples)]
                     texts = server.call(_sampled_replies(turns, None, messages, seeds, args.max_tokens, 1.0), timeout=600)
                     replies += [{"task_index": i, "first_reply": t, "score": float(preference.fits(t))} for t in texts]
@@ -67,8 +85,13 @@ def main() -> None:
                 read = replies_surprise(server, replies, reference)
                 row[f"{placement}_sensible"], row[f"{placement}_surprise"] = read["score_sensible"], read["surprise"]
                 row[f"{placement}_examples"] = examples[:4]
-            print(f"{kind:8} as asked {row['asked']:.2f} ({row['asked_sensible']:.2f} sensible), told as the teacher is "
-                  f"{row['hinted']:.2f} ({row['hinted_sensible']:.2f} sensible)", flush=True)
+                if placement == "asked":
+                    accepted = [(r["task_index"], TASKS[r["task_index"]], r["first_reply"]) for r in replies
+                                if r["score"] and (x := of_reply(TASKS[r["task_index"]], reading(
+                                    server, TASKS[r["task_index"]], r["first_reply"]), reference)) is not None
+                                and x <= SENSIBLE_SURPRISE]
+            told = "".join(f", {p} {row[p]:.2f} ({row[p + '_sensible']:.2f} sensible)" for p in placements[1:])
+            print(f"{kind:8} as asked {row['asked']:.2f} ({row['asked_sensible']:.2f} sensible){told}", flush=True)
             rows.append(row)
     save({"benchmark": "teacher_ceiling", "model": policy.name, "variant": args.variant,
           "replies_per_placement": args.samples * len(TASKS),
