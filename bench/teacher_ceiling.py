@@ -102,7 +102,12 @@ def headline(result: dict) -> str:
     def sensible(r: dict) -> str:  # results saved before the sensible share have none
         return f" ({r['asked_sensible']:.2f} → {r['hinted_sensible']:.2f} sensible)" if "hinted_sensible" in r else ""
 
-    return "; ".join(f"{r['kind']} {r['asked']:.2f} → {r['hinted']:.2f} told{sensible(r)}" for r in result["kinds"]) + (
+    def experienced(r: dict) -> str:
+        return (f", {r['experienced']:.2f} told with accepted replies ({r['experienced_sensible']:.2f} sensible)"
+                if "experienced" in r else "")
+
+    return "; ".join(f"{r['kind']} {r['asked']:.2f} → {r['hinted']:.2f} told{sensible(r)}{experienced(r)}"
+                     for r in result["kinds"]) + (
         f" (share of {result['replies_per_placement']} replies that fit, as asked → with the hint the teacher reads)")
 
 
