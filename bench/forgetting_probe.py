@@ -35,6 +35,7 @@ TERSE = ["Ladle.", "Happy day!", "Boil it.", "SmolMLO.", "Water falls.", "Try pa
 
 
 def lines(path: Path) -> list[str]:
+    """A --texts file: one item a line, comments (#) left out, as the shipped probe is read."""
     return [line.strip() for line in path.read_text(encoding="utf-8").splitlines()
             if line.strip() and not line.startswith("#")]
 
@@ -88,6 +89,7 @@ def readings(model_dir: Path, texts: dict[str, list[str]], steps: int, every: in
 
 def main() -> None:
     from bench.models import bench_model
+    from bench.personalization import GENERAL_TEXT
     from nextstate.learner.held_out import probe_passages
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -100,7 +102,7 @@ def main() -> None:
     args = parser.parse_args()
 
     policy = bench_model(model=args.policy, smol=args.policy is None)
-    texts = {"probe": probe_passages(), "prose": lines(Path(__file__).with_name("held_out_prose.txt"))}
+    texts = {"probe": probe_passages(), "prose": list(GENERAL_TEXT)}
     texts.update({name: lines(Path(path)) for name, path in (t.split("=", 1) for t in args.texts)})
     rows = readings(policy, texts, args.steps, args.every, args.lr, args.seed)
     from transformers import AutoTokenizer

@@ -27,9 +27,9 @@ import statistics
 
 from bench.models import bench_model, bench_server
 from bench.personalization import (
-    KINDS, TASKS, Preference, _sampled_replies, instruction_for, reference_readings, replies_surprise,
+    KINDS, TASKS, Preference, _sampled_replies, instruction_for, reference_readings,
 )
-from bench.reply_surprise import SENSIBLE_SURPRISE, of_reply, reading
+from bench.reply_surprise import SENSIBLE_SURPRISE, of_reply, reading, surprise
 from bench.report import pyplot, save
 from nextstate.judge.teacher import enhanced_messages
 
@@ -82,13 +82,14 @@ def main() -> None:
                     replies += [{"task_index": i, "first_reply": t, "score": float(preference.fits(t))} for t in texts]
                     examples.append(texts[0][:160])
                 row[placement] = round(statistics.fmean(r["score"] for r in replies), 3)
-                read = replies_surprise(server, replies, reference)
+                asked = [(TASKS[r["task_index"]], r["first_reply"]) for r in replies]
+                reads = [(task, reading(server, task, reply)) for task, reply in asked]  # read once, used twice
+                read = surprise(reads, reference, [r["score"] for r in replies])
                 row[f"{placement}_sensible"], row[f"{placement}_surprise"] = read["score_sensible"], read["surprise"]
                 row[f"{placement}_examples"] = examples[:4]
                 if placement == "asked":
-                    accepted = [(r["task_index"], TASKS[r["task_index"]], r["first_reply"]) for r in replies
-                                if r["score"] and (x := of_reply(TASKS[r["task_index"]], reading(
-                                    server, TASKS[r["task_index"]], r["first_reply"]), reference)) is not None
+                    accepted = [(r["task_index"], task, reply) for r, (task, reply), (_, base) in zip(replies, asked, reads)
+                                if r["score"] and (x := of_reply(task, base, reference)) is not None
                                 and x <= SENSIBLE_SURPRISE]
             told = "".join(f", {p} {row[p]:.2f} ({row[p + '_sensible']:.2f} sensible)" for p in placements[1:])
             print(f"{kind:8} as asked {row['asked']:.2f} ({row['asked_sensible']:.2f} sensible){told}", flush=True)
