@@ -263,7 +263,7 @@ class Learner:
         if result.dropped:
             await asyncio.to_thread(self.store.mark_dropped, result.dropped, "loss not finite: dropped by the learner")
         record.update({**result.to_dict(), "sample_ids": ids, "dropped": record["dropped"] + result.dropped})
-        scale = result.step_scale
+        scale = trained = result.step_scale  # the gate may shorten it further
         figures: VersionFigures | None = None
         if not result.skipped and held:
             self._phase(scope, len(batch), "gate")
@@ -278,7 +278,10 @@ class Learner:
         if figures is not None:
             record["figures"] = figures.to_dict()  # what this version gained for its user, and forgot
         result.step_scale = record["step_scale"] = round(scale, 6)  # what serves, if it does: in the manifest too
-        self.trainer.step_sizes.settle(scope, scale, published=not result.skipped)
+        # the KL at the length that serves (or was tried last): by the line search's quadratic
+        # model, the trainer's measured KL times the square of the gate's own shortening
+        kl = result.policy_kl * (scale / trained) ** 2
+        self.trainer.step_sizes.settle(scope, scale, kl, published=not result.skipped)
         if result.skipped:
             await self._return(scope, ids, record, result.skipped)
         else:

@@ -17,11 +17,23 @@ trusted). Plain halving (TRPO's) is the alternative; bench/kl_backtracking.py me
 the SmolLM2 steps that overshoot (BENCHMARKS.md, "No rating lost").
 
 Each scope also remembers where its next step starts (Ziegler et al. 2019 adapt their KL
-coefficient to the KL measured on earlier steps; here it is the step's length that adapts): a
-step that had to be shortened makes the next start no longer than `GROWTH` times the length
-kept, and one not published at all (the floor overshot, or the publish gate refused every
-length) makes the next start below the shortest length tried, so the same samples, tried
-again, are not refused the same way twice.
+coefficient to the KL measured on earlier steps; here it is the step's length that adapts). A
+published step of length s and KL k makes the next start s·√(TARGET_SHARE·max_kl/k) — the same
+quadratic model, read forwards — kept between `GROWTH` and `MAX_GROWTH` times s. At least
+doubling, because starting too long costs one more forward pass (the line search shortens it
+within the step) while starting too short costs a whole update that moves nothing; at most
+`MAX_GROWTH`, because one batch's KL says little about the next one's (0.15-0.99 at full
+length across the length bench's steps). Plain doubling was the rule before: after a refusal
+the start fell to 1/64-1/8 of a step and took 3-5 published updates to come back, each
+training its samples at a policy KL of 0.0001-0.02 against a median of 0.35 for full steps —
+ratings consumed, nothing learnt (BENCHMARKS.md, "Step lengths after a refusal").
+
+A step not published at all (the floor overshot, or the publish gate refused every length)
+makes the next start shorter than the shortest length tried, `MIN_SHRINK` of it, so the same
+samples, tried again, are not refused the same way twice — but not shorter than where the
+model puts its KL at `FLOOR_SHARE` of the limit: a gate that refused a step of KL 0.003 did
+not refuse it for its length (a greedy reply flipped on a near-tie, or the serving version had
+already spent the forgetting budget), and a step shorter still would teach nothing.
 """
 
 from __future__ import annotations
@@ -31,7 +43,8 @@ from dataclasses import asdict, dataclass
 
 TARGET_SHARE = 0.8
 MIN_SHRINK, MAX_SHRINK = 0.25, 0.7
-GROWTH = 2.0
+GROWTH, MAX_GROWTH = 2.0, 8.0
+FLOOR_SHARE = 0.01
 
 
 @dataclass(frozen=True)
@@ -70,17 +83,25 @@ class StepSizes:
         factor = math.sqrt(TARGET_SHARE * self.max_kl / last.kl)
         return last.scale * min(MAX_SHRINK, max(MIN_SHRINK, factor))
 
-    def settle(self, scope: str, scale: float, published: bool) -> None:
+    def settle(self, scope: str, scale: float, kl: float, published: bool) -> None:
         """Where the scope's next step starts: `scale` is the length this step served at when
-        `published`, else the shortest length it tried."""
+        `published`, else the shortest length it tried; `kl` the policy KL at that length."""
         if published:
-            start = min(1.0, scale * GROWTH)
-        else:  # below everything this step tried: its samples come back and must not fail alike
-            start = scale * (self.shrink or MIN_SHRINK)
+            growth = self._fit(kl, TARGET_SHARE)
+            start = scale * min(MAX_GROWTH, max(GROWTH, growth))
+        else:  # shorter than it tried: its samples come back and must not fail alike
+            start = scale * max(self.shrink or MIN_SHRINK, min(1.0, self._fit(kl, FLOOR_SHARE)))
         if start >= 1.0:
             self._start.pop(scope, None)
         else:
             self._start[scope] = start
+
+    def _fit(self, kl: float, share: float) -> float:
+        """By the quadratic model, the factor on a length of KL `kl` that makes its KL `share`
+        of the limit (0 when the KL was not finite: nothing is known but that it went wrong)."""
+        if not math.isfinite(kl):
+            return 0.0
+        return math.sqrt(share * self.max_kl / kl) if kl > 0 else math.inf
 
     def forget(self, scope: str) -> None:
         self._start.pop(scope, None)

@@ -148,12 +148,20 @@ def test_the_line_search_shortens_by_a_quadratic_model_of_the_kl_and_remembers_w
     assert sizes.next_scale([KlTry(1.0, float("nan"))]) is None
     assert sizes.next_scale([KlTry(1.0, 4.0), KlTry(0.5, 2.0), KlTry(0.25, 1.5)]) is None, "the floor: 2 shortenings"
     assert StepSizes(1.0, 4, shrink=0.5).next_scale([KlTry(0.5, 3.0)]) == 0.25
-    sizes.settle("a", 0.3, published=True)
-    assert sizes.start("a") == pytest.approx(0.6), "the next step starts at twice the length that served"
-    sizes.settle("a", 0.1, published=False)
+    sizes.settle("a", 0.3, 0.5, published=True)
+    assert sizes.start("a") == pytest.approx(0.6), "a step near the limit: the next starts at twice its length"
+    sizes.settle("a", 1 / 64, 3e-5, published=True)
+    assert sizes.start("a") == pytest.approx(1 / 8), "a step that moved nothing: eight times, not twice"
+    sizes.settle("a", 0.25, 0.0125, published=True)
+    assert sizes.start("a") == 1.0, "√(0.8 / 0.0125) = 8: back to a whole step"
+    sizes.settle("a", 0.1, 2.0, published=False)
     assert sizes.start("a") == pytest.approx(0.025), "below everything an unpublished step tried"
-    sizes.settle("a", 0.6, published=True)
-    assert sizes.start("a") == 1.0
+    sizes.settle("a", 0.5, 0.04, published=False)
+    assert sizes.start("a") == pytest.approx(0.25), "to where the quadratic model puts its KL at 1% of the limit"
+    sizes.settle("a", 1 / 16, 0.003, published=False)
+    assert sizes.start("a") == pytest.approx(1 / 16), "a step refused at KL 0.003 was not refused for its length"
+    sizes.settle("a", 0.5, float("nan"), published=False)
+    assert sizes.start("a") == pytest.approx(0.125)
 
 
 async def test_an_overshooting_step_is_shortened_along_its_direction_until_it_fits(tiny_model_dir, engine):
