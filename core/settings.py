@@ -470,6 +470,16 @@ class LearnerSettings(BaseSettings):
             wait, ready, with the reason and a try count: a rating is never lost to the brake.
         max_advantage: per-token advantages are clipped to ± this when training, so no sample
             (an outcome standardised over a tiny spread, a bug upstream) dominates an update.
+        replay_coef: each optimizer step also pulls the policy's reading of two passages of
+            shipped everyday prose (learner/probe/replay_text.txt, kept apart from the gate's
+            probe) towards the base model's, weighted by this against the batch's mean per-token
+            loss — InstructGPT's PPO-ptx (Ouyang et al. 2022) mixed pretraining text into its RL
+            updates for the same reason: what an update learns for one person's replies should
+            not leak into how the model reads and writes everything else. Without it the
+            gate's forgetting grew ~3.1 points of perplexity per nat of published KL and the
+            5% bound stopped the length bench after 4-7 updates; at 20, one seed so far, no
+            update was held back and the prose read 1.5% better than the base model's
+            (BENCHMARKS.md, "Step lengths after a refusal, and the forgetting budget"). 0: off.
         empty_guard: where the trained weights give a sample's prompt more than this chance of
             ending the reply before it begins (a stop token first), the update also pushes that
             chance down (a hinge on its log at the reply's first position, learner/trainer.py);
@@ -605,6 +615,9 @@ class LearnerSettings(BaseSettings):
     max_advantage: float = Field(5.0, gt=0, description="Per-token advantages are clipped to ± this in training.")
     empty_guard: float = Field(
         0.002, ge=0, lt=1, description="Training pushes down a first-token stop chance above this (an empty reply); 0 = off."
+    )
+    replay_coef: float = Field(
+        0.0, ge=0, description="Weight of KL(base ‖ policy) on shipped everyday prose in each update (PPO-ptx's replay); 0 = off."
     )
     max_staleness: int = Field(8, ge=0, description="Samples served more than this many versions ago are dropped; 0 = any.")
     max_user_share: float = Field(

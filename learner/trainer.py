@@ -59,6 +59,8 @@ GRAD_CLIP = 1.0
 # reply is ~10-50 tokens, each pushed by an advantage of at most a few units, and the drift
 # towards empty replies is their side effect; one strongly weighted position holds it back.
 EMPTY_GUARD_WEIGHT = 8.0
+# Passages of the replay prose read per optimizer step (replay_coef): two of ~90 tokens each.
+REPLAY_PASSAGES = 2
 EPS = 0.2
 EPS_HIGH = 0.28
 
@@ -87,6 +89,7 @@ class StepResult:
     peak_added_mb: float = 0.0  # the most a training pass added to memory, measured
     distill_kl: float = 0.0  # mean KL(π_θ ‖ π_teacher) over distilled tokens in training (NEXTSTATE_OPD_LOSS=topk)
     guarded: int = 0  # sample passes whose empty-reply chance was over NEXTSTATE_EMPTY_GUARD, and pushed down
+    replay_kl: float = 0.0  # KL(base ‖ policy) per token on the replay prose before each optimizer step, mean (NEXTSTATE_REPLAY_COEF)
 
     @classmethod
     def not_started(cls, scope: str, samples: list[Sample], refusal: Refusal) -> StepResult:
@@ -172,6 +175,8 @@ class LoraTrainer:
         self._base_probe_nll: float | None = None
         self._probe: list[list[int]] | None = None
         self._everyday: list[list[int]] | None = None  # the gate's shipped prompts, rendered once
+        self._replay: list[list[int]] | None = None  # the replay passages, tokenised once
+        self._replay_next = 0  # which passage the next optimizer step reads
         self._renderer: ChatRenderer | None = None
 
     # ---------------------------------------------------------------- scopes
@@ -501,6 +506,30 @@ class LoraTrainer:
                    else self._gathered(held_out, todo, {i: ids for i, (ids, _, _) in kept.items()}))
         return [HintMove(kept[i][1], kept[i][2], version[i]) if i in kept else None for i in range(len(held_out))]
 
+    def _replay_passages(self) -> list[list[int]]:
+        if self._replay is None:
+            tokenizer = self._chat().tokenizer
+            self._replay = [ids for text in shipped_lines("replay_text.txt")
+                            if len(ids := tokenizer.encode(text, add_special_tokens=False)) > 1]
+        return self._replay
+
+    def _replay_backward(self, coef: float) -> float:
+        """Adds to the gradients `coef` times KL(base ‖ policy) per token on the next
+        REPLAY_PASSAGES of the shipped replay prose (settings: replay_coef says why); returns
+        that KL. The base model's side is the same weights with the adapter off, no copy."""
+        passages = self._replay_passages()
+        total = 0.0
+        for _ in range(REPLAY_PASSAGES):
+            ids = torch.tensor([passages[self._replay_next % len(passages)]], device=self.device)
+            self._replay_next += 1
+            with torch.no_grad(), self.model.disable_adapter():
+                base = torch.log_softmax(self.model(input_ids=ids).logits.float(), dim=-1)
+            policy = torch.log_softmax(self.model(input_ids=ids).logits.float(), dim=-1)
+            kl = (base.exp() * (base - policy)).sum(-1).mean()
+            (coef * kl / REPLAY_PASSAGES).backward()
+            total += float(kl.detach()) / REPLAY_PASSAGES
+        return total
+
     def _probe_nll(self) -> float:
         """Mean NLL per token of the general-text probe under the active weights (no grad)."""
         if self._probe is None:
@@ -757,7 +786,7 @@ class LoraTrainer:
         self._before[scope] = (weights_before, optimizer_before)
         dropped: set[int] = set()
         totals = {"loss": 0.0, "pg": 0.0, "kl": 0.0, "clipped": 0.0, "mismatch": 0.0, "grad_norm": 0.0, "distill": 0.0,
-                  "distilled": 0.0, "guarded": 0.0}
+                  "distilled": 0.0, "guarded": 0.0, "replay": 0.0}
         tokens = sum(sum(s.loss_mask) for s in samples)
         mean_adv = sum(a * m for s in samples for a, m in zip(s.advantages, s.loss_mask)) / max(tokens, 1)
         skipped = None
@@ -830,6 +859,8 @@ class LoraTrainer:
                         done += 1
                         if progress is not None:
                             progress(min(done, passes), passes)
+                    if c.replay_coef > 0:  # its gradients are checked with the batch's below
+                        totals["replay"] += self._replay_backward(c.replay_coef)
                     if len(dropped) == len(samples) or not math.isfinite(totals["loss"]) or any(
                         p.grad is not None and not torch.isfinite(p.grad).all() for p in params
                     ):
@@ -875,6 +906,7 @@ class LoraTrainer:
             mean_advantage=mean_adv,
             distill_kl=totals["distill"] / totals["distilled"] if totals["distilled"] else 0.0,
             guarded=int(totals["guarded"]),
+            replay_kl=totals["replay"] / max(steps, 1),
             grad_norm=totals["grad_norm"],
             seconds=time.monotonic() - started,
             skipped=skipped,

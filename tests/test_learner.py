@@ -118,6 +118,24 @@ async def test_a_step_moves_logprobs_the_way_advantages_point(trainer, engine):
     assert all(a > sum(s.old_logprobs) for a, s in zip(after, up))
 
 
+async def test_replay_keeps_the_base_models_reading_of_everyday_prose(tiny_model_dir, engine):
+    """NEXTSTATE_REPLAY_COEF: the same updates drift less on the replay prose with it than
+    without; its KL is reported, and is zero on an update's first step (nothing drifted yet)."""
+    batches = [[make_sample(toks, advantage=1.0) for toks in await generate(engine, 4, seed0=4 * k)] for k in range(3)]
+    drift = {}
+    for coef in (0.0, 50.0):
+        torch.manual_seed(0)
+        t = LoraTrainer(tiny_model_dir, LearnerSettings(lr=2e-2, lora_r=4, lora_alpha=8, replay_coef=coef, max_kl=1e9))
+        results = [t.step("shared", batch) for batch in batches]
+        assert all(r.skipped is None for r in results)
+        if coef:
+            assert results[0].replay_kl == 0.0 and results[-1].replay_kl > 0, "it pulls back what earlier steps drifted"
+        t.model.eval()
+        t._replay_next = 0  # the same passages for both: every one, no pull
+        drift[coef] = sum(t._replay_backward(0.0) for _ in range(len(t._replay_passages()) // 2))
+    assert drift[50.0] < drift[0.0]
+
+
 async def test_bad_steps_are_skipped_and_rolled_back(trainer, engine):
     samples = [make_sample(toks) for toks in await generate(engine, 2)]
     name, params = trainer._activate("shared")
