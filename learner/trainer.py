@@ -507,6 +507,7 @@ class LoraTrainer:
         return [HintMove(kept[i][1], kept[i][2], version[i]) if i in kept else None for i in range(len(held_out))]
 
     def _replay_passages(self) -> list[list[int]]:
+        """The replay prose, tokenised on first use: a learner with replay off never reads it."""
         if self._replay is None:
             tokenizer = self._chat().tokenizer
             self._replay = [ids for text in shipped_lines("replay_text.txt")
