@@ -477,8 +477,9 @@ class LearnerSettings(BaseSettings):
             updates for the same reason: what an update learns for one person's replies should
             not leak into how the model reads and writes everything else. Without it the
             gate's forgetting grew ~3.1 points of perplexity per nat of published KL and the
-            5% bound stopped the length bench after 4-7 updates; at 20, one seed so far, no
-            update was held back and the prose read 1.5% better than the base model's
+            5% bound stopped the length bench after 4-7 updates; at 20 (seeds 0 and 2 so far)
+            one update of 19 was held back, the prose read 1.5% and 4.8% better than the base
+            model's and the wish was met more (0.97, 0.87 against 0.80, 0.59), sense not yet
             (BENCHMARKS.md, "Step lengths after a refusal, and the forgetting budget"). 0: off.
         empty_guard: where the trained weights give a sample's prompt more than this chance of
             ending the reply before it begins (a stop token first), the update also pushes that
