@@ -509,10 +509,14 @@ class LoraTrainer:
     def _replay_passages(self) -> list[list[int]]:
         """The replay prose, tokenised on first use: a learner with replay off never reads it."""
         if self._replay is None:
-            tokenizer = self._chat().tokenizer
-            self._replay = [ids for text in shipped_lines("replay_text.txt")
-                            if len(ids := tokenizer.encode(text, add_special_tokens=False)) > 1]
+            self._replay = self._encoded(shipped_lines("replay_text.txt"))
         return self._replay
+
+    def _encoded(self, texts: list[str]) -> list[list[int]]:
+        """Plain texts as token ids without special tokens (the probe's and the replay's prose),
+        a text of one token left out: it has nothing to predict."""
+        tokenizer = self._chat().tokenizer
+        return [ids for text in texts if len(ids := tokenizer.encode(text, add_special_tokens=False)) > 1]
 
     def _replay_backward(self, coef: float) -> float:
         """Adds to the gradients `coef` times KL(base ‖ policy) per token on the next
@@ -534,9 +538,7 @@ class LoraTrainer:
     def _probe_nll(self) -> float:
         """Mean NLL per token of the general-text probe under the active weights (no grad)."""
         if self._probe is None:
-            tokenizer = self._chat().tokenizer
-            self._probe = [ids for text in probe_passages()
-                           if len(ids := tokenizer.encode(text, add_special_tokens=False)) > 1]
+            self._probe = self._encoded(probe_passages())
         total, tokens = 0.0, 0
         for group in micro_batches([len(ids) - 1 for ids in self._probe], self._pass_tokens):
             rows = [self._probe[i] for i in group]
