@@ -3,6 +3,7 @@
     python -m bench.learner_memory                       # on a GPU: Qwen3-4B and -8B shapes, 4k/16k/32k
     python -m bench.learner_memory --shapes tiny --lengths 256 512   # a check of the script on a CPU
     python -m bench.learner_memory --smol --lengths 8192 --batch 2    # the embedded SmolLM2 on a CPU
+    python -m bench.learner_memory --lengths 4096 --batch 4 --replay-coef 0 20  # what replay adds
 
 The models are built from Qwen3-4B- and Qwen3-8B-shaped configs with random weights (nothing is
 downloaded: memory and speed do not depend on what the weights are), in the learner's own
@@ -17,7 +18,9 @@ trains a real local model instead; on a CPU the figure that matters is what the 
 the resident set (`added_gib`: the peak over what the loaded learner held after one short
 pass — a server has served requests before it trains, so the process's one-time allocations,
 `warmup_gib`, are made by then), one micro-batch's worth. `measured_pass_gib` is what the
-learner's own memory budget measured (learner/memory_budget.py).
+learner's own memory budget measured (learner/memory_budget.py). `--replay-coef` runs each
+length once per weight of NEXTSTATE_REPLAY_COEF: replay's full-vocabulary passes over everyday
+prose happen outside the passes the memory budget plans, so what they add is measured here.
 """
 
 from __future__ import annotations
@@ -111,7 +114,7 @@ def _status_bytes(field: str) -> int:
 
 
 def measure(shape: str, lengths: list[int], batch: int, device: str, micro_batch_tokens: int,
-            model_dir: Path | None = None) -> list[dict]:
+            model_dir: Path | None = None, replay_coefs: tuple[float, ...] = (0.0,)) -> list[dict]:
     settings = LearnerSettings(lr=1e-5, max_train_tokens=max(lengths) + 16, max_kl=1e9, micro_batch_tokens=micro_batch_tokens)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -119,6 +122,9 @@ def measure(shape: str, lengths: list[int], batch: int, device: str, micro_batch
         model_dir = model_dir or build(shape, Path(tmp) / shape, dtype, device)
         trainer = LoraTrainer(model_dir, settings, device=device)
         trainer.ensure_scope("shared")
+        if shape in SHAPES:  # a random-weight model has no tokenizer: replay reads random ids of the prose's length
+            rng = random.Random(1)
+            trainer._replay = [[rng.randrange(10, SHAPES[shape]["vocab_size"]) for _ in range(90)] for _ in range(33)]
         loaded = current_bytes(device)
         reset_peak(device)
         # A server has run its model before the learner's first step (it served the requests
@@ -131,7 +137,8 @@ def measure(shape: str, lengths: list[int], batch: int, device: str, micro_batch
         base = current_bytes(device)
         warmup_gib = round((peak_bytes(device) - loaded) / 2**30, 2)
         reset_peak(device)
-        for length in lengths:
+        for length, replay_coef in [(n, c) for n in lengths for c in replay_coefs]:
+            trainer.settings = settings.model_copy(update={"replay_coef": replay_coef})
             started = time.perf_counter()
             try:
                 vocab = SHAPES[shape]["vocab_size"] if shape in SHAPES else trainer._base.config.vocab_size
@@ -142,12 +149,13 @@ def measure(shape: str, lengths: list[int], batch: int, device: str, micro_batch
             if device == "cuda":
                 torch.cuda.synchronize()
             seconds = time.perf_counter() - started
-            rows.append({"shape": shape, "tokens_per_sample": length, "batch": batch, "seconds": round(seconds, 2),
+            rows.append({"shape": shape, "tokens_per_sample": length, "batch": batch, "replay_coef": replay_coef,
+                         "seconds": round(seconds, 2),
                          "peak_gib": round(peak_bytes(device) / 2**30, 2), "weights_gib": round(base / 2**30, 2),
                          "added_gib": round((peak_bytes(device) - base) / 2**30, 2), "warmup_gib": warmup_gib,
                          "measured_pass_gib": round(result.peak_added_mb / 1024, 2) if not error else None,
                          "pass_tokens": result.pass_tokens if not error else None, "error": error})
-            print(f"{shape}: {length} tokens x {batch}: {rows[-1]['peak_gib']} GiB peak (+{rows[-1]['added_gib']} GiB "
+            print(f"{shape}: {length} tokens x {batch}, replay {replay_coef:g}: {rows[-1]['peak_gib']} GiB peak (+{rows[-1]['added_gib']} GiB "
                   f"over the loaded, warmed-up learner; warm-up +{warmup_gib} GiB; the learner measured its largest "
                   f"pass at +{rows[-1]['measured_pass_gib']} GiB), {seconds:.1f} s"
                   + (f" ({error})" if error else ""), flush=True)
@@ -162,10 +170,13 @@ def measure(shape: str, lengths: list[int], batch: int, device: str, micro_batch
 def plot(result: dict):
     plt = pyplot()
     figure, (mem, speed) = plt.subplots(1, 2, figsize=(11, 4))
-    # One line per shape and batch: a file may gather runs of several batch sizes.
-    for shape, batch in dict.fromkeys((r["shape"], r["batch"]) for r in result["rows"]):
-        rows = [r for r in result["rows"] if (r["shape"], r["batch"]) == (shape, batch) and not r["error"]]
-        label = f"{shape}, batch {batch}"
+    # One line per shape, batch and replay weight: a file may gather runs of several.
+    def line(r: dict) -> tuple:
+        return r["shape"], r["batch"], r.get("replay_coef", 0.0)
+
+    for shape, batch, replay in dict.fromkeys(map(line, result["rows"])):
+        rows = [r for r in result["rows"] if line(r) == (shape, batch, replay) and not r["error"]]
+        label = f"{shape}, batch {batch}" + (f", replay {replay:g}" if replay else "")
         mem.plot([r["tokens_per_sample"] for r in rows], [r["peak_gib"] for r in rows], marker="o", label=label)
         speed.plot([r["tokens_per_sample"] for r in rows], [r["seconds"] for r in rows], marker="o", label=label)
     mem.set(xlabel="tokens per sample", ylabel="peak memory (GiB)", title="one update")
@@ -177,7 +188,8 @@ def plot(result: dict):
 
 def headline(result: dict) -> str:
     return "; ".join(
-        f"{r['shape']} {r['tokens_per_sample']} tok x{r['batch']}: "
+        f"{r['shape']} {r['tokens_per_sample']} tok x{r['batch']}"
+        + (f", replay {r['replay_coef']:g}: " if r.get("replay_coef") else ": ")
         + (f"+{r['added_gib']} GiB over the learner ({r['peak_gib']} GiB peak), {r['seconds']} s" if not r["error"]
            else r["error"][:40])
         for r in result["rows"]
@@ -191,6 +203,8 @@ def main() -> None:
     parser.add_argument("--model", type=Path, help="train this local model directory instead of random shapes")
     parser.add_argument("--lengths", nargs="+", type=int, default=[4096, 16384, 32768])
     parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--replay-coef", nargs="+", type=float, default=[0.0],
+                        help="NEXTSTATE_REPLAY_COEF: each length is trained once per weight given")
     parser.add_argument("--micro-batch-tokens", type=int, default=LearnerSettings().micro_batch_tokens,
                         help="NEXTSTATE_MICRO_BATCH_TOKENS: padded tokens per forward pass (samples packed up to it)")
     args = parser.parse_args()
@@ -201,7 +215,7 @@ def main() -> None:
     model = args.model or (bench_model(smol=True) if args.smol else None)
     shapes = [model.name] if model is not None else args.shapes
     for shape in shapes:
-        rows += measure(shape, args.lengths, args.batch, device, args.micro_batch_tokens, model)
+        rows += measure(shape, args.lengths, args.batch, device, args.micro_batch_tokens, model, tuple(args.replay_coef))
     name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
     save({"benchmark": "learner_memory", "variant": None if device == "cuda" else "-".join(shapes), "device": name,
           "batch": args.batch, "micro_batch_tokens": args.micro_batch_tokens, "rows": rows})
