@@ -64,13 +64,14 @@ def four_ratings(server, seed: int) -> list[dict]:
     return [dict(step) for step in learner.steps]
 
 
-def line_search(trainer, scope: str, samples, shrink: float | None, max_kl: float) -> dict:
-    """One rule's search from the same trained step (trained again from the same state)."""
+def line_search(trainer, scope: str, samples, before, shrink: float | None, max_kl: float) -> dict:
+    """One rule's search from the same trained step (trained again from the same state);
+    `before`: the policy's logprobs of the samples before the step, what its KL is measured from."""
     from nextstate.learner.step_sizes import StepSizes
 
     trainer.step_sizes = StepSizes(max_kl, trainer.settings.kl_backtracks, shrink)
     started = time.monotonic()
-    kl, tries = trainer._fit_kl(scope, samples)
+    kl, tries = trainer._fit_kl(scope, samples, before)
     seconds = time.monotonic() - started
     return {"tries": [t.to_dict() for t in tries], "kept": tries[-1].scale, "kl": kl, "fits": kl <= max_kl,
             "seconds": round(seconds, 2)}
@@ -79,6 +80,8 @@ def line_search(trainer, scope: str, samples, shrink: float | None, max_kl: floa
 def compare_rules(model_dir, samples, max_kl: float) -> dict:
     import copy
 
+    import torch
+
     from nextstate.core.settings import LearnerSettings
     from nextstate.learner.trainer import LoraTrainer
 
@@ -86,6 +89,8 @@ def compare_rules(model_dir, samples, max_kl: float) -> dict:
     trainer = LoraTrainer(model_dir, settings)
     scope = "bench"
     trainer.ensure_scope(scope)
+    with torch.no_grad():  # the fresh adapter is the base model: the policy before the step
+        before = [lp.detach() for lp in trainer._logprobs_each(samples)]
     result = trainer.step(scope, samples)
     trained = [p.detach().clone() for p in trainer._params(trainer.ensure_scope(scope))]
     weights_before, optimizer_before = trainer._before[scope]
@@ -104,14 +109,14 @@ def compare_rules(model_dir, samples, max_kl: float) -> dict:
         back_to_trained()
         if scale < 1:
             trainer.shorten_step(scope, scale)
-        curve.append({"scale": scale, "kl": trainer._policy_kl(samples)})
+        curve.append({"scale": scale, "kl": trainer._policy_kl(samples, before)})
     # the default limit, and one a quarter of this step's own KL, so that every rule must search
     limits = sorted({max_kl, round(curve[0]["kl"] / 4, 4)}, reverse=True)
     rules: dict[str, dict] = {}
     for limit in limits:
         for name, shrink in (("quadratic", None), ("halving", 0.5)):
             back_to_trained()
-            rules.setdefault(name, {})[f"{limit:g}"] = line_search(trainer, scope, samples, shrink, limit)
+            rules.setdefault(name, {})[f"{limit:g}"] = line_search(trainer, scope, samples, before, shrink, limit)
     return {"step_seconds": round(result.seconds, 2), "curve": curve, "limits": limits, "rules": rules}
 
 
