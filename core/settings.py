@@ -482,7 +482,9 @@ class LearnerSettings(BaseSettings):
             read 2% better than the base model's (4% worse without) and the wish was met more
             (0.88 ± 0.08 against 0.77 ± 0.17), sense not (0.43 against 0.40; BENCHMARKS.md,
             "Step lengths after a refusal, and the forgetting budget"). It costs about a fifth
-            more time per update on a CPU and no peak memory on a GPU. 0: off.
+            more time per update on a CPU and no peak memory on a GPU. The default since it
+            and the sampled gate (gate_replies) together learnt the opening word too (BENCHMARKS.md,
+            "Issue 38 in one place"). 0: off.
         empty_guard: where the trained weights give a sample's prompt more than this chance of
             ending the reply before it begins (a stop token first), the update also pushes that
             chance down (a hinge on its log at the reply's first position, learner/trainer.py);
@@ -531,14 +533,18 @@ class LearnerSettings(BaseSettings):
             replies 2.0-2.4 nats/token worse than the base model's own, BENCHMARKS.md). It reads
             the replies `gate_replies` names; greedy ones stayed sensible while sampled ones did
             not, and on sampled ones it held back a few versions without making replies answers.
-        gate_replies: the replies whose repetition the gate measures. `greedy`: one greedy
-            reply per prompt. `sampled`: two replies per prompt sampled at temperature 1 (the
-            OpenAI API's default, what most clients are served), each prompt's with the same
-            random seed for the candidate and the base model (common random numbers: the two
-            differ only where the models do). Greedy replies of a small model fall into loops on
-            near-ties a sampler passes over: on SmolLM2 the gate held back versions at greedy
-            trigram shares of 0.12-0.41 whose sampled replies repeated words at most 0.02 more
-            than the base model's (BENCHMARKS.md).
+        gate_replies: the replies whose repetition the gate measures. `sampled` (the
+            default): two replies per prompt sampled at temperature 1 (the OpenAI API's default,
+            what most clients are served), each prompt's with the same random seed for the
+            candidate and the base model (common random numbers: the two differ only where the
+            models do). `greedy`: one greedy reply per prompt. Greedy replies of a small model
+            fall into loops on near-ties a sampler passes over: on SmolLM2 the gate held back
+            versions at greedy trigram shares of 0.12-0.41 whose sampled replies repeated words
+            at most 0.02 more than the base model's, and over 17 runs of the bench with the
+            sensible user 26 of its 40 refusals were greedy repetition, 12 of them of steps
+            under 0.04 nats a token — too small to teach a loop; one such run stalled at 0.17
+            where the sampled check let it learn the opening word (0.97; BENCHMARKS.md, "Issue
+            38 in one place"). Sampled replies cost ~5 s a check against ~3 s (SmolLM2, CPU).
         learner_dtype: the frozen base model's dtype in the learner; `auto` is bfloat16 on a
             GPU (half the memory of the 4B-32B models the method targets) and float32 on the
             CPU. LoRA weights, optimizer state and the loss math stay float32 whatever it is.
@@ -620,7 +626,7 @@ class LearnerSettings(BaseSettings):
         0.002, ge=0, lt=1, description="Training pushes down a first-token stop chance above this (an empty reply); 0 = off."
     )
     replay_coef: float = Field(
-        0.0, ge=0, description="Weight of KL(base ‖ policy) on shipped everyday prose in each update (PPO-ptx's replay); 0 = off."
+        20.0, ge=0, description="Weight of KL(base ‖ policy) on shipped everyday prose in each update (PPO-ptx's replay); 0 = off."
     )
     max_staleness: int = Field(8, ge=0, description="Samples served more than this many versions ago are dropped; 0 = any.")
     max_user_share: float = Field(
@@ -651,7 +657,7 @@ class LearnerSettings(BaseSettings):
         0.0, ge=0, description="Gate: most nats/token the replies may read worse to the base model than its own; 0 = off."
     )
     gate_replies: Literal["greedy", "sampled"] = Field(
-        "greedy", description="Gate: repetition of greedy replies, or of replies sampled at temperature 1 (common seeds)."
+        "sampled", description="Gate: repetition of greedy replies, or of replies sampled at temperature 1 (common seeds)."
     )
     gate_backtracks: int = Field(
         1, ge=0, description="Gate: times a failing version is tried again at half its step before it is held back."

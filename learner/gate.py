@@ -8,7 +8,7 @@ is scored on recent samples of its scope that it did not train on:
 * **likelihood**: the mean per-token log-probability of the held-out replies that were
   rewarded (reward > 0) must not fall by more than `gate_max_likelihood_drop` nats from the
   serving version's: what users liked stays likely;
-* **repetition**: greedy replies to recent prompts must not repeat themselves (the share of
+* **repetition**: replies to recent prompts must not repeat themselves (the share of
   their token trigrams that repeat an earlier trigram of the same reply) more than
   `gate_max_repetition_rise` above the base model's replies to the same prompts. Trigrams, not
   single tokens: ordinary text repeats "the" and "," all the time but rarely three tokens in a
@@ -23,10 +23,12 @@ is scored on recent samples of its scope that it did not train on:
   one that went unchecked), topped up to eight from everyday questions shipped with the
   package (learner/probe/everyday_questions.txt): a first version trained on a partial batch
   of two to four samples was checked on as many prompts, passed, and then repeated 0.19-0.21 on
-  the next update's eight (the base model: 0.00). With NEXTSTATE_GATE_REPLIES=sampled the
-  replies are two per prompt sampled at temperature 1, the candidate's and the base model's
+  the next update's eight (the base model: 0.00). The replies (NEXTSTATE_GATE_REPLIES=sampled,
+  the default) are two per prompt sampled at temperature 1, the candidate's and the base model's
   from the same seeded draws (trainer.sampled): what a client at the API's default temperature
-  is served, where a greedy reply loops on a near-tie no sampler keeps to;
+  is served. A greedy reply (`greedy`) loops on a near-tie no sampler keeps to, and a step of
+  0.005 nats a token flips which of eight greedy replies loop: such flips were most of the
+  gate's refusals on the bench, and they stalled a scope for good;
 * **empty replies**: the chance that a reply to those prompts ends at its first token (the stop
   tokens' share of the first step's distribution at temperature 1, read from the generation the
   repetition check makes anyway) must not exceed the base model's by more than
