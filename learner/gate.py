@@ -99,7 +99,7 @@ class GateFigures:
     """What one version scores on the held-out samples."""
 
     liked_logprob: float | None  # mean per-token logprob of held-out rewarded replies
-    repetition: float | None  # mean share of repeated trigrams in greedy replies
+    repetition: float | None  # mean share of repeated trigrams in the gate's replies (gate_replies)
     version: VersionFigures | None = None  # gain, kl and forgetting on the scope's held-out turns (learner/held_out.py)
     empty: float | None = None  # mean chance that a reply ends at its first token
     surprise: float | None = None  # how much worse the base model reads the replies than its own (nats/token)
