@@ -114,8 +114,9 @@ def _status_bytes(field: str) -> int:
 
 
 def measure(shape: str, lengths: list[int], batch: int, device: str, micro_batch_tokens: int,
-            model_dir: Path | None = None, replay_coefs: tuple[float, ...] = (0.0,)) -> list[dict]:
+            model_dir: Path | None = None, replay_coefs: tuple[float, ...] | None = None) -> list[dict]:
     settings = LearnerSettings(lr=1e-5, max_train_tokens=max(lengths) + 16, max_kl=1e9, micro_batch_tokens=micro_batch_tokens)
+    replay_coefs = replay_coefs if replay_coefs is not None else (settings.replay_coef,)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         dtype = torch.bfloat16 if device == "cuda" else torch.float32
@@ -203,8 +204,8 @@ def main() -> None:
     parser.add_argument("--model", type=Path, help="train this local model directory instead of random shapes")
     parser.add_argument("--lengths", nargs="+", type=int, default=[4096, 16384, 32768])
     parser.add_argument("--batch", type=int, default=16)
-    parser.add_argument("--replay-coef", nargs="+", type=float, default=[0.0],
-                        help="NEXTSTATE_REPLAY_COEF: each length is trained once per weight given")
+    parser.add_argument("--replay-coef", nargs="+", type=float, default=[LearnerSettings().replay_coef],
+                        help="NEXTSTATE_REPLAY_COEF: each length is trained once per weight given (default: the learner's)")
     parser.add_argument("--micro-batch-tokens", type=int, default=LearnerSettings().micro_batch_tokens,
                         help="NEXTSTATE_MICRO_BATCH_TOKENS: padded tokens per forward pass (samples packed up to it)")
     args = parser.parse_args()
