@@ -544,7 +544,10 @@ class LearnerSettings(BaseSettings):
             sensible user 26 of its 40 refusals were greedy repetition, 12 of them of steps
             under 0.04 nats a token — too small to teach a loop; one such run stalled at 0.17
             where the sampled check let it learn the opening word (0.97; BENCHMARKS.md, "Issue
-            38 in one place"). Sampled replies cost ~5 s a check against ~3 s (SmolLM2, CPU).
+            38 in one place"). Sampled replies cost ~5 s a check against ~3 s (SmolLM2, CPU,
+            short prompts); each prompt is read once per reply, so on an agent's prompts (cut to
+            2048 tokens) the check's prefill is twice greedy's — on two CPU cores with OpenClaw
+            that is minutes a check (greedy: ~2 min for six such prompts), not yet measured.
         learner_dtype: the frozen base model's dtype in the learner; `auto` is bfloat16 on a
             GPU (half the memory of the 4B-32B models the method targets) and float32 on the
             CPU. LoRA weights, optimizer state and the loss math stay float32 whatever it is.
