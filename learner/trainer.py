@@ -606,12 +606,30 @@ class LoraTrainer:
         mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows], device=self.device)
         noise = LogitsProcessorList([SeededGumbel([row_seed(p, j) for p in prompts for j in range(per_prompt)], width)]
                                     if sampled else [])
-        with torch.no_grad():
+        read = {}
+        if per_prompt > 1 and width > 1:
+            read["past_key_values"] = self._read_once(model, ids[::per_prompt, :-1], mask[::per_prompt, :-1], per_prompt)
+        with torch.no_grad(), warnings.catch_warnings():
+            # transformers 5 renames generate's past_key_values to `cache`; 4.56-4.x, which
+            # pyproject allows, know only the old name
+            warnings.filterwarnings("ignore", message="`past_key_values` is deprecated", category=FutureWarning)
             generated = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new,
                                        do_sample=False, use_cache=True, pad_token_id=pad, logits_processor=noise,
-                                       return_dict_in_generate=True, output_logits=True)
+                                       return_dict_in_generate=True, output_logits=True, **read)
         empty = self._empty_chance(model, generated.logits[0][::per_prompt])  # a prompt's rows share their first step
         return Replies([self._until_stop(model, row) for row in generated.sequences[:, width:].tolist()], empty)
+
+    @staticmethod
+    def _read_once(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor, replies: int) -> Any:
+        """The KV cache of each (left-padded) prompt but its last token, read once and repeated
+        for each of its `replies`: an agent's prompt is thousands of tokens, and reading it once
+        per reply doubled the sampled gate check's prefill on a CPU. Positions as generate gives
+        them (from the mask), so the replies are the ones a full read would give."""
+        positions = (mask.long().cumsum(-1) - 1).clamp(min=0)
+        with torch.no_grad():
+            cache = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True).past_key_values
+        cache.batch_repeat_interleave(replies)
+        return cache
 
     @staticmethod
     def _pad_id(model: torch.nn.Module) -> int:

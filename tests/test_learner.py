@@ -732,6 +732,25 @@ def test_the_chance_of_an_empty_reply_is_the_stop_tokens_share_of_the_first_step
     assert trainer.sampled([PROMPT], 4, 2).empty == pytest.approx([float(first[stops].sum())], rel=1e-4)
 
 
+def test_the_gates_sampled_replies_read_each_prompt_once_and_are_the_replies_of_a_full_read(tiny_model_dir, monkeypatch):
+    """Each prompt's cache is read once and repeated for its two replies (an agent's prompt is
+    thousands of tokens); the replies and their empty-reply chances are those of reading each
+    row whole, prompts of different lengths (left-padded) included."""
+    trainer = LoraTrainer(tiny_model_dir, LearnerSettings(lora_r=4, lora_alpha=8, gate_replies="sampled"))
+    trainer.ensure_scope("alice")
+    prompts = [PROMPT[:8], PROMPT, PROMPT[3:20]]
+    rows = []
+    backbone, _ = trainer._backbone_and_head()
+    hook = backbone.register_forward_pre_hook(lambda m, args, kwargs: rows.append(kwargs["input_ids"].shape), with_kwargs=True)
+    shared = trainer.sampled(prompts, 12, 2)
+    hook.remove()
+    assert rows[0] == (3, len(PROMPT) - 1), "three prompts read once, all but their last token"
+    monkeypatch.setattr(LoraTrainer, "_read_once", staticmethod(lambda *args: None))
+    whole = trainer.sampled(prompts, 12, 2)
+    assert shared.ids == whole.ids
+    assert shared.empty == pytest.approx(whole.empty, rel=1e-4)
+
+
 def test_the_gates_sampled_replies_share_their_random_draws_between_candidate_and_base(tiny_model_dir):
     """NEXTSTATE_GATE_REPLIES=sampled: a prompt's replies come from a stream seeded by the prompt
     alone, so the same weights give the same replies whenever asked (a fresh adapter, still the
