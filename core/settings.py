@@ -545,9 +545,9 @@ class LearnerSettings(BaseSettings):
             under 0.04 nats a token — too small to teach a loop; one such run stalled at 0.17
             where the sampled check let it learn the opening word (0.97; BENCHMARKS.md, "Issue
             38 in one place"). Sampled replies cost ~5 s a check against ~3 s (SmolLM2, CPU,
-            short prompts); each prompt is read once per reply, so on an agent's prompts (cut to
-            2048 tokens) the check's prefill is twice greedy's — on two CPU cores with OpenClaw
-            that is minutes a check (greedy: ~2 min for six such prompts), not yet measured.
+            short prompts); each prompt is read once and its cache shared by its two replies, so
+            on an agent's long prompts the check's prefill is greedy's (eight 1500-token prompts:
+            96-126 s against 148-186 s reading it once per reply, 2 busy cores).
         learner_dtype: the frozen base model's dtype in the learner; `auto` is bfloat16 on a
             GPU (half the memory of the 4B-32B models the method targets) and float32 on the
             CPU. LoRA weights, optimizer state and the loss math stay float32 whatever it is.
