@@ -70,6 +70,11 @@ def is_unavailable(exc: BaseException) -> bool:
     return psycopg is not None and isinstance(exc, (psycopg.OperationalError, psycopg.InterfaceError))
 
 
+# PostgreSQL advisory lock held while a process creates or extends the schema: the proxies,
+# judges and learners of a deployment start together, and two adding one column race.
+SCHEMA_LOCK = 7303541
+
+
 class Database:
     def __init__(self, conn: Any, dialect: Dialect, connect: Callable[[], Any] | None = None) -> None:
         self._conn = conn
@@ -94,7 +99,7 @@ class Database:
             db = cls(conn, "postgres", connect)
             with db.transaction():
                 # several processes may create the schema at once: one at a time
-                conn.execute("SELECT pg_advisory_xact_lock(7303541)")
+                conn.execute(f"SELECT pg_advisory_xact_lock({SCHEMA_LOCK})")
                 for statement in schema.format(**_TYPES["postgres"]).split(";"):
                     if statement.strip():
                         conn.execute(statement)
@@ -212,11 +217,13 @@ class Database:
         columns = {column: kind.format(**_TYPES[self.dialect]) for column, kind in columns.items()}
         if self.dialect == "sqlite":
             return add_missing_columns(self._conn, table, columns)
-        rows = self._conn.execute("SELECT column_name FROM information_schema.columns WHERE table_name = %s", (table,))
-        present = {row[0] for row in rows.fetchall()}
-        added = [column for column in columns if column.strip('"') not in present]
-        for column in added:
-            self._conn.execute(f"ALTER TABLE {table} ADD COLUMN {column} {columns[column]}")
+        with self.transaction():  # processes opening one database at once: one adds, the others see it added
+            self._conn.execute(f"SELECT pg_advisory_xact_lock({SCHEMA_LOCK})")
+            rows = self._conn.execute("SELECT column_name FROM information_schema.columns WHERE table_name = %s", (table,))
+            present = {row[0] for row in rows.fetchall()}
+            added = [column for column in columns if column.strip('"') not in present]
+            for column in added:
+                self._conn.execute(f"ALTER TABLE {table} ADD COLUMN {column} {columns[column]}")
         return added
 
     def scrub(self) -> None:
