@@ -215,9 +215,9 @@ class Database:
         """Add the columns (types as in a schema: `{float}`) that `table` lacks — columns added
         since it was first made, so an older database opens with them; returns those added."""
         columns = {column: kind.format(**_TYPES[self.dialect]) for column, kind in columns.items()}
-        if self.dialect == "sqlite":
-            return add_missing_columns(self._conn, table, columns)
         with self.transaction():  # processes opening one database at once: one adds, the others see it added
+            if self.dialect == "sqlite":  # BEGIN IMMEDIATE holds the write lock from the read on
+                return add_missing_columns(self._conn, table, columns)
             self._conn.execute(f"SELECT pg_advisory_xact_lock({SCHEMA_LOCK})")
             rows = self._conn.execute("SELECT column_name FROM information_schema.columns WHERE table_name = %s", (table,))
             present = {row[0] for row in rows.fetchall()}
