@@ -17,6 +17,11 @@ bench/reply_surprise.py), and their mean surprise: what the teacher can show of 
 with an answer. Not a hard ceiling: the binary reward can take a wish further (the opening word
 was learnt to 0.9 sensible where its teacher shows 0.44, BENCHMARKS.md).
 
+Beside the shares, the direction of the hint (bench/hint_shift.py): at the positions of the asked
+replies where the kind's choice is live, how far the hint moves the log-odds of the tokens that
+fit the wish. The default distillation target applies that shift to the policy again at every
+update, so a direction held consistently compounds past what the hinted model writes.
+
 Writes bench/results/teacher_ceiling-<model>.json.
 """
 
@@ -25,6 +30,10 @@ from __future__ import annotations
 import argparse
 import statistics
 
+import torch
+from transformers import AutoModelForCausalLM
+
+from bench.hint_shift import reply_shift, summary, token_class
 from bench.models import bench_model, bench_server
 from bench.personalization import (
     KINDS, TASKS, Preference, _sampled_replies, instruction_for, reference_readings,
@@ -58,8 +67,11 @@ def main() -> None:
 
     policy = bench_model(model=args.policy, smol=args.smol, peaked=True)
     rows = []
+    reader = AutoModelForCausalLM.from_pretrained(policy, dtype=torch.float32).eval()  # the base model's full distributions
     with bench_server(policy, "policy", learn=False, judge_enabled=False) as server:
         turns = server.app.state.services.turns
+        tokenizer = turns.renderer.tokenizer
+        vocab = [tokenizer.decode([i]) for i in range(len(tokenizer))]
         reference = reference_readings(server, args.max_tokens, 1.0)
         for kind in args.kinds:
             rule = f"marker:{args.marker}" if KINDS[kind] == "marker:auto" else KINDS[kind]
@@ -88,15 +100,43 @@ def main() -> None:
                 row[f"{placement}_sensible"], row[f"{placement}_surprise"] = read["score_sensible"], read["surprise"]
                 row[f"{placement}_examples"] = examples[:4]
                 if placement == "asked":
+                    row["shift"] = hint_direction(reader, turns.renderer, token_class(
+                        kind, vocab, list(turns.renderer.stop_token_ids), args.marker), preference.instruction, replies)
                     accepted = [(r["task_index"], task, reply) for r, (task, reply), (_, base) in zip(replies, asked, reads)
                                 if r["score"] and (x := of_reply(task, base, reference)) is not None
                                 and x <= SENSIBLE_SURPRISE]
             told = "".join(f", {p} {row[p]:.2f} ({row[p + '_sensible']:.2f} sensible)" for p in placements[1:])
-            print(f"{kind:8} as asked {row['asked']:.2f} ({row['asked_sensible']:.2f} sensible){told}", flush=True)
+            print(f"{kind:8} as asked {row['asked']:.2f} ({row['asked_sensible']:.2f} sensible){told}"
+                  f"{direction(row['shift'])}", flush=True)
             rows.append(row)
     save({"benchmark": "teacher_ceiling", "model": policy.name, "variant": args.variant,
           "replies_per_placement": args.samples * len(TASKS),
           "max_tokens": args.max_tokens, "kinds": rows})
+
+
+def hint_direction(reader, renderer, cls, instruction: str, replies: list[dict]) -> dict:
+    """bench/hint_shift.py's summary over the asked replies (empty for a kind without a token class)."""
+    if cls is None:
+        return {"positions": 0}
+    shifts, firsts = [], []
+    for r in replies:
+        messages = [{"role": "user", "content": TASKS[r["task_index"]]}]
+        reply = renderer.tokenizer.encode(r["first_reply"], add_special_tokens=False)
+        if not reply:
+            continue
+        at, first = reply_shift(reader, renderer.tokenizer, cls, renderer.render(messages).ids,
+                                renderer.render(enhanced_messages(messages, instruction)).ids, reply)
+        shifts += at
+        firsts.append(first)
+    return summary(shifts, firsts)
+
+
+def direction(shift: dict | None) -> str:
+    if not shift or not shift.get("positions"):
+        return ""
+    return (f"; the hint's shift {shift['mean']:+.2f} nats of log-odds (median {shift['median']:+.2f}, "
+            f"{shift['towards']:.0%} of {shift['positions']} positions the wish's way; first-token mass "
+            f"{shift['first_mass_asked']:.3f} → {shift['first_mass_hinted']:.3f})")
 
 
 def headline(result: dict) -> str:
@@ -107,7 +147,7 @@ def headline(result: dict) -> str:
         return (f", {r['experienced']:.2f} told with accepted replies ({r['experienced_sensible']:.2f} sensible)"
                 if "experienced" in r else "")
 
-    return "; ".join(f"{r['kind']} {r['asked']:.2f} → {r['hinted']:.2f} told{sensible(r)}{experienced(r)}"
+    return "; ".join(f"{r['kind']} {r['asked']:.2f} → {r['hinted']:.2f} told{sensible(r)}{experienced(r)}{direction(r.get('shift'))}"
                      for r in result["kinds"]) + (
         f" (share of {result['replies_per_placement']} replies that fit, as asked → with the hint the teacher reads)")
 

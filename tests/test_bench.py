@@ -295,3 +295,31 @@ def test_the_experienced_teacher_reads_the_wish_then_what_the_person_took():
     assert with_experience("Be brief.", []) == "Be brief."
     hint = with_experience("Be brief.", [("Why is the sky blue?", "Light scatters.")])
     assert hint.startswith("Be brief.\n\n") and hint.endswith("Q: Why is the sky blue?\nA: Light scatters.")
+
+
+def test_the_hint_shift_reads_each_kind_s_tokens_where_its_choice_is_live():
+    import torch
+
+    from bench.hint_shift import shift_at, summary, token_class
+
+    vocab = ["The", " the", "Hello", "-", " item", "\n", ".", "<end>"]
+    assert token_class("opening", vocab, [7]).good.tolist() == [True] + [False] * 7
+    assert token_class("length", vocab, [7]).good.tolist() == [False] * 7 + [True]
+    assert token_class("format", vocab, [7]).good.tolist() == [False, False, False, True, False, False, False, False]
+    case = token_class("case", vocab, [7])
+    assert case.good.tolist() == [False, True, False, False, True, False, False, True]
+    assert case.bad.tolist() == [True, False, True, False, False, False, False, False]
+    assert token_class("topic", vocab, [7]) is None
+
+    asked = torch.log_softmax(torch.zeros(3, len(vocab)), -1)  # even odds everywhere
+    hinted = asked.clone()
+    hinted[:, 3] += 2.0  # the hint raises "-" at every position
+    prefixes = ["", "Hello", "Hello\n"]
+    shifts = shift_at(token_class("format", vocab, [7]), asked, hinted, prefixes)
+    assert len(shifts) == 2 and all(s > 1.5 for s in shifts), "the first position and the one after a line break"
+    assert shift_at(token_class("opening", vocab, [7]), asked, hinted, prefixes) == [0.0], "the hint moved no 'The'"
+    lowered = asked.clone()
+    lowered[:, [0, 2]] -= 1.0  # capitals lose mass
+    assert all(s > 0 for s in shift_at(case, asked, lowered, prefixes)), "capitals hold 2/8 > 10%: every position is live"
+    result = summary([1.0, -1.0, 3.0], [(0.01, 0.05)])
+    assert result["positions"] == 3 and result["median"] == 1.0 and result["towards"] == 0.667
