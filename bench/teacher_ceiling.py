@@ -8,8 +8,9 @@ teach, it must first do itself when told. For each preference kind of `bench.per
 this samples `--samples` replies to each of its 24 tasks from the base model, as its bench does
 (48 tokens, temperature 1), once as the user asked and once with the kind's instruction appended
 to the message as the teacher reads a hint, and scores them with the kind's own rule. A kind the
-hinted model rarely does is one that no self-distillation can teach it: only the rare sampled
-reply that fits, rewarded, can.
+hinted model rarely does is one that distillation towards the hinted model itself
+(NEXTSTATE_OPD_TARGET=teacher) cannot teach; the default target, the hint's shift, is limited
+by the shift's direction instead (below).
 
 Beside each share, the share of replies that fit *and* read as sense (`sensible`: no more than
 2 nats a token stranger to the base model than its own replies to the untold task,
