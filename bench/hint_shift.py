@@ -33,6 +33,8 @@ from dataclasses import dataclass
 
 import torch
 
+from nextstate.learner.distillation import log1mexp
+
 # A position counts for the case kind where the base model gives capitals at least this mass.
 LIVE_CAPITALS = 0.1
 
@@ -50,12 +52,10 @@ class TokenClass:
 def token_class(kind: str, vocab: list[str], end_ids: list[int], marker: str = "The") -> TokenClass | None:
     """The kind's token class over `vocab` (each token id's text), or None for a kind without one."""
     if kind == "opening":
-        good = [bool(t := v.strip()) and (t.startswith(marker) or marker.startswith(t)) for v in vocab]
-        return TokenClass(torch.tensor(good), None, "first")
+        begins = [bool(t := v.strip()) and (t.startswith(marker) or marker.startswith(t)) for v in vocab]
+        return TokenClass(torch.tensor(begins), None, "first")
     if kind == "length":
-        good = torch.zeros(len(vocab), dtype=torch.bool)
-        good[end_ids] = True
-        return TokenClass(good, None, "after_sentence")
+        return TokenClass(torch.isin(torch.arange(len(vocab)), torch.tensor(end_ids)), None, "after_sentence")
     if kind == "format":
         return TokenClass(torch.tensor([v.lstrip().startswith("-") for v in vocab]), None, "line_starts")
     if kind == "case":
@@ -75,6 +75,7 @@ def live_positions(cls: TokenClass, reply_texts: list[str], asked: torch.Tensor)
         return torch.tensor([i > 0 and reply_texts[i].rstrip().endswith((".", "!", "?")) for i in range(n)])
     if cls.live == "line_starts":
         return torch.tensor([i == 0 or reply_texts[i].endswith("\n") for i in range(n)])
+    assert cls.bad is not None, "the capitals' class names its bad tokens"
     return class_logmass(asked, cls.bad).exp() > LIVE_CAPITALS
 
 
@@ -88,7 +89,7 @@ def log_odds(logprobs: torch.Tensor, cls: TokenClass) -> torch.Tensor:
     good = class_logmass(logprobs, cls.good)
     if cls.bad is not None:
         return good - class_logmass(logprobs, cls.bad)
-    return good - torch.log(-torch.expm1(good.clamp(max=-1e-7)))
+    return good - log1mexp(good)
 
 
 def shift_at(cls: TokenClass, asked: torch.Tensor, hinted: torch.Tensor, prefixes: list[str]) -> list[float]:
