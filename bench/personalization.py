@@ -78,7 +78,7 @@ from bench.reply_surprise import REFERENCE_REPLIES, SENSIBLE_SURPRISE, of_reply,
 from bench.report import pyplot, render, save
 from nextstate.core.settings import JudgeSettings, LearnerSettings
 from nextstate.engine.base import SamplingParams
-from nextstate.learner.gate import GATE_PROMPTS
+from nextstate.learner.gate import GATE_PROMPTS, repetition
 from tests.judge_server import ScriptedJudge
 
 MODES = ("none", "binary", "opd", "combined")
@@ -608,13 +608,6 @@ def updates_to_reach(tasks: list[dict], target: float = 0.8, window: int = 16) -
 def task_list(seed: int, n: int) -> list[str]:
     order = random.Random(seed)
     return [TASKS[order.randrange(len(TASKS))] for _ in range(n)]
-
-
-def repetition(text: str) -> float | None:
-    """Share of the reply's words that repeat an earlier one (None under 4 words). The scorer
-    sees only the preference; this shows what learning it cost: degenerate text repeats itself."""
-    words = [w for w in (w.strip(".,;:!?()\"'*").lower() for w in text.split()) if w]
-    return 1 - len(set(words)) / len(words) if len(words) >= 4 else None
 
 
 def mean_repetition(tasks: list[dict], words: int | None = None) -> float | None:

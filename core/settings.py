@@ -517,8 +517,9 @@ class LearnerSettings(BaseSettings):
         publish_gate, gate_max_likelihood_drop, gate_max_repetition_rise: before a version
             serves, it is scored on recent samples it did not train on (learner/gate.py): the
             rewarded replies may not lose more than this many nats per token against the
-            serving version, and its greedy replies may not repeat themselves more than this
-            share above the base model's. A version that fails is tried again at half its
+            serving version, and its replies to recent prompts may not repeat their words (the
+            share of their first 16 that repeat an earlier one) more than this share above the
+            base model's. A version that fails is tried again at half its
             step, `gate_backtracks` times (a backtracking line search); one that still fails
             does not serve.
         gate_max_empty_rise: the most the chance that a reply to recent prompts ends at its
@@ -651,7 +652,7 @@ class LearnerSettings(BaseSettings):
         0.1, ge=0, description="Gate: most nats/token the rewarded held-out replies may lose."
     )
     gate_max_repetition_rise: float = Field(
-        0.1, ge=0, description="Gate: most the greedy replies' repeated-trigram share may exceed the base model's."
+        0.1, ge=0, description="Gate: most the replies' repeated-word share (first 16 words) may exceed the base model's."
     )
     gate_max_empty_rise: float = Field(
         0.02, ge=0, description="Gate: most the chance of an empty reply (a stop token first) may exceed the base model's."

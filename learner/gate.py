@@ -8,12 +8,17 @@ is scored on recent samples of its scope that it did not train on:
 * **likelihood**: the mean per-token log-probability of the held-out replies that were
   rewarded (reward > 0) must not fall by more than `gate_max_likelihood_drop` nats from the
   serving version's: what users liked stays likely;
-* **repetition**: replies to recent prompts must not repeat themselves (the share of
-  their token trigrams that repeat an earlier trigram of the same reply) more than
-  `gate_max_repetition_rise` above the base model's replies to the same prompts. Trigrams, not
-  single tokens: ordinary text repeats "the" and "," all the time but rarely three tokens in a
-  row, degenerate text ("most, most, most") does little else — a first try counting single
-  tokens held back every update of the SmolLM2 bench on noise (base 0.15-0.18). The anchor is the base model, not the serving
+* **repetition**: replies to recent prompts must not repeat themselves (the share of the
+  first REPETITION_WORDS words of each reply that repeat an earlier word of it) more than
+  `gate_max_repetition_rise` above the base model's replies to the same prompts. Words, as the
+  bench's quality figure counts them, not token trigrams as this check first did: trigrams
+  caught loops ("most, most, most") but not a wish spread past its place — the opening word's
+  hard seed served replies whose every line began "The" ("The Sky\nThe Light\nThe Flower"),
+  16-word repetition 0.27 against the base model's ~0.10, while its trigram share stayed under
+  the limit (0.09 at the version where it set in). A loop repeats words as well as trigrams.
+  Single tokens greedily decoded were tried before trigrams and held back every update on noise
+  (base 0.15-0.18); sampled replies cut to the same number of words are steadier (a mean of
+  sixteen moves ~0.03 by chance, bench/results). The anchor is the base model, not the serving
   version, so that small rises cannot pile up version after version. A version that repeats no
   more than the one serving is not refused for it, though: where the serving version is itself
   past the limit, refusing everything near it held every later update back for good (the
@@ -79,6 +84,10 @@ GATE_SAMPLES, GATE_LIKED, GATE_PROMPTS, GATE_NEW_TOKENS = 24, 8, 8, 32
 # With NEXTSTATE_GATE_REPLIES=sampled, replies per prompt: sixteen in all, a mean that one
 # unlucky draw moves by a sixteenth of its repetition.
 GATE_SAMPLED_REPLIES = 2
+# Words of each gate reply its repetition reads: the bench's length-matched quality figure
+# (bench/personalization.py), so the gate guards what the issue's quality target measures.
+# Thirty-two new tokens of SmolLM2 are ~20-25 words.
+REPETITION_WORDS = 16
 # The gate's replies read the last this many tokens of their prompt. An agent's prompts are
 # 5-8k tokens (OpenClaw), and on a CPU prefilling eight of them is most of a check: six
 # OpenClaw prompts of 5.4-7k tokens took 647 s to answer whole and 129 s cut to their last 2048
@@ -99,7 +108,7 @@ class GateFigures:
     """What one version scores on the held-out samples."""
 
     liked_logprob: float | None  # mean per-token logprob of held-out rewarded replies
-    repetition: float | None  # mean share of repeated trigrams in the gate's replies (gate_replies)
+    repetition: float | None  # mean share of repeated words in the gate's replies (gate_replies, first REPETITION_WORDS)
     version: VersionFigures | None = None  # gain, kl and forgetting on the scope's held-out turns (learner/held_out.py)
     empty: float | None = None  # mean chance that a reply ends at its first token
     surprise: float | None = None  # how much worse the base model reads the replies than its own (nats/token)
@@ -131,12 +140,14 @@ class GateVerdict:
         return asdict(self)
 
 
-def repetition(token_ids: list[int]) -> float | None:
-    """Share of the reply's token trigrams that repeat an earlier one (None under 6 tokens)."""
-    if len(token_ids) < 6:
-        return None
-    trigrams = [tuple(token_ids[i : i + 3]) for i in range(len(token_ids) - 2)]
-    return 1 - len(set(trigrams)) / len(trigrams)
+def repetition(text: str, words: int | None = None) -> float | None:
+    """Share of the reply's words (its first `words`, with a number) that repeat an earlier one,
+    case and surrounding punctuation aside; None under 4 words. The gate reads REPETITION_WORDS,
+    since longer replies repeat more ("the", "a") without degenerating, and a wish that
+    lengthens replies would read as repetition; the bench reads whole replies as well."""
+    cut = text.split()[:words] if words is not None else text.split()
+    kept = [w for w in (w.strip(".,;:!?()\"'*").lower() for w in cut) if w]
+    return 1 - len(set(kept)) / len(kept) if len(kept) >= 4 else None
 
 
 def surprise(read: list[float], own: list[list[float]]) -> float | None:

@@ -31,7 +31,7 @@ from transformers import LogitsProcessorList
 from nextstate.core.settings import LearnerSettings
 from nextstate.core.types import Sample
 from nextstate.learner.distillation import shifted_target, teacher_topk, topk_reverse_kl, with_tail
-from nextstate.learner.gate import GATE_SAMPLED_REPLIES, GateFigures, Replies, mean, repetition, surprise
+from nextstate.learner.gate import GATE_SAMPLED_REPLIES, REPETITION_WORDS, GateFigures, Replies, mean, repetition, surprise
 from nextstate.learner.learning_rate import resolve_learning_rate
 from nextstate.learner.held_out import HintMove, VersionFigures, figures as held_out_figures, probe_passages, shipped_lines
 from nextstate.learner.host_memory import release_freed_memory
@@ -565,13 +565,17 @@ class LoraTrainer:
             return GateFigures(mean(per_token), repeats, empty=empty,
                                surprise=0.0 if self.settings.gate_max_surprise and prompts else None)
         replies = self.gate_replies(prompts, max_new)
-        figures = GateFigures(mean(per_token), mean([repetition(r) for r in replies.ids]), empty=mean(replies.empty))
+        figures = GateFigures(mean(per_token), mean([self._repetition(r) for r in replies.ids]), empty=mean(replies.empty))
         if self.settings.gate_max_surprise and prompts:
             own = self.base_own_readings(prompts, max_new)
             per_prompt = len(replies.ids) // len(prompts)
             read = self.base_readings([p for p in prompts for _ in range(per_prompt)], replies.ids)
             figures.surprise = mean([surprise(r, own[i // per_prompt]) for i, r in enumerate(read)])
         return figures
+
+    def _repetition(self, reply: list[int]) -> float | None:
+        """A gate reply's repetition, read in words as learner/gate.py says."""
+        return repetition(self._chat().tokenizer.decode(reply, skip_special_tokens=True), REPETITION_WORDS)
 
     def gate_replies(self, prompts: list[list[int]], max_new: int) -> Replies:
         """The active weights' replies whose repetition the gate measures (`gate_replies`)."""
@@ -717,7 +721,7 @@ class LoraTrainer:
                           else self.sampled([p for _, p in missing], max_new, n))
             read = (self.base_readings([p for _, p in missing for _ in range(n)], answer.ids)
                     if self.settings.gate_max_surprise else [[] for _ in answer.ids])
-            per_prompt = [([repetition(r) for r in answer.ids[j * n:(j + 1) * n]], empty, read[j * n:(j + 1) * n])
+            per_prompt = [([self._repetition(r) for r in answer.ids[j * n:(j + 1) * n]], empty, read[j * n:(j + 1) * n])
                           for j, empty in enumerate(answer.empty)]
             self._base_replies.update((key, figures) for (key, _), figures in zip(missing, per_prompt))
         repeats = mean([v for k in keys for v in self._base_replies[k][0]])

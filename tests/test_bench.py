@@ -10,7 +10,7 @@ import pytest
 
 from bench.personalization import (
     INSTRUCTIONS, NOT_AN_ANSWER, THANKS, ChatModel, ModelScorer, ModelUser, Preference, PreferenceJudge, RuleScorer,
-    RuleUser, TASKS, final_evaluation, headline, held_out_nll, mean_repetition, react, report, repetition, run_mode,
+    RuleUser, TASKS, final_evaluation, headline, held_out_nll, mean_repetition, react, report, run_mode,
     summarise,
 )
 from bench.models import bench_server
@@ -50,12 +50,6 @@ def test_rule_preferences(rule, fits, misses):
     assert RuleUser(preference).react("Name a colour.", fits) == (True, THANKS)
     fitted, reaction = RuleUser(preference).react("Name a colour.", misses)
     assert not fitted and reaction.startswith("No,") and "Always do it." in reaction and reaction.endswith("Name a colour.")
-
-
-def test_repetition_sees_degenerate_text():
-    assert repetition("The sea is calm and blue tonight.") == 0
-    assert repetition("The most, most, most. The most!") == pytest.approx(1 - 2 / 6)
-    assert repetition("Too short.") is None
 
 
 def test_length_matched_repetition_compares_equal_lengths():

@@ -10,9 +10,13 @@ from tests.test_learner import feed, learning_server, served_samples, wait_for
 
 
 def test_the_verdict_rules():
-    assert repetition([1, 2, 3]) is None and repetition([1, 2, 3, 4, 5, 6]) == 0
-    assert repetition([7, 8, 7, 8, 7, 8]) == 0.5, "(7,8,7) and (8,7,8) each come back once"
-    assert repetition([1, 2, 1, 3, 1, 4, 1, 5]) == 0, "a token coming back is not a repeated phrase"
+    assert repetition("Too short.") is None and repetition("The sea is calm tonight.") == 0
+    assert repetition("The most, most, most. The most!") == pytest.approx(1 - 2 / 6), "case and punctuation aside"
+    # a wish spread past its place repeats words, not trigrams: the opening word's hard seed
+    spread = "The Sky\nThe Light\nThe Flower\nThe Starlight exceed Bounds\nThe sea of cephalopods"
+    assert repetition(spread) == pytest.approx(4 / 14)
+    # the gate reads a reply's first words only: a longer reply repeats "the" without degenerating
+    assert repetition("one two three four the five six seven the", 8) == 0 < repetition("one two three four the five six seven the")
     ok = verdict_from_figures(GateFigures(-2.0, 0.1), GateFigures(-2.05, 0.12), 0.1, max_likelihood_drop=0.1,
                        max_repetition_rise=0.05, held_out=4, prompts=4)
     assert ok.passed and ok.reasons == []
