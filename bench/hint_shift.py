@@ -20,6 +20,11 @@ Token classes per kind (a token "fits" by its text):
            lowercase letters and no capital against tokens with a capital.
 The topic kind has no token class (a word to avoid is spelt by many tokens).
 
+Where a wish belongs at one place, the same tokens' shift at the places it does not is the
+spill (`spill_of`): the opening word's "The" at the start of every later line and sentence.
+The shift target compounds a spill as it compounds the wish; a version of the opening word's
+hard seed served replies whose every line began "The" (BENCHMARKS.md, twelfth pass).
+
 Why the hint moves a token is not asked: part of it is plainly the hinted prompt holding the
 token ("- " in the list instruction; even the random tiny test model shows a shift towards it).
 For the learner that does not matter — it compounds whatever the ratio says — but it is why a
@@ -46,7 +51,7 @@ class TokenClass:
 
     good: torch.Tensor  # [vocab] bool
     bad: torch.Tensor | None
-    live: str  # "first", "after_sentence", "line_starts", "capitals"
+    live: str  # "first", "after_sentence", "line_starts", "later_starts", "capitals"
 
 
 def token_class(kind: str, vocab: list[str], end_ids: list[int], marker: str = "The") -> TokenClass | None:
@@ -65,6 +70,12 @@ def token_class(kind: str, vocab: list[str], end_ids: list[int], marker: str = "
     return None
 
 
+def spill_of(cls: TokenClass) -> TokenClass | None:
+    """A first-position wish's tokens at the start of every later line and sentence (None for
+    a kind whose choice is live all through the reply)."""
+    return TokenClass(cls.good, cls.bad, "later_starts") if cls.live == "first" else None
+
+
 def live_positions(cls: TokenClass, reply_texts: list[str], asked: torch.Tensor) -> torch.Tensor:
     """[n] bool: the reply positions where the kind's choice is live. `reply_texts[i]` is the
     text of the reply's tokens before position i; `asked` the base model's log-probabilities."""
@@ -75,6 +86,9 @@ def live_positions(cls: TokenClass, reply_texts: list[str], asked: torch.Tensor)
         return torch.tensor([i > 0 and reply_texts[i].rstrip().endswith((".", "!", "?")) for i in range(n)])
     if cls.live == "line_starts":
         return torch.tensor([i == 0 or reply_texts[i].endswith("\n") for i in range(n)])
+    if cls.live == "later_starts":
+        return torch.tensor([i > 0 and (reply_texts[i].endswith("\n") or reply_texts[i].rstrip().endswith((".", "!", "?")))
+                             for i in range(n)])
     assert cls.bad is not None, "the capitals' class names its bad tokens"
     return class_logmass(asked, cls.bad).exp() > LIVE_CAPITALS
 

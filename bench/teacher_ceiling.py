@@ -34,7 +34,7 @@ import statistics
 import torch
 from transformers import AutoModelForCausalLM
 
-from bench.hint_shift import reply_shift, summary, token_class
+from bench.hint_shift import reply_shift, spill_of, summary, token_class
 from bench.models import bench_model, bench_server
 from bench.personalization import (
     KINDS, TASKS, Preference, _sampled_replies, instruction_for, reference_readings,
@@ -101,14 +101,17 @@ def main() -> None:
                 row[f"{placement}_sensible"], row[f"{placement}_surprise"] = read["score_sensible"], read["surprise"]
                 row[f"{placement}_examples"] = examples[:4]
                 if placement == "asked":
-                    row["shift"] = hint_direction(reader, turns.renderer, token_class(
-                        kind, vocab, list(turns.renderer.stop_token_ids), args.marker), preference.instruction, replies)
+                    cls = token_class(kind, vocab, list(turns.renderer.stop_token_ids), args.marker)
+                    row["shift"] = hint_direction(reader, turns.renderer, cls, preference.instruction, replies)
+                    spill = spill_of(cls) if cls is not None else None
+                    row["spill"] = hint_direction(reader, turns.renderer, spill, preference.instruction, replies)
                     accepted = [(r["task_index"], task, reply) for r, (task, reply), (_, base) in zip(replies, asked, reads)
                                 if r["score"] and (x := of_reply(task, base, reference)) is not None
                                 and x <= SENSIBLE_SURPRISE]
             told = "".join(f", {p} {row[p]:.2f} ({row[p + '_sensible']:.2f} sensible)" for p in placements[1:])
+            spilt = f"; at later line and sentence starts{direction(row['spill'], first=False)[1:]}" if row["spill"].get("positions") else ""
             print(f"{kind:8} as asked {row['asked']:.2f} ({row['asked_sensible']:.2f} sensible){told}"
-                  f"{direction(row['shift'])}", flush=True)
+                  f"{direction(row['shift'])}{spilt}", flush=True)
             rows.append(row)
     save({"benchmark": "teacher_ceiling", "model": policy.name, "variant": args.variant,
           "replies_per_placement": args.samples * len(TASKS),
@@ -132,12 +135,12 @@ def hint_direction(reader, renderer, cls, instruction: str, replies: list[dict])
     return summary(shifts, firsts)
 
 
-def direction(shift: dict | None) -> str:
+def direction(shift: dict | None, first: bool = True) -> str:
     if not shift or not shift.get("positions"):
         return ""
+    mass = f"; first-token mass {shift['first_mass_asked']:.3f} → {shift['first_mass_hinted']:.3f}" if first else ""
     return (f"; the hint's shift {shift['mean']:+.2f} nats of log-odds (median {shift['median']:+.2f}, "
-            f"{shift['towards']:.0%} of {shift['positions']} positions the wish's way; first-token mass "
-            f"{shift['first_mass_asked']:.3f} → {shift['first_mass_hinted']:.3f})")
+            f"{shift['towards']:.0%} of {shift['positions']} positions the wish's way{mass})")
 
 
 def headline(result: dict) -> str:

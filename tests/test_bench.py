@@ -294,7 +294,7 @@ def test_the_experienced_teacher_reads_the_wish_then_what_the_person_took():
 def test_the_hint_shift_reads_each_kind_s_tokens_where_its_choice_is_live():
     import torch
 
-    from bench.hint_shift import shift_at, summary, token_class
+    from bench.hint_shift import shift_at, spill_of, summary, token_class
 
     vocab = ["The", " the", "Hello", "-", " item", "\n", ".", "<end>"]
     assert token_class("opening", vocab, [7]).good.tolist() == [True] + [False] * 7
@@ -312,6 +312,14 @@ def test_the_hint_shift_reads_each_kind_s_tokens_where_its_choice_is_live():
     shifts = shift_at(token_class("format", vocab, [7]), asked, hinted, prefixes)
     assert len(shifts) == 2 and all(s > 1.5 for s in shifts), "the first position and the one after a line break"
     assert shift_at(token_class("opening", vocab, [7]), asked, hinted, prefixes) == [0.0], "the hint moved no 'The'"
+    # the opening word's spill: "The" at the start of a later line or sentence, not at the first token
+    raised = asked.clone()
+    raised[:, 0] += 1.0
+    raised = torch.log_softmax(raised, -1)  # the odds of "The" times e: a log-odds shift of 1
+    spill = spill_of(token_class("opening", vocab, [7]))
+    assert shift_at(spill, asked, raised, ["", "Hello.", "Hello\n"]) == pytest.approx([1.0, 1.0], abs=1e-5)
+    assert shift_at(spill, asked, raised, ["", "Hello", "Hello there"]) == [], "no line or sentence began"
+    assert spill_of(token_class("format", vocab, [7])) is None, "a list's choice is live at every line already"
     lowered = asked.clone()
     lowered[:, [0, 2]] -= 1.0  # capitals lose mass
     assert all(s > 0 for s in shift_at(case, asked, lowered, prefixes)), "capitals hold 2/8 > 10%: every position is live"
