@@ -18,7 +18,9 @@ is scored on recent samples of its scope that it did not train on:
   the limit (0.09 at the version where it set in). A loop repeats words as well as trigrams.
   Single tokens greedily decoded were tried before trigrams and held back every update on noise
   (base 0.15-0.18); sampled replies cut to the same number of words are steadier (a mean of
-  sixteen moves ~0.03 by chance, bench/results). The anchor is the base model, not the serving
+  sixteen moves ~0.03 by chance, bench/results). Words are split at spaces: replies in a script
+  written without them (Chinese, Japanese) read as under four words and go unchecked, where
+  trigrams checked them — a gap left open (issue 38's notes). The anchor is the base model, not the serving
   version, so that small rises cannot pile up version after version. A version that repeats no
   more than the one serving is not refused for it, though: where the serving version is itself
   past the limit, refusing everything near it held every later update back for good (the
