@@ -80,15 +80,16 @@ def live_positions(cls: TokenClass, reply_texts: list[str], asked: torch.Tensor)
     """[n] bool: the reply positions where the kind's choice is live. `reply_texts[i]` is the
     text of the reply's tokens before position i; `asked` the base model's log-probabilities."""
     n = asked.shape[0]
+    sentence_ended = [text.rstrip().endswith((".", "!", "?")) for text in reply_texts[:n]]
+    line_broken = [text.endswith("\n") for text in reply_texts[:n]]
     if cls.live == "first":
         return torch.arange(n) == 0
     if cls.live == "after_sentence":
-        return torch.tensor([i > 0 and reply_texts[i].rstrip().endswith((".", "!", "?")) for i in range(n)])
+        return torch.tensor([i > 0 and sentence_ended[i] for i in range(n)])
     if cls.live == "line_starts":
-        return torch.tensor([i == 0 or reply_texts[i].endswith("\n") for i in range(n)])
+        return torch.tensor([i == 0 or line_broken[i] for i in range(n)])
     if cls.live == "later_starts":
-        return torch.tensor([i > 0 and (reply_texts[i].endswith("\n") or reply_texts[i].rstrip().endswith((".", "!", "?")))
-                             for i in range(n)])
+        return torch.tensor([i > 0 and (line_broken[i] or sentence_ended[i]) for i in range(n)])
     assert cls.bad is not None, "the capitals' class names its bad tokens"
     return class_logmass(asked, cls.bad).exp() > LIVE_CAPITALS
 

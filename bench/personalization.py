@@ -616,9 +616,8 @@ def mean_repetition(tasks: list[dict], words: int | None = None) -> float | None
     without degenerating, and learning the preference lengthened SmolLM2's replies."""
     texts = [t["first_reply"] for t in tasks]
     if words is not None:
-        cut = [text.split() for text in texts]
-        texts = [" ".join(w[:words]) for w in cut if len(w) >= words]
-    values = [r for r in (repetition(text) for text in texts) if r is not None]
+        texts = [text for text in texts if len(text.split()) >= words]
+    values = [r for r in (repetition(text, words) for text in texts) if r is not None]
     return round(statistics.fmean(values), 3) if values else None
 
 
