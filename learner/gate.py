@@ -18,9 +18,9 @@ is scored on recent samples of its scope that it did not train on:
   the limit (0.09 at the version where it set in). A loop repeats words as well as trigrams.
   Single tokens greedily decoded were tried before trigrams and held back every update on noise
   (base 0.15-0.18); sampled replies cut to the same number of words are steadier (a mean of
-  sixteen moves ~0.03 by chance, bench/results). Words are split at spaces: replies in a script
-  written without them (Chinese, Japanese) read as under four words and go unchecked, where
-  trigrams checked them — a gap left open (issue 38's notes). The anchor is the base model, not the serving
+  sixteen moves ~0.03 by chance, bench/results). Words are split at spaces, and in a script
+  written without them (Chinese, Japanese) each character is a word, so such replies are
+  checked too (Thai and other unspaced alphabets still are not). The anchor is the base model, not the serving
   version, so that small rises cannot pile up version after version. A version that repeats no
   more than the one serving is not refused for it, though: where the serving version is itself
   past the limit, refusing everything near it held every later update back for good (the
@@ -64,6 +64,7 @@ skipped and says so.
 from __future__ import annotations
 
 import logging
+import re
 import time
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -142,13 +143,24 @@ class GateVerdict:
         return asdict(self)
 
 
+# In Chinese and Japanese, written without spaces, each Han character or kana counts as a word
+# (a morpheme or a syllable): a reply would otherwise be one "word" and go unchecked. Thai and
+# other unspaced alphabets are not split: their characters are letters, which repeat by nature.
+_UNSPACED = "\u3040-\u30ff\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff"
+_WORD = re.compile(f"[{_UNSPACED}]|[^\\s{_UNSPACED}]+")
+# Punctuation around a word, including the full-width marks of those scripts.
+_AROUND = ".,;:!?()\"'*\u3001\u3002\uff01\uff0c\uff1a\uff1b\uff1f\u300c\u300d\uff08\uff09"
+
+
 def repetition(text: str, words: int | None = None) -> float | None:
     """Share of the reply's words (its first `words`, with a number) that repeat an earlier one,
     case and surrounding punctuation aside; None under 4 words. The gate reads REPETITION_WORDS,
     since longer replies repeat more ("the", "a") without degenerating, and a wish that
-    lengthens replies would read as repetition; the bench reads whole replies as well."""
-    cut = text.split()[:words] if words is not None else text.split()
-    kept = [w for w in (w.strip(".,;:!?()\"'*").lower() for w in cut) if w]
+    lengthens replies would read as repetition; the bench reads whole replies as well. In a
+    script written without spaces each character counts as a word (`_UNSPACED`)."""
+    found = _WORD.findall(text)
+    cut = found[:words] if words is not None else found
+    kept = [w for w in (w.strip(_AROUND).lower() for w in cut) if w]
     return 1 - len(set(kept)) / len(kept) if len(kept) >= 4 else None
 
 

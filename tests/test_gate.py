@@ -17,6 +17,9 @@ def test_the_verdict_rules():
     assert repetition(spread) == pytest.approx(4 / 14)
     # the gate reads a reply's first words only: a longer reply repeats "the" without degenerating
     assert repetition("one two three four the five six seven the", 8) == 0 < repetition("one two three four the five six seven the")
+    # Chinese and Japanese have no spaces: each character is a word, so a loop there is seen too
+    assert repetition("今天天气很好") == pytest.approx(1 / 6) and repetition("好的好的好的好的") == pytest.approx(6 / 8)
+    assert repetition("これはペンです。これはペンです。") == pytest.approx(7 / 14), "kana, full-width stops aside"
     ok = verdict_from_figures(GateFigures(-2.0, 0.1), GateFigures(-2.05, 0.12), 0.1, max_likelihood_drop=0.1,
                        max_repetition_rise=0.05, held_out=4, prompts=4)
     assert ok.passed and ok.reasons == []
