@@ -939,6 +939,7 @@ def main() -> None:
         "judge": args.judge_url and f"{args.judge_model} at {args.judge_url}" or (
             "the default (the served model itself)" if args.feedback or args.served_judge else "rules (PreferenceJudge)"),
         "judge_fallback": args.judge_fallback or JudgeSettings().judge_fallback,
+        "hindsight_contrast": overrides(args.set).get("hindsight_contrast", JudgeSettings().hindsight_contrast),
         "accepted_after_correction": (args.accepted_after_correction == "on" if args.accepted_after_correction
                                       else JudgeSettings().accepted_after_correction),
         "overrides": overrides(args.set),

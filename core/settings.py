@@ -349,6 +349,12 @@ class JudgeSettings(BaseSettings):
             reply with: ...", scored by the served base model — no votes, no reward, the
             teacher's token-level view only (judge/hindsight.py); `ratings` leaves the next
             states unjudged and only explicit feedback trains.
+        hindsight_contrast: what such a hint's shift is measured against in the base model.
+            `placebo` (default): the same hint with the next state's words shuffled, so that
+            what the bare presence of the person's words adds (a small model copies them)
+            cancels and what their sentence says stays (judge/hindsight.py; BENCHMARKS.md,
+            "Next states alone: the placebo"). `prompt`: the turn's own prompt, as a judge's
+            hint and a correction are measured.
         reward_baseline: `batch` centres each personal sample's reward on the mean reward of the
             other samples with a verdict in its batch (leave-one-out, RLOO's baseline; the batch
             is one scope's), so that a step raises what was better than the rest instead of
@@ -380,6 +386,9 @@ class JudgeSettings(BaseSettings):
     )
     judge_fallback: Literal["hindsight", "ratings"] = Field(
         "hindsight", description="A judge that fails its check: next states teach as OPD hints (hindsight), or only ratings train."
+    )
+    hindsight_contrast: Literal["placebo", "prompt"] = Field(
+        "placebo", description="A next state's hint is measured against its words shuffled (placebo) or the turn's own prompt."
     )
     judge_base_url: str | None = Field(
         None, description="OpenAI-compatible judge endpoint; unset = the served base model, in-process."

@@ -121,6 +121,10 @@ class Sample(BaseModel):
         None, description="The prompt with the hint, as the OPD teacher reads it: the learner distils the teacher's "
         "next-token distribution after it (NEXTSTATE_OPD_LOSS=topk, learner/distillation.py)."
     )
+    contrast_prompt_ids: list[int] | None = Field(
+        None, description="What the hint's shift is measured against in the base model, where not the sample's own "
+        "prompt: the same hint's placebo (judge/hindsight.py)."
+    )
     distill_weight: float | None = Field(
         None, description="Weight of the reverse KL to the teacher's distribution in its loss; None: the teacher's "
         "gap, if any, is in its advantages (NEXTSTATE_OPD_LOSS=sampled)."

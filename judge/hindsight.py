@@ -14,9 +14,22 @@ hint a judge would extract, and a plain "thanks" raises what was liked.
 
 Only the person's words and tool results are used; an agent's own notices never reach here
 (judge/service.py handles them first) and its wrappers are removed (`Unwrap`).
+
+**The placebo** (`hindsight_placebo`, NEXTSTATE_HINDSIGHT_CONTRAST=placebo, the default). The
+shift the learner distils is what the hint changes in the base model. Measured against the
+prompt without the hint, that change holds the hint's meaning *and* the bare presence of its
+words, which a small model copies: on SmolLM2, next states alone taught the length wish to
+0.50 with replies that echoed the person ("No, that response was not answered.", BENCHMARKS.md,
+twelfth pass). So the shift is measured against the same hint with the words of the next state
+in a shuffled order: the same words present, their sentence gone. What copying adds cancels;
+what the sentence says stays. Sampling from the compounded shift (bench/hindsight_echo.py):
+replies that echo the reaction 0.75-1.00 → 0.00-0.08, replies that fit the length wish after
+a miss 0.25-0.33 → 0.33-0.42 (base model 0.08).
 """
 
 from __future__ import annotations
+
+import random
 
 from nextstate.core.types import NextState
 from nextstate.judge.context import Unwrap, clip_text, message_text
@@ -25,14 +38,34 @@ from nextstate.judge.context import Unwrap, clip_text, message_text
 LEADS = {"user": "The user answered this reply with: ", "tool": "The tool call returned: "}
 
 
-def hindsight_hint(next_state: NextState, max_chars: int, unwrap: Unwrap | None = None) -> str | None:
-    """The next state as a hint for the OPD teacher, or None when it holds no words to learn
-    from (an empty message, or only the assistant's own)."""
+def _parts(next_state: NextState, unwrap: Unwrap | None) -> list[tuple[str, str]]:
+    """(lead, words) of each message of the next state that teaches."""
     unwrap = unwrap or Unwrap()
     parts = []
     for message in next_state.messages:
         lead = LEADS.get(str(message.get("role")))
         text = unwrap(message_text(message)).strip() if lead else ""
         if text:
-            parts.append(lead + text)
-    return clip_text("\n".join(parts), max_chars) if parts else None
+            parts.append((lead, text))
+    return parts
+
+
+def hindsight_hint(next_state: NextState, max_chars: int, unwrap: Unwrap | None = None) -> str | None:
+    """The next state as a hint for the OPD teacher, or None when it holds no words to learn
+    from (an empty message, or only the assistant's own)."""
+    parts = _parts(next_state, unwrap)
+    return clip_text("\n".join(lead + text for lead, text in parts), max_chars) if parts else None
+
+
+def hindsight_placebo(next_state: NextState, max_chars: int, unwrap: Unwrap | None = None) -> str | None:
+    """The hint's placebo: the same leads, each message's words shuffled (the same way every
+    time for the same words: a sample judged twice gets one placebo), or None as the hint."""
+    parts = _parts(next_state, unwrap)
+    return clip_text("\n".join(lead + scrambled(text) for lead, text in parts), max_chars) if parts else None
+
+
+def scrambled(text: str) -> str:
+    """`text`'s words in an order drawn from the text itself."""
+    words = text.split()
+    random.Random(text).shuffle(words)
+    return " ".join(words)

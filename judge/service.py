@@ -34,7 +34,7 @@ from nextstate.judge.advantages import step_reward, token_advantages, with_outco
 from nextstate.judge.client import JudgeClient
 from nextstate.judge.calibration import Calibration
 from nextstate.judge.context import FENCE_NOTE, Unwrap, prompt_values
-from nextstate.judge.hindsight import hindsight_hint
+from nextstate.judge.hindsight import hindsight_hint, hindsight_placebo
 from nextstate.judge.parsing import majority_vote, parse_hint, parse_score, select_hint
 from nextstate.judge.prompts import PromptLibrary
 from nextstate.judge.stats import JudgeStats, Vote
@@ -316,6 +316,9 @@ class Judge:
             return self.sample(turn, "dropped", "hindsight: the next state has no words to learn from")
         await self.quiet()
         teacher = await self.teacher(turn, hint, detail)
+        if cfg.hindsight_contrast == "placebo":  # what copying the words adds cancels (judge/hindsight.py)
+            placebo = hindsight_placebo(transition.next_state, MAX_HINT_CHARS, self._unwrap)
+            teacher = teacher.against(await self.teacher(turn, placebo or hint, detail))
         w_opd = 1.0 if cfg.mode == "opd" else cfg.w_opd
         self.guarantee.accepted((turn.user, turn.session_id))
         return self.sample(turn, "ready", "hindsight: the next state as the hint (the judge is benched)", 0.0,

@@ -65,11 +65,23 @@ class TeacherSignal:
 
     logprobs: list[float] | None = None
     prompt_ids: list[int] | None = None
+    # What the hint's effect is measured against, where not the turn's own prompt and its
+    # sampler: the same teacher reading a placebo of the hint (judge/hindsight.py).
+    contrast_logprobs: list[float] | None = None
+    contrast_prompt_ids: list[int] | None = None
+
+    def against(self, placebo: TeacherSignal) -> TeacherSignal:
+        """This hint's signal, measured against `placebo`'s instead of the turn's own prompt."""
+        return TeacherSignal(self.logprobs, self.prompt_ids, placebo.logprobs, placebo.prompt_ids)
 
     def delta(self, old: list[float], clip: float) -> list[float] | None:
-        """The per-token advantage term, or None when the learner distils instead."""
-        return opd_delta(self.logprobs, old, clip) if self.logprobs is not None else None
+        """The per-token advantage term (teacher − `old`, the sampler's logprobs, or teacher −
+        placebo), or None when the learner distils instead."""
+        if self.logprobs is None:
+            return None
+        return opd_delta(self.logprobs, self.contrast_logprobs if self.contrast_logprobs is not None else old, clip)
 
     def sample_fields(self, w_opd: float) -> dict[str, Any]:
         return {"teacher_logprobs": self.logprobs, "teacher_prompt_ids": self.prompt_ids,
+                "contrast_prompt_ids": self.contrast_prompt_ids if self.prompt_ids is not None else None,
                 "distill_weight": w_opd if self.prompt_ids is not None else None}

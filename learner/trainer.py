@@ -398,12 +398,15 @@ class LoraTrainer:
     def _base_sides(self, samples: list[Sample], todo: list[int]) -> dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
         """For samples[i], i in `todo`: the hint's side of the base model — the hinted base
         model's top K ids at each response position, their log-probabilities after the hinted
-        prompt, and after the sample's own prompt (the shift target's and the `wish` figure's
-        base model, which never changes). No gradients."""
+        prompt, and after the prompt the hint is measured against: the sample's own, or its
+        hint's placebo (`contrast_prompt_ids`, judge/hindsight.py). The shift target's and the
+        `wish` figure's base model, which never changes. No gradients."""
         hinted = self._hinted_topk(samples, todo)
         ids = {i: top for i, (_, top) in hinted.items()}
+        against = [s.model_copy(update={"prompt_ids": s.contrast_prompt_ids}) if s.contrast_prompt_ids else s
+                   for s in samples]
         with self.model.disable_adapter():
-            unhinted = self._gathered(samples, todo, ids)
+            unhinted = self._gathered(against, todo, ids)
         return {i: (ids[i], hinted[i][0], unhinted[i]) for i in todo}
 
     def _hinted_topk(self, samples: list[Sample], todo: list[int]) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:

@@ -119,6 +119,28 @@ def test_the_shifted_target_of_a_fresh_adapter_is_the_hinted_base_and_an_idle_hi
     assert idle_kl["teacher"] > 0.01, f"the hinted base pulls the moved policy back where the hint says nothing: {idle_kl}"
 
 
+def test_a_hint_measured_against_its_placebo_moves_only_what_the_placebo_does_not(peaked_model_dir):
+    """A hindsight hint's shift is measured against its placebo (`contrast_prompt_ids`,
+    judge/hindsight.py), not the sample's own prompt: a placebo that reads as the hint does
+    leaves nothing to distil (the target is the policy), one that is the sample's own prompt is
+    the plain shift, and any other changes the target."""
+    from nextstate.engine.base import GeneratedToken
+
+    replies = [[GeneratedToken(t, -1.0) for t in reply] for reply in ([31, 40, 52, 33, 47], [7, 8, 9, 10])]
+    plain = [distilled(make_sample(toks)) for toks in replies]
+    trainer = LoraTrainer(peaked_model_dir, LearnerSettings(lora_r=4, lora_alpha=8, opd_topk=16, opd_target="shift"))
+    trainer.ensure_scope("alice")
+
+    def targets(contrast):
+        return trainer._teacher_targets([s.model_copy(update={"contrast_prompt_ids": contrast}) for s in plain])[0]
+
+    for i, ((idle, ids), (own, _), (other, _), (base, _)) in enumerate(
+            zip(targets(HINTED), targets(PROMPT), targets(PROMPT[:-2] + [90, 91]), trainer._teacher_targets(plain)[0])):
+        assert torch.allclose(idle, with_tail(trainer._gathered(plain, [i], {i: ids})[i]), atol=1e-5)
+        assert torch.allclose(own, base, atol=1e-5)
+        assert not torch.allclose(other, base, atol=1e-3)
+
+
 def test_the_anchor_takes_the_shift_back_towards_the_base_model_where_the_hint_says_nothing():
     """NEXTSTATE_OPD_ANCHOR: 0 is the pure shift, 1 the hinted base model (the `teacher`
     target), and between them a hint that changes nothing pulls the drifted policy that share

@@ -94,6 +94,24 @@ def test_enhanced_messages_append_to_the_last_user_message():
     assert enhanced_messages(msgs, "") == msgs
 
 
+def test_a_next_states_placebo_holds_its_words_without_their_order():
+    """judge/hindsight.py: the placebo a hindsight hint is measured against has each message's
+    words, shuffled the same way every time, under the same leads."""
+    from nextstate.core.types import NextState
+    from nextstate.judge.hindsight import LEADS, hindsight_hint, hindsight_placebo
+
+    said = "No, that doesn't answer my question. Answer in one short sentence. Please try again."
+    state = NextState(messages=[{"role": "tool", "content": "42 rows"}, {"role": "user", "content": said}])
+    hint, placebo = hindsight_hint(state, 1000), hindsight_placebo(state, 1000)
+    assert hint == f"{LEADS['tool']}42 rows\n{LEADS['user']}{said}"
+    tool_line, user_line = placebo.split("\n")
+    assert tool_line.startswith(LEADS["tool"]) and user_line.startswith(LEADS["user"])
+    words = user_line.removeprefix(LEADS["user"]).split()
+    assert sorted(words) == sorted(said.split()) and words != said.split(), "the same words, not their sentence"
+    assert hindsight_placebo(state, 1000) == placebo, "one next state, one placebo (a sample judged twice)"
+    assert hindsight_placebo(NextState(messages=[{"role": "user", "content": " "}]), 1000) is None
+
+
 def test_bundled_prompts_render():
     lib = PromptLibrary()
     values = dict(task="t", history="h", request="r", response="resp", next_state_role="user", next_state="ns")

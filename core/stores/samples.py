@@ -94,7 +94,7 @@ _COLUMNS = ("id", "created_at", "user", "session_id", "turn_index", "policy_vers
 _SELECTED = ", ".join(f'"{c}"' for c in _COLUMNS)  # "user" is a reserved word in PostgreSQL
 _DATA_FIELDS = ("adapter", "prompt_ids", "response_ids", "old_logprobs", "logprob_temperature", "advantages",
                 "loss_mask", "votes", "hint", "teacher_logprobs", "outcome", "feedback", "reward_weight",
-                "teacher_prompt_ids", "distill_weight")
+                "teacher_prompt_ids", "distill_weight", "contrast_prompt_ids")
 
 
 # How a stored sample changes once its session's outcome is known (the judge's reward math;
