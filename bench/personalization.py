@@ -195,6 +195,16 @@ class ChatModel:
         return reply.choices[0].message.content or ""
 
 
+def missed(instruction: str, task: str) -> str:
+    """What the rule user says to a reply that misses the wish."""
+    return f"No, that's not how I like it. {instruction} Please try again: {task}"
+
+
+def not_an_answer(instruction: str, task: str) -> str:
+    """What the sensible user says to a reply that reads as nonsense (`react`)."""
+    return f"{NOT_AN_ANSWER} {instruction} Please try again: {task}"
+
+
 class RuleUser:
     def __init__(self, preference: Preference) -> None:
         self.preference = preference
@@ -202,7 +212,7 @@ class RuleUser:
     def react(self, task: str, reply: str) -> tuple[bool, str]:
         if self.preference.fits(reply):
             return True, THANKS
-        return False, f"No, that's not how I like it. {self.preference.instruction} Please try again: {task}"
+        return False, missed(self.preference.instruction, task)
 
 
 class ModelUser:
@@ -229,7 +239,7 @@ def react(user, task: str, reply: str, strangeness: float | None, wants_answers:
     asks for short replies still wants an answer, and a rule user that thanks "Ladle." for a
     bakery name teaches the learner that nonsense is welcome (the length wish's 0.86, 2026-11-27)."""
     if wants_answers and (strangeness is None or strangeness > SENSIBLE_SURPRISE):
-        return False, f"{NOT_AN_ANSWER} {user.preference.instruction} Please try again: {task}"
+        return False, not_an_answer(user.preference.instruction, task)
     return user.react(task, reply)
 
 

@@ -325,3 +325,20 @@ def test_the_hint_shift_reads_each_kind_s_tokens_where_its_choice_is_live():
     assert all(s > 0 for s in shift_at(case, asked, lowered, prefixes)), "capitals hold 2/8 > 10%: every position is live"
     result = summary([1.0, -1.0, 3.0], [(0.01, 0.05)])
     assert result["positions"] == 3 and result["median"] == 1.0 and result["towards"] == 0.667
+
+
+def test_the_echo_bench_samples_the_compounded_shift_and_a_placebo_that_reads_as_the_hint_cancels(tiny_model_dir):
+    """bench/hindsight_echo.py: a contrast equal to the hinted prompt leaves the question's own
+    distribution (the same reply on the same seed); the echo figure reads the reaction's words."""
+    from bench.hindsight_echo import ECHO, Sampler, prompts_for
+
+    sampler = Sampler(tiny_model_dir)
+    task = "Name a colour."
+    asked, hinted, placebo = prompts_for(sampler, task, "No, that doesn't answer my question.", "placebo")
+    assert len(placebo) == len(hinted) != len(asked) and placebo != hinted
+    assert prompts_for(sampler, task, "Thanks.", "prompt")[2] == asked
+    alone = sampler.sample([asked], [1.0], 8, seed=3)
+    assert sampler.sample([asked, hinted, hinted], [1.0, 2.0, -2.0], 8, seed=3) == alone
+    assert len(sampler.reading(task, alone or "blue")) >= 1
+    assert ECHO.search("No, that response was not accepted.") and ECHO.search("That answer was wrong.")
+    assert not ECHO.search("Blue, like the sky at noon. Nobody knows.")
