@@ -22,7 +22,8 @@ words, which a small model copies: on SmolLM2, next states alone taught the leng
 0.50 with replies that echoed the person ("No, that response was not answered.", BENCHMARKS.md,
 twelfth pass). So the shift is measured against the same hint with the words of the next state
 in a shuffled order: the same words present, their sentence gone. What copying adds cancels;
-what the sentence says stays. Sampled from the compounded shift (bench/hindsight_echo.py),
+what the sentence says stays — so a next state of one word ("Thanks!", "No.") is its own
+placebo and teaches nothing here; a rating teaches it. Sampled from the compounded shift (bench/hindsight_echo.py),
 replies that echo the reaction went 0.75-1.00 → 0.00-0.17 and read as the base model's own;
 trained on next states alone over three seeds, the length wish ended at 0.62 ± 0.09 with 0.01-
 0.05 of replies echoing, against 0.50-0.55 and 0.73-1.00 measured against the prompt.
