@@ -35,6 +35,7 @@ import statistics
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from bench.hint_shift import reply_logprobs
 from bench.models import bench_model
 from bench.personalization import TASKS, THANKS, Preference, instruction_for, missed, not_an_answer
 from bench.reply_surprise import SENSIBLE_SURPRISE
@@ -46,9 +47,7 @@ from nextstate.learner.gate import surprise
 from nextstate.modelio.chat_template import ChatRenderer
 
 ECHO = re.compile(r"\b(?:answer(?:ed|s)?|response|repl(?:y|ied)|user|question|thanks|thank)\b|^\s*(?:no|yes)\b", re.I)
-REACTIONS = {"miss": lambda instruction, task: missed(instruction, task),
-             "nonsense": lambda instruction, task: not_an_answer(instruction, task),
-             "thanks": lambda instruction, task: THANKS}
+REACTIONS = {"miss": missed, "nonsense": not_an_answer, "thanks": lambda instruction, task: THANKS}
 MAX_HINT_CHARS = 2000
 
 
@@ -84,15 +83,13 @@ class Sampler:
             inputs = [torch.tensor([[token]])] * len(prompts)
         return self.tokenizer.decode(out)
 
-    @torch.no_grad()
     def reading(self, task: str, reply: str) -> list[float]:
         """The base model's log-probability of each token of `reply` as the answer to `task`."""
         prompt = self.ids([{"role": "user", "content": task}])
         reply_ids = self.tokenizer.encode(reply, add_special_tokens=False)
         if not reply_ids:
             return []
-        logits = self.model(input_ids=torch.tensor([prompt + reply_ids])).logits[0, len(prompt) - 1:-1].float()
-        return torch.log_softmax(logits, -1).gather(-1, torch.tensor(reply_ids)[:, None])[:, 0].tolist()
+        return reply_logprobs(self.model, prompt, reply_ids).gather(-1, torch.tensor(reply_ids)[:, None])[:, 0].tolist()
 
 
 def prompts_for(sampler: Sampler, task: str, said: str, contrast: str) -> tuple[list[int], list[int], list[int]]:

@@ -78,7 +78,7 @@ from bench.reply_surprise import REFERENCE_REPLIES, SENSIBLE_SURPRISE, of_reply,
 from bench.report import pyplot, render, save
 from nextstate.core.settings import JudgeSettings, LearnerSettings
 from nextstate.engine.base import SamplingParams
-from nextstate.learner.gate import GATE_PROMPTS, repetition
+from nextstate.learner.gate import GATE_PROMPTS, repetition, split_words
 from tests.judge_server import ScriptedJudge
 
 MODES = ("none", "binary", "opd", "combined")
@@ -626,7 +626,7 @@ def mean_repetition(tasks: list[dict], words: int | None = None) -> float | None
     without degenerating, and learning the preference lengthened SmolLM2's replies."""
     texts = [t["first_reply"] for t in tasks]
     if words is not None:
-        texts = [text for text in texts if len(text.split()) >= words]
+        texts = [text for text in texts if len(split_words(text)) >= words]
     values = [r for r in (repetition(text, words) for text in texts) if r is not None]
     return round(statistics.fmean(values), 3) if values else None
 

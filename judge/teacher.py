@@ -83,5 +83,5 @@ class TeacherSignal:
 
     def sample_fields(self, w_opd: float) -> dict[str, Any]:
         return {"teacher_logprobs": self.logprobs, "teacher_prompt_ids": self.prompt_ids,
-                "contrast_prompt_ids": self.contrast_prompt_ids if self.prompt_ids is not None else None,
+                "contrast_prompt_ids": self.contrast_prompt_ids,
                 "distill_weight": w_opd if self.prompt_ids is not None else None}

@@ -152,13 +152,18 @@ _WORD = re.compile(f"[{_UNSPACED}]|[^\\s{_UNSPACED}]+")
 _AROUND = ".,;:!?()\"'*\u3001\u3002\uff01\uff0c\uff1a\uff1b\uff1f\u300c\u300d\uff08\uff09"
 
 
+def split_words(text: str) -> list[str]:
+    """The words `repetition` counts: split at spaces, and each Han character or kana apart."""
+    return _WORD.findall(text)
+
+
 def repetition(text: str, words: int | None = None) -> float | None:
     """Share of the reply's words (its first `words`, with a number) that repeat an earlier one,
     case and surrounding punctuation aside; None under 4 words. The gate reads REPETITION_WORDS,
     since longer replies repeat more ("the", "a") without degenerating, and a wish that
     lengthens replies would read as repetition; the bench reads whole replies as well. In a
     script written without spaces each character counts as a word (`_UNSPACED`)."""
-    found = _WORD.findall(text)
+    found = split_words(text)
     cut = found[:words] if words is not None else found
     kept = [w for w in (w.strip(_AROUND).lower() for w in cut) if w]
     return 1 - len(set(kept)) / len(kept) if len(kept) >= 4 else None
