@@ -52,6 +52,11 @@ samples `--final-samples` (16) replies to each of the 24 tasks from the version 
 in-process through the engine (no session, nothing judged or learnt), with seeds that are the
 same for every run and mode: runs compare on the same random draws, and 384 replies measure
 score and repetition to about ±0.02. The `none` mode's final evaluation is the base model's.
+**Held-out questions**: 24 more questions the simulated user never asks (HELD_OUT_TASKS). The
+final evaluation samples them too, and each version is read on them as it begins serving
+(`--held-out-samples`, 2 replies a question), beside the ratings the person had given by then:
+whether the wish, not the 24 questions it was corrected on, was learnt — and how soon (the
+first version after 15 ratings is the summary's `held_out_after_ratings`).
 
 Writes bench/results/personalization-<policy>[-<variant>][-<gpu>].json and a PNG;
 `--report FILE...` prints saved results as the table BENCHMARKS.md quotes.
@@ -107,6 +112,35 @@ TASKS = [
     "Give me an idea for a picnic.",
     "Describe the taste of lemon.",
     "Write a reminder to call my mother.",
+]
+# Questions the simulated user never asks: where a version shows whether it learnt the person's
+# wish or only the 24 questions it was corrected on. Same register and spread of kinds (greetings,
+# names, tips, descriptions, explanations), none a paraphrase of a task above.
+HELD_OUT_TASKS = [
+    "Write a one-line message to congratulate a friend on a new job.",
+    "Suggest a name for a pet goldfish.",
+    "Give me a tip for staying focused while studying.",
+    "Describe a forest in one sentence.",
+    "What should I do on a lazy Sunday?",
+    "Summarise why people enjoy gardening.",
+    "Write a short apology for being late.",
+    "How do I ask my neighbour to turn the music down?",
+    "Give me a fun fact about octopuses.",
+    "Explain what a map is to a child.",
+    "Suggest a hobby I can do at home.",
+    "Write a slogan for a flower shop.",
+    "What is a good way to start running?",
+    "Describe winter in a few words.",
+    "Give me a reason to go for a walk.",
+    "How can I keep my desk tidy?",
+    "Write a caption for a photo of a sunset.",
+    "Recommend a habit for a calm evening.",
+    "Explain rain in one sentence.",
+    "Suggest a title for a poem about the moon.",
+    "What is a kind thing to say to a nervous student?",
+    "Give me an idea for a day at the beach.",
+    "Describe the sound of the wind.",
+    "Write a reminder to water the plants.",
 ]
 THANKS = "Thanks, that's exactly how I like it."
 NOT_AN_ANSWER = "No, that doesn't answer my question."
@@ -297,6 +331,9 @@ class ModeRun:
     # per version served: its perplexity on the held-out prose over the base model's, minus one
     # (the bench's own reading of what the gate calls forgetting)
     prose_forgetting: dict[int, float] = field(default_factory=dict)
+    # per version served (v0: the base model): the ratings the person had given when it began
+    # serving, and the share of its replies to the HELD_OUT_TASKS that fit the wish
+    held_out: dict[int, dict] = field(default_factory=dict)
 
 
 def engine_settings(args) -> dict:
@@ -375,7 +412,11 @@ def run_mode(mode: str, policy: Path, tasks: list[str], args, judge: dict, user,
         base_prose = held_out_nll(server, None)
         reference = reference_readings(server, args.max_tokens, args.temperature)
         wants_answers = getattr(args, "sensible_user", False)
+        held_out_samples = getattr(args, "held_out_samples", 0) if learning else 0
         run.prose_forgetting[0] = 0.0
+        ratings = 0  # reactions the person gave so far: each reply's next state is one
+        if held_out_samples:
+            run.held_out[0] = held_out_reading(server, None, ratings, held_out_samples, args, scorer)
         for i, task in enumerate(tasks):
             started = time.perf_counter()
             messages = [{"role": "user", "content": task}]
@@ -393,6 +434,7 @@ def run_mode(mode: str, policy: Path, tasks: list[str], args, judge: dict, user,
                 if first is None:
                     first, version, first_surprise = reply, int(raw.headers["x-policy-version"]), strangeness
                 fitted, reaction = react(user, task, reply, strangeness, wants_answers)
+                ratings += 1
                 if args.feedback:  # the user also rates the reply itself, as README's POST /v1/feedback
                     client.post("/feedback", cast_to=object, body={
                         "response_id": completion.id, "rating": 1 if fitted else -1,
@@ -419,6 +461,11 @@ def run_mode(mode: str, policy: Path, tasks: list[str], args, judge: dict, user,
                     not in run.prose_forgetting:  # a new version serves: read it before the next replaces it
                 figures = perplexity_figures(held_out_nll(server, policy.adapter), base_prose)
                 run.prose_forgetting[policy.version] = round(figures["perplexity_ratio"] - 1, 5)
+                if held_out_samples:
+                    run.held_out[policy.version] = held_out_reading(server, policy.adapter, ratings, held_out_samples,
+                                                                    args, scorer)
+                    print(f"{mode:>8}: v{policy.version} after {ratings} ratings: held-out questions "
+                          f"{run.held_out[policy.version]['score']:.2f}", flush=True)
         if learning:  # the run's learning ends with its tasks: a step still under way would not serve them
             server.call(server.app.state.services.learner.aclose())
         run.steps = [{k: v for k, v in s.items() if k != "sample_ids"} | {"samples": len(s.get("sample_ids", []))}
@@ -472,26 +519,52 @@ async def _sampled_replies(turns, adapter, messages: list[dict], seeds: list[int
     return list(await asyncio.gather(*(one(seed) for seed in seeds)))
 
 
-def final_seeds(index: int, n: int) -> list[int]:
-    """The final evaluation's seeds for TASKS[index]: the same for every run and version."""
-    return [FINAL_SEED + 1_009 * index + k for k in range(n)]
+def final_seeds(index: int, n: int, tasks: list[str] = TASKS) -> list[int]:
+    """The final evaluation's seeds for tasks[index]: the same for every run and version (the
+    HELD_OUT_TASKS' follow on from the TASKS', so no question shares another's draws)."""
+    offset = len(TASKS) if tasks is HELD_OUT_TASKS else 0
+    return [FINAL_SEED + 1_009 * (offset + index) + k for k in range(n)]
 
 
-def reference_readings(server, max_tokens: int, temperature: float) -> dict[str, list[list[float]]]:
-    """The base model's readings of its own replies to each of the TASKS, on the final
+def sampled_and_scored(server, adapter: str | None, tasks: list[str], n: int, args, scorer) -> list[dict]:
+    """`n` replies to each of `tasks` from the version `adapter` (None: the base model) on the
+    final evaluation's seeds, each scored against the wish."""
+    turns = server.app.state.services.turns
+    replies = []
+    for index, task in enumerate(tasks):
+        texts = server.call(_sampled_replies(turns, adapter, [{"role": "user", "content": task}],
+                                             final_seeds(index, n, tasks), args.max_tokens, args.temperature),
+                            timeout=600)
+        replies += [{"task_index": index, "first_reply": text, "score": scorer.score(task, text)} for text in texts]
+    return replies
+
+
+def held_out_reading(server, adapter: str | None, ratings: int, n: int, args, scorer) -> dict:
+    """What the version shows of the wish on questions it was never corrected on: the share of
+    `n` replies to each of the HELD_OUT_TASKS that fit, beside the ratings it learnt from."""
+    scores = [r["score"] for r in sampled_and_scored(server, adapter, HELD_OUT_TASKS, n, args, scorer)]
+    return {"ratings": ratings, "score": round(statistics.fmean(scores), 3), "score_stderr": standard_error(scores),
+            "replies": len(scores)}
+
+
+def reference_readings(server, max_tokens: int, temperature: float,
+                       tasks: list[str] = TASKS) -> dict[str, list[list[float]]]:
+    """The base model's readings of its own replies to each of `tasks`, on the final
     evaluation's first seeds: what bench/reply_surprise.py compares a version's replies with."""
     turns = server.app.state.services.turns
     reference = {}
-    for index, task in enumerate(TASKS):
+    for index, task in enumerate(tasks):
         own = server.call(_sampled_replies(turns, None, [{"role": "user", "content": task}],
-                                           final_seeds(index, REFERENCE_REPLIES), max_tokens, temperature), timeout=600)
+                                           final_seeds(index, REFERENCE_REPLIES, tasks), max_tokens, temperature),
+                          timeout=600)
         reference[task] = [reading(server, task, text) for text in own]
     return reference
 
 
-def replies_surprise(server, replies: list[dict], reference: dict[str, list[list[float]]]) -> dict:
+def replies_surprise(server, replies: list[dict], reference: dict[str, list[list[float]]],
+                     tasks: list[str] = TASKS) -> dict:
     """How strange the final evaluation's replies read to the base model (bench/reply_surprise.py)."""
-    return surprise([(TASKS[r["task_index"]], reading(server, TASKS[r["task_index"]], r["first_reply"]))
+    return surprise([(tasks[r["task_index"]], reading(server, tasks[r["task_index"]], r["first_reply"]))
                      for r in replies], reference, [r["score"] for r in replies])
 
 
@@ -532,15 +605,11 @@ def final_evaluation(server, user: str, args, scorer, base_prose: list[tuple[flo
     would unload the one being evaluated."""
     if reference is None:
         reference = reference_readings(server, args.max_tokens, args.temperature)
-    turns = server.app.state.services.turns
-    policy = turns.policies.current(user)
-    replies = []
-    for index, task in enumerate(TASKS):
-        texts = server.call(_sampled_replies(turns, policy.adapter, [{"role": "user", "content": task}],
-                                             final_seeds(index, args.final_samples), args.max_tokens, args.temperature),
-                            timeout=600)
-        replies += [{"task_index": index, "first_reply": text, "score": scorer.score(task, text)} for text in texts]
+    policy = server.app.state.services.turns.policies.current(user)
+    replies = sampled_and_scored(server, policy.adapter, TASKS, args.final_samples, args, scorer)
     scores = [r["score"] for r in replies]
+    held_out = sampled_and_scored(server, policy.adapter, HELD_OUT_TASKS, args.final_samples, args, scorer)
+    held_out_scores = [r["score"] for r in held_out]
     return {
         "version": policy.version,
         **perplexity_figures(held_out_nll(server, policy.adapter), base_prose),
@@ -553,6 +622,15 @@ def final_evaluation(server, user: str, args, scorer, base_prose: list[tuple[flo
         "repetition_length_matched": mean_repetition(replies, LENGTH_MATCHED_WORDS),
         "words_per_reply": round(statistics.fmean(len(r["first_reply"].split()) for r in replies), 1),
         "samples": replies,
+        # the same on the questions never asked: the wish learnt, not the questions
+        "held_out": {
+            "score": round(statistics.fmean(held_out_scores), 3),
+            "score_stderr": standard_error(held_out_scores),
+            **replies_surprise(server, held_out, reference_readings(server, args.max_tokens, args.temperature,
+                                                                    HELD_OUT_TASKS), HELD_OUT_TASKS),
+            "replies": len(held_out),
+            "samples": held_out,
+        },
     }
 
 
@@ -664,8 +742,10 @@ def seeds_report(paths: list[str]) -> None:
     print("| preference | mode | setting | seeds | success per window of 16 tasks (mean ± sd over seeds) "
           "| the same, sensible replies only | updates to 0.8 "
           "(per seed) | final version | final score | repeated words, final | perplexity, final / base "
-          "| surprise to the base model, final (nats/token) | final score, sensible replies only |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+          "| surprise to the base model, final (nats/token) | final score, sensible replies only "
+          f"| held-out questions: base model → first version after {RATINGS} ratings (its ratings) → final "
+          "| held-out final, sensible replies only |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     pooled: list[dict] = []
     for (instruction, mode, setting), runs in groups.items():
         for _, run, _ in runs:
@@ -681,7 +761,8 @@ def seeds_report(paths: list[str]) -> None:
               f"| {sensible} | "
               f"{reach} | {versions} | {spread([f['score'] for f in finals])} | {spread([f.get('repetition') for f in finals])} | "
               f"{spread([f.get('perplexity_ratio') for f in finals])} | {spread([f.get('surprise') for f in finals])} | "
-              f"{spread([f.get('score_sensible') for f in finals])} |")
+              f"{spread([f.get('score_sensible') for f in finals])} | {held_out_column(runs)} "
+              f"| {spread([(f.get('held_out') or {}).get('score_sensible') for f in finals])} |")
     for figure in ("gain", "accepted", "rejected", "wish"):
         if (r := gain_correlation(pooled, figure)) is not None:
             versions = sum(1 for row in pooled if row.get(figure) is not None)
@@ -689,6 +770,23 @@ def seeds_report(paths: list[str]) -> None:
     if (r := gain_correlation(pooled, "forgetting", "prose_forgetting")) is not None:
         versions = sum(1 for row in pooled if row.get("forgetting") is not None and row.get("prose_forgetting") is not None)
         print(f"the gate's forgetting against the bench's held-out prose, over {versions} versions: Pearson's r = {r}")
+
+
+def held_out_column(runs: list[tuple[int, dict, dict]]) -> str:
+    """The held-out questions across a setting's seeds: the base model, the first version after
+    RATINGS ratings (the ratings it had, per seed) and the final version ("—" for runs saved
+    before the bench asked them)."""
+    def spread(values: list[float]) -> str:
+        return f"{statistics.fmean(values):.2f} ± {statistics.stdev(values) if len(values) > 1 else 0.0:.2f}" \
+            if values else "—"
+
+    base = [s["held_out_by_version"][0]["score"] for _, _, s in runs if s.get("held_out_by_version")]
+    after = [row for _, _, s in runs if (row := s.get("held_out_after_ratings"))]
+    final = [f["held_out"]["score"] for _, _, s in runs if (f := s.get("final")) and f.get("held_out")]
+    if not (base or after or final):
+        return "—"
+    counts = ", ".join(str(row["ratings"]) for row in after)
+    return f"{spread(base)} → {spread([row['score'] for row in after])} ({counts or 'never'}) → {spread(final)}"
 
 
 def _places(value: float | None, places: int = 3) -> str:
@@ -751,6 +849,24 @@ def gain_correlation(rows: list[dict], figure: str = "gain", truth: str = "succe
     return round(statistics.correlation([g for g, _ in pairs], [s for _, s in pairs]), 3)
 
 
+# "A person's stated wish visible on held-out questions after about fifteen ratings."
+RATINGS = 15
+
+
+def held_out_after(rows: list[dict], ratings: int = RATINGS) -> dict | None:
+    """The first version that began serving after at least `ratings` ratings, as read on the
+    held-out questions (`rows`: held_out_by_version); None if the run never got that far."""
+    return next((r for r in rows if r["ratings"] >= ratings and r["version"] > 0), None)
+
+
+def without_samples(final: dict) -> dict:
+    """The final evaluation's figures without the replies themselves (the summary's copy)."""
+    out = {k: v for k, v in final.items() if k != "samples"}
+    if isinstance(out.get("held_out"), dict):
+        out["held_out"] = {k: v for k, v in out["held_out"].items() if k != "samples"}
+    return out
+
+
 def summarise(run: ModeRun) -> dict:
     scores = [t.score for t in run.tasks]
     by_version: dict[str, list[float]] = {}
@@ -773,7 +889,9 @@ def summarise(run: ModeRun) -> dict:
         "score_by_window": by_window(scores),
         "score_sensible_by_window": (sensible := sensible_scores([asdict(t) for t in run.tasks])) and by_window(sensible),
         "score_by_serving_version": {k: {"score": round(statistics.fmean(v), 3), "tasks": len(v)} for k, v in by_version.items()},
-        "final": run.final and {k: v for k, v in run.final.items() if k != "samples"},
+        "final": run.final and without_samples(run.final),
+        "held_out_by_version": [{"version": v} | r for v, r in sorted(run.held_out.items())],
+        "held_out_after_ratings": held_out_after([{"version": v} | r for v, r in sorted(run.held_out.items())]),
         "versions": (rows := figures_against_success([asdict(t) for t in run.tasks], run.steps, run.prose_forgetting)),
         "gain_vs_success": gain_correlation(rows),
     }
@@ -792,6 +910,11 @@ def headline(result: dict) -> str:
                           f"repeated words {_places(final['repetition'], 2)}"
                           + (f", surprise {final['surprise']:.2f} nats/token" if final.get("surprise") is not None else "")
                           + f" ({final['replies']} replies)")
+            if final.get("held_out"):
+                parts[-1] += f", held-out questions {final['held_out']['score']:.2f}"
+        if (after := s.get("held_out_after_ratings")) and s.get("held_out_by_version"):
+            parts[-1] += (f", held-out {s['held_out_by_version'][0]['score']:.2f} → {after['score']:.2f} "
+                          f"after {after['ratings']} ratings (v{after['version']})")
     return "first-reply score, first → last quarter of tasks: " + ", ".join(parts)
 
 
@@ -808,6 +931,10 @@ def plot(result: dict, window: int = 16):
         versions = sorted({t["version"] for t in run["tasks"]})
         bx.plot(versions, [statistics.fmean(t["score"] for t in run["tasks"] if t["version"] == v) for v in versions],
                 "o-", markersize=3, label=run["mode"])
+        if held := run.get("held_out"):  # JSON keeps the versions as strings
+            rows = sorted((int(v), r["score"]) for v, r in held.items())
+            bx.plot([v for v, _ in rows], [score for _, score in rows], "s--", markersize=3,
+                    label=f"{run['mode']}, held-out questions")
         repeats = [r for r in (repetition(t["first_reply"]) for t in run["tasks"]) if r is not None]
         cx.plot(*smooth(repeats), label=run["mode"])
     ax.set_xlabel("fresh tasks (interactions)")
@@ -849,6 +976,9 @@ def main() -> None:
     parser.add_argument("--think-s", type=float, default=0.3, help="pause after each task")
     parser.add_argument("--final-samples", type=int, default=16,
                         help="replies sampled per task from the final version, to score the run (0: none)")
+    parser.add_argument("--held-out-samples", type=int, default=2,
+                        help=f"replies sampled per held-out question ({len(HELD_OUT_TASKS)} questions the user never "
+                             "asks) from each version as it begins serving (0: none)")
     parser.add_argument("--defaults", action="store_true",
                         help="every server setting at its default (batch, lr, LoRA, KL, votes): what a newcomer gets")
     parser.add_argument("--feedback", action="store_true",
@@ -963,7 +1093,7 @@ def main() -> None:
         "scorer": args.scorer_url and f"{args.scorer_model} at {args.scorer_url}" or "rules",
         "settings": {k: getattr(args, k) for k in ("tasks", "seed", "max_attempts", "max_tokens", "temperature", "think_s",
                                                     "batch", "lr", "lora_r", "kl_coef", "votes", "final_samples",
-                                                    "wait_for_learner", "sensible_user")},
+                                                    "wait_for_learner", "sensible_user", "held_out_samples")},
         "summary": [],
         "runs": [],
     }
@@ -976,7 +1106,7 @@ def main() -> None:
             result["summary"].append(summary)
             result["runs"].append({"mode": run.mode, "steps": run.steps, "calibration": run.calibration,
                                    "tasks": [asdict(t) for t in run.tasks], "final": run.final,
-                                   "prose_forgetting": run.prose_forgetting})
+                                   "prose_forgetting": run.prose_forgetting, "held_out": run.held_out})
             save(result)  # after every mode: an interrupted run keeps the modes it finished
     finally:
         if rule_judge is not None:

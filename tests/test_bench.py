@@ -9,9 +9,9 @@ import json
 import pytest
 
 from bench.personalization import (
-    INSTRUCTIONS, NOT_AN_ANSWER, THANKS, ChatModel, ModelScorer, ModelUser, Preference, PreferenceJudge, RuleScorer,
-    RuleUser, TASKS, final_evaluation, headline, held_out_nll, mean_repetition, react, report, run_mode,
-    summarise,
+    HELD_OUT_TASKS, INSTRUCTIONS, NOT_AN_ANSWER, THANKS, ChatModel, ModelScorer, ModelUser, Preference, PreferenceJudge,
+    RuleScorer, RuleUser, TASKS, final_evaluation, final_seeds, headline, held_out_nll, mean_repetition, react, report,
+    run_mode, summarise,
 )
 from bench.models import bench_server
 from bench.report import LOG_HEADING, upsert_row
@@ -144,7 +144,8 @@ def test_personalization_loop_runs_over_http_and_trains(tiny_model_dir):
     preference = Preference(INSTRUCTIONS["capital"], "capital")
     judge = PreferenceJudge()
     args = argparse.Namespace(defaults=False, feedback=False, votes=1, batch=2, lr=5e-3, lora_r=4, kl_coef=0.0, max_attempts=2, max_tokens=4,
-                              temperature=1.0, seed=0, think_s=0.3, sglang_url=None, final_samples=1, wait_for_learner=True)
+                              temperature=1.0, seed=0, think_s=0.3, sglang_url=None, final_samples=1, wait_for_learner=True,
+                              held_out_samples=1)
     try:
         run = run_mode("binary", tiny_model_dir, [TASKS[0]] * 8, args,
                        {"judge_base_url": judge.base_url, "judge_model": "rules"}, RuleUser(preference), RuleScorer(preference))
@@ -166,6 +167,13 @@ def test_personalization_loop_runs_over_http_and_trains(tiny_model_dir):
     assert len(summarise(run)["score_sensible_by_window"]) == 1
     rows = summarise(run)["versions"]
     assert rows[0]["version"] == 0 and rows[0]["gain"] == 0.0 and all(0 <= r["success"] <= 1 for r in rows)
+    # the questions never asked, read from the base model and from every version as it began serving
+    held = summarise(run)["held_out_by_version"]
+    assert held[0]["version"] == 0 and held[0]["ratings"] == 0 and held[0]["replies"] == len(HELD_OUT_TASKS)
+    assert [r["version"] for r in held] == sorted({0} | {t.version for t in run.tasks}), held
+    ratings = [r["ratings"] for r in held]
+    assert ratings == sorted(ratings) and ratings[-1] <= sum(max(t.attempts, 1) for t in run.tasks) + len(run.tasks)
+    assert run.final["held_out"]["replies"] == len(HELD_OUT_TASKS) and 0 <= run.final["held_out"]["score"] <= 1
 
 
 def test_final_evaluation_samples_the_serving_version_on_fixed_seeds_and_leaves_no_trace(tiny_model_dir):
@@ -180,6 +188,10 @@ def test_final_evaluation_samples_the_serving_version_on_fixed_seeds_and_leaves_
         server.call(server.app.state.services.turns.records.flush())
         assert len(server.app.state.services.turns.sessions) == 0 and server.app.state.services.turns.records.written == 0
     assert first == again and first["version"] == 0 and first["replies"] == 3 * len(TASKS)
+    held_out = first["held_out"]
+    assert held_out["replies"] == 3 * len(HELD_OUT_TASKS) and held_out["surprise_replies"] > 0
+    assert not set(final_seeds(0, 3, HELD_OUT_TASKS)) & {seed for i in range(len(TASKS)) for seed in final_seeds(i, 3)}, \
+        "other questions, other draws"
     assert first["perplexity_ratio"] == 1.0, "the base model against its own reading of the prose"
     assert [r["task_index"] for r in first["samples"]] == [i for i in range(len(TASKS)) for _ in range(3)]
     assert len({r["first_reply"] for r in first["samples"]}) > len(TASKS), "each seed draws its own reply"
@@ -258,7 +270,10 @@ def test_the_seeds_report_groups_runs_by_setting_across_seeds(tmp_path, capsys):
     def result(variant: str, seed: int, scores: list[float], final: float) -> str:
         tasks = [{"score": s, "version": i // 4, "first_reply": "a b c d", "surprise": 2.5 if i % 2 else 0.1}
                  for i, s in enumerate(scores)]
-        summary = {"mode": "combined", "final": {"version": 3, "score": final, "repetition": 0.1, "perplexity_ratio": 1.0}}
+        summary = {"mode": "combined", "final": {"version": 3, "score": final, "repetition": 0.1, "perplexity_ratio": 1.0,
+                                                 "held_out": {"score": final / 2, "score_sensible": final / 4}},
+                   "held_out_by_version": [{"version": 0, "ratings": 0, "score": 0.0}],
+                   "held_out_after_ratings": {"version": 1, "ratings": 16 + seed, "score": 0.5}}
         path = tmp_path / f"{variant}.json"
         path.write_text(json.dumps({"variant": variant, "preference": {"instruction": "Be brief."}, "settings": {"seed": seed},
                                     "runs": [{"tasks": tasks}], "summary": [summary]}))
@@ -271,6 +286,7 @@ def test_the_seeds_report_groups_runs_by_setting_across_seeds(tmp_path, capsys):
     assert len(rows) == 2
     on = next(r for r in rows if "| on |" in r)
     assert "| 0.00 ± 0.00 · 0.50 ± 0.71 | 0.00 ± 0.00 · 0.25 ± 0.35 |" in on, "half the replies read as nonsense"
+    assert "| 0.00 ± 0.00 → 0.50 ± 0.00 (16, 17) → 0.25 ± 0.07 | 0.12 ± 0.04 |" in on, "the held-out questions"
     assert "| 0, 1 |" in on and "0.00 ± 0.00 · 0.50 ± 0.71" in on and "0.50 ± 0.14" in on and "| 7, never |" in on, on  # the window of tasks 13-28 reaches 0.81: task 28 was served by v7
 
 
