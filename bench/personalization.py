@@ -142,6 +142,80 @@ HELD_OUT_TASKS = [
     "Describe the sound of the wind.",
     "Write a reminder to water the plants.",
 ]
+# The topic kind's questions: outings, visits and evenings, where a reply suggests food unasked
+# (the everyday questions above mention it 6% of the time: nothing to learn, "KINDS" below).
+OUTINGS = [
+    "Give me an idea for a picnic.",
+    "What should I bring to a friend's housewarming?",
+    "Plan a cosy evening at home.",
+    "Suggest a way to celebrate a birthday.",
+    "What can I do on a Sunday morning?",
+    "How do I make guests feel welcome?",
+    "Suggest an idea for a date night.",
+    "What should I pack for a road trip?",
+    "Give me a tip for a long day of hiking.",
+    "How can I make a rainy afternoon fun for kids?",
+    "Describe a perfect summer day.",
+    "What is a nice thing to do for a sick friend?",
+    "Suggest a theme for a small party.",
+    "How can I have more energy in the afternoon?",
+    "Describe a cosy winter evening.",
+    "Give me an idea for a family get-together.",
+    "What should I do to relax after work?",
+    "Describe a market in a small town.",
+    "Suggest something to do on a first visit to Paris.",
+    "How do I prepare for a camping trip?",
+    "Give me an idea for a holiday tradition.",
+    "What is a good way to spend a lunch break?",
+    "Suggest a way to thank a neighbour.",
+    "Plan a simple Saturday with friends.",
+]
+HELD_OUT_OUTINGS = [
+    "Suggest a fun way to spend a Saturday afternoon.",
+    "What should I bring to a baby shower?",
+    "Plan a relaxing evening for two.",
+    "How can I celebrate finishing my exams?",
+    "Give me an idea for a school fundraiser.",
+    "What can I do with visiting grandparents?",
+    "Describe a lively street festival.",
+    "Suggest an activity for a team outing.",
+    "What should I pack for a day at the lake?",
+    "How do I host a board game night?",
+    "Describe a perfect autumn weekend.",
+    "What is a thoughtful gift for a new neighbour?",
+    "Give me an idea for a surprise for my partner.",
+    "How can I make a long train journey pleasant?",
+    "Suggest a way to welcome a new colleague.",
+    "What should I do on the first day of a holiday?",
+    "Plan a quiet morning before a busy day.",
+    "Give me an idea for a garden party.",
+    "How do I keep children busy on a long flight?",
+    "Describe a village fair.",
+    "Suggest a way to spend New Year's Eve.",
+    "What is a good plan for a rainy holiday?",
+    "How can I make a friend's visit special?",
+    "Suggest a way to spend a long summer evening.",
+]
+
+
+@dataclass(frozen=True)
+class Questions:
+    """What a kind's simulated user asks, and the questions held out from it."""
+
+    name: str
+    asked: list[str]
+    held_out: list[str]
+
+
+QUESTIONS = {"everyday": Questions("everyday", TASKS, HELD_OUT_TASKS),
+             "outings": Questions("outings", OUTINGS, HELD_OUT_OUTINGS)}
+
+
+def questions_of(args) -> Questions:
+    """The questions a run asks (args.questions: a QUESTIONS name; the everyday ones if unset)."""
+    return QUESTIONS[getattr(args, "questions", None) or "everyday"]
+
+
 THANKS = "Thanks, that's exactly how I like it."
 NOT_AN_ANSWER = "No, that doesn't answer my question."
 
@@ -180,7 +254,12 @@ class Preference:
 # The preference kinds of issue 38 besides the opening word: a length, a format, a case, a topic.
 SHORT_WORDS = 12
 LIST_LINE = re.compile(r"(?m)^\s*(?:[-*•]|\d+[.)])\s")
-AVOIDED_TOPIC = "avoid:food,eat,eating,cook,cooking,meal,dinner,breakfast,lunch,recipe"
+# Food as a person who says "never mention food or drink" means it: meals, snacks, a coffee.
+AVOIDED_TOPIC = ("avoid:food,foods,eat,eats,eating,ate,cook,cooks,cooking,cooked,meal,meals,dinner,dinners,breakfast,"
+                 "brunch,lunch,lunches,recipe,recipes,snack,snacks,drink,drinks,coffee,tea,cake,cakes,pizza,sandwich,"
+                 "sandwiches,fruit,fruits,dessert,desserts,chocolate,bake,baking,baked,cookie,cookies,delicious,tasty,"
+                 "menu,restaurant,restaurants,wine,beer,cocktail,cocktails,bread,cheese,soup,salad,salads,barbecue,"
+                 "bbq,grill,grilled,feast")
 
 
 def avoided(rule: str) -> re.Pattern:
@@ -196,7 +275,7 @@ INSTRUCTIONS = {
     "lowercase": "Write in lowercase letters only, with no capital letters at all.",
     "nolist": "Never use lists or bullet points: answer in plain prose.",
     "list": "Always answer as a bulleted list: at least two lines, each starting with '- '.",
-    "avoid": "Never mention food, eating or cooking.",
+    "avoid": "Never mention food or drink: no meals, snacks, eating or cooking.",
 }
 def instruction_for(rule: str) -> str | None:
     """What the simulated user says of a rule-checked preference (None: no such rule)."""
@@ -210,9 +289,13 @@ def instruction_for(rule: str) -> str | None:
 # `--kind NAME`: each preference kind of the issue's table, by name. The format is "a bulleted
 # list" rather than "no lists": SmolLM2 answers these tasks without a list 99% of the time
 # (measured over 72 replies, 2026-11-26), so "no lists" measured nothing; a list it writes 1%.
-# The topic to avoid, food, is mentioned in 6% of them (the cooking and picnic tasks): it has
-# little room to learn in, and no everyday topic measured had more (feelings 10%, nature 11%).
+# The topic to avoid, food, is mentioned in 6% of the everyday questions' replies (the cooking
+# and picnic tasks), and no everyday topic measured had more (feelings 10%, nature 11%): the
+# topic kind asks its own questions, the OUTINGS, where food or drink comes up unasked — in 23%
+# of SmolLM2's replies to them and 10% to their held-out ones (48 replies each, 48 tokens at
+# temperature 1, 2026-11-28): still little room, but four times the everyday questions'.
 KINDS = {"opening": "marker:auto", "length": "short", "format": "list", "case": "lowercase", "topic": AVOIDED_TOPIC}
+KIND_QUESTIONS = {"topic": "outings"}
 
 
 class ChatModel:
@@ -410,7 +493,7 @@ def run_mode(mode: str, policy: Path, tasks: list[str], args, judge: dict, user,
     ) as server:
         client = OpenAI(base_url=server.base_url, api_key=server.key("simulated-user"), max_retries=0, timeout=600)
         base_prose = held_out_nll(server, None)
-        reference = reference_readings(server, args.max_tokens, args.temperature)
+        reference = reference_readings(server, args.max_tokens, args.temperature, questions_of(args).asked)
         wants_answers = getattr(args, "sensible_user", False)
         held_out_samples = getattr(args, "held_out_samples", 0) if learning else 0
         run.prose_forgetting[0] = 0.0
@@ -520,9 +603,13 @@ async def _sampled_replies(turns, adapter, messages: list[dict], seeds: list[int
 
 
 def final_seeds(index: int, n: int, tasks: list[str] = TASKS) -> list[int]:
-    """The final evaluation's seeds for tasks[index]: the same for every run and version (the
-    HELD_OUT_TASKS' follow on from the TASKS', so no question shares another's draws)."""
-    offset = len(TASKS) if tasks is HELD_OUT_TASKS else 0
+    """The final evaluation's seeds for tasks[index]: the same for every run and version, each
+    list of QUESTIONS following on from the one before, so no question shares another's draws."""
+    offset = 0
+    for questions in (q for set_ in QUESTIONS.values() for q in (set_.asked, set_.held_out)):
+        if questions is tasks:
+            break
+        offset += len(questions)
     return [FINAL_SEED + 1_009 * (offset + index) + k for k in range(n)]
 
 
@@ -541,8 +628,9 @@ def sampled_and_scored(server, adapter: str | None, tasks: list[str], n: int, ar
 
 def held_out_reading(server, adapter: str | None, ratings: int, n: int, args, scorer) -> dict:
     """What the version shows of the wish on questions it was never corrected on: the share of
-    `n` replies to each of the HELD_OUT_TASKS that fit, beside the ratings it learnt from."""
-    scores = [r["score"] for r in sampled_and_scored(server, adapter, HELD_OUT_TASKS, n, args, scorer)]
+    `n` replies to each held-out question that fit, beside the ratings it learnt from."""
+    held_out = questions_of(args).held_out
+    scores = [r["score"] for r in sampled_and_scored(server, adapter, held_out, n, args, scorer)]
     return {"ratings": ratings, "score": round(statistics.fmean(scores), 3), "score_stderr": standard_error(scores),
             "replies": len(scores)}
 
@@ -571,19 +659,20 @@ def replies_surprise(server, replies: list[dict], reference: dict[str, list[list
 def reread(paths: list[str]) -> None:
     """Add the surprise figure to saved results whose final evaluation predates it (SmolLM2 runs
     of the embedded engine: the base model and its seeded sampling are what the run had)."""
-    references: dict[tuple[int, float], dict] = {}
+    references: dict[tuple[int, float, str], dict] = {}
     with bench_server(bench_model(smol=True), "policy", learn=False, judge_enabled=False) as server:
         for path in map(Path, paths):
             result = json.loads(path.read_text())
             if result.get("model") != "SmolLM2-135M-Instruct":
                 print(f"{path.name}: not a SmolLM2 run, left as it is")
                 continue
-            key = (result["settings"]["max_tokens"], result["settings"]["temperature"])
+            asked = QUESTIONS[result.get("questions") or "everyday"].asked
+            key = (result["settings"]["max_tokens"], result["settings"]["temperature"], result.get("questions") or "")
             for run, summary in zip(result["runs"], result["summary"]):
                 if run.get("final"):
                     if key not in references:
-                        references[key] = reference_readings(server, *key)
-                    figures = replies_surprise(server, run["final"]["samples"], references[key])
+                        references[key] = reference_readings(server, *key[:2], asked)
+                    figures = replies_surprise(server, run["final"]["samples"], references[key], asked)
                     run["final"].update(figures)
                     summary["final"].update(figures)
                     print(f"{path.name} ({run['mode']}): surprise {figures['surprise']} ± {figures['surprise_stderr']}",
@@ -599,21 +688,22 @@ def standard_error(values: list[float | None]) -> float | None:
 
 def final_evaluation(server, user: str, args, scorer, base_prose: list[tuple[float, int]],
                      reference: dict[str, list[list[float]]] | None = None) -> dict:
-    """`args.final_samples` replies to each of the TASKS from the version serving `user` now,
+    """`args.final_samples` replies to each question asked from the version serving `user` now,
     scored and measured as the runs' first replies are (`reference`: reference_readings(), read
     here when not given). The learner must be stopped first: a version it published meanwhile
     would unload the one being evaluated."""
+    questions = questions_of(args)
     if reference is None:
-        reference = reference_readings(server, args.max_tokens, args.temperature)
+        reference = reference_readings(server, args.max_tokens, args.temperature, questions.asked)
     policy = server.app.state.services.turns.policies.current(user)
-    replies = sampled_and_scored(server, policy.adapter, TASKS, args.final_samples, args, scorer)
+    replies = sampled_and_scored(server, policy.adapter, questions.asked, args.final_samples, args, scorer)
     scores = [r["score"] for r in replies]
-    held_out = sampled_and_scored(server, policy.adapter, HELD_OUT_TASKS, args.final_samples, args, scorer)
+    held_out = sampled_and_scored(server, policy.adapter, questions.held_out, args.final_samples, args, scorer)
     held_out_scores = [r["score"] for r in held_out]
     return {
         "version": policy.version,
         **perplexity_figures(held_out_nll(server, policy.adapter), base_prose),
-        **replies_surprise(server, replies, reference),
+        **replies_surprise(server, replies, reference, questions.asked),
         "replies": len(replies),
         "score": round(statistics.fmean(scores), 3),
         "score_stderr": standard_error(scores),
@@ -627,7 +717,7 @@ def final_evaluation(server, user: str, args, scorer, base_prose: list[tuple[flo
             "score": round(statistics.fmean(held_out_scores), 3),
             "score_stderr": standard_error(held_out_scores),
             **replies_surprise(server, held_out, reference_readings(server, args.max_tokens, args.temperature,
-                                                                    HELD_OUT_TASKS), HELD_OUT_TASKS),
+                                                                    questions.held_out), questions.held_out),
             "replies": len(held_out),
             "samples": held_out,
         },
@@ -693,9 +783,9 @@ def updates_to_reach(tasks: list[dict], target: float = 0.8, window: int = 16) -
     return None
 
 
-def task_list(seed: int, n: int) -> list[str]:
+def task_list(seed: int, n: int, asked: list[str] = TASKS) -> list[str]:
     order = random.Random(seed)
-    return [TASKS[order.randrange(len(TASKS))] for _ in range(n)]
+    return [asked[order.randrange(len(asked))] for _ in range(n)]
 
 
 def mean_repetition(tasks: list[dict], words: int | None = None) -> float | None:
@@ -976,6 +1066,8 @@ def main() -> None:
     parser.add_argument("--think-s", type=float, default=0.3, help="pause after each task")
     parser.add_argument("--final-samples", type=int, default=16,
                         help="replies sampled per task from the final version, to score the run (0: none)")
+    parser.add_argument("--questions", choices=sorted(QUESTIONS), default=None,
+                        help="the questions asked and held out (default: the kind's, else everyday)")
     parser.add_argument("--held-out-samples", type=int, default=2,
                         help=f"replies sampled per held-out question ({len(HELD_OUT_TASKS)} questions the user never "
                              "asks) from each version as it begins serving (0: none)")
@@ -1042,6 +1134,7 @@ def main() -> None:
     marker_probability = None
     if args.kind:
         args.rule = KINDS[args.kind]
+    args.questions = args.questions or KIND_QUESTIONS.get(args.kind, "everyday")
     rule = args.rule if args.rule is not None else ("" if args.preference else "capital" if tiny else "marker:auto")
     if rule.startswith("marker:"):
         wanted = rule.removeprefix("marker:")
@@ -1067,12 +1160,13 @@ def main() -> None:
         rule_judge = PreferenceJudge()
         judge = {"judge_base_url": rule_judge.base_url, "judge_model": "rules"}
 
-    tasks = task_list(args.seed, args.tasks)
+    tasks = task_list(args.seed, args.tasks, questions_of(args).asked)
     result = {
         "benchmark": "personalization",
         "model": policy.name,
         "variant": args.variant,
         "preference": asdict(preference),
+        "questions": args.questions,
         "marker_probability": marker_probability,
         "user": (args.user_url and f"{args.user_model} at {args.user_url}" or "rules") + (
             f", turning down nonsense (surprise > {SENSIBLE_SURPRISE:g})" if args.sensible_user else ""),

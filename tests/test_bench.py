@@ -200,6 +200,21 @@ def test_final_evaluation_samples_the_serving_version_on_fixed_seeds_and_leaves_
     assert first["surprise_replies"] > 0 and abs(first["surprise"]) < 1.0
 
 
+def test_the_topic_kind_asks_outings_where_food_comes_up_and_holds_out_others():
+    """--kind topic: its user asks the OUTINGS (the everyday questions hardly mention food), the
+    final evaluation reads them and their own held-out questions, and every list of questions
+    draws its own seeds."""
+    import bench.personalization as bench
+
+    assert bench.KIND_QUESTIONS["topic"] == "outings"
+    every = [q for set_ in bench.QUESTIONS.values() for q in (set_.asked, set_.held_out)]
+    seeds = [seed for questions in every for i in range(len(questions)) for seed in final_seeds(i, 8, questions)]
+    assert len(seeds) == len(set(seeds)), "no two questions share a draw"
+    outings = bench.QUESTIONS["outings"]
+    assert not set(outings.asked) & set(outings.held_out)
+    assert set(bench.task_list(0, 50, outings.asked)) <= set(outings.asked)
+
+
 def test_surprise_reads_replies_against_the_base_models_own_cut_to_their_length():
     """0 for replies like the base model's own; a short reply is compared with the start of the
     base model's replies (the least predictable part), so brevity alone is not strangeness."""
