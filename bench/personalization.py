@@ -499,7 +499,8 @@ def run_mode(mode: str, policy: Path, tasks: list[str], args, judge: dict, user,
         run.prose_forgetting[0] = 0.0
         ratings = 0  # reactions the person gave so far: each reply's next state is one
         if held_out_samples:
-            run.held_out[0] = held_out_reading(server, None, ratings, held_out_samples, args, scorer)
+            held_reference = reference_readings(server, args.max_tokens, args.temperature, questions_of(args).held_out)
+            run.held_out[0] = held_out_reading(server, None, ratings, held_out_samples, args, scorer, held_reference)
         for i, task in enumerate(tasks):
             started = time.perf_counter()
             messages = [{"role": "user", "content": task}]
@@ -545,10 +546,10 @@ def run_mode(mode: str, policy: Path, tasks: list[str], args, judge: dict, user,
                 figures = perplexity_figures(held_out_nll(server, policy.adapter), base_prose)
                 run.prose_forgetting[policy.version] = round(figures["perplexity_ratio"] - 1, 5)
                 if held_out_samples:
-                    run.held_out[policy.version] = held_out_reading(server, policy.adapter, ratings, held_out_samples,
-                                                                    args, scorer)
+                    held = run.held_out[policy.version] = held_out_reading(
+                        server, policy.adapter, ratings, held_out_samples, args, scorer, held_reference)
                     print(f"{mode:>8}: v{policy.version} after {ratings} ratings: held-out questions "
-                          f"{run.held_out[policy.version]['score']:.2f}", flush=True)
+                          f"{held['score']:.2f} ({held['score_sensible']:.2f} with sense)", flush=True)
         if learning:  # the run's learning ends with its tasks: a step still under way would not serve them
             server.call(server.app.state.services.learner.aclose())
         run.steps = [{k: v for k, v in s.items() if k != "sample_ids"} | {"samples": len(s.get("sample_ids", []))}
@@ -626,12 +627,17 @@ def sampled_and_scored(server, adapter: str | None, tasks: list[str], n: int, ar
     return replies
 
 
-def held_out_reading(server, adapter: str | None, ratings: int, n: int, args, scorer) -> dict:
+def held_out_reading(server, adapter: str | None, ratings: int, n: int, args, scorer,
+                     reference: dict[str, list[list[float]]]) -> dict:
     """What the version shows of the wish on questions it was never corrected on: the share of
-    `n` replies to each held-out question that fit, beside the ratings it learnt from."""
+    `n` replies to each held-out question that fit, and that fit and read as sense (`reference`:
+    the base model's readings of its own replies to them), beside the ratings it learnt from."""
     held_out = questions_of(args).held_out
-    scores = [r["score"] for r in sampled_and_scored(server, adapter, held_out, n, args, scorer)]
+    replies = sampled_and_scored(server, adapter, held_out, n, args, scorer)
+    scores = [r["score"] for r in replies]
+    strangeness = replies_surprise(server, replies, reference, held_out)
     return {"ratings": ratings, "score": round(statistics.fmean(scores), 3), "score_stderr": standard_error(scores),
+            "score_sensible": strangeness["score_sensible"], "surprise": strangeness["surprise"],
             "replies": len(scores)}
 
 

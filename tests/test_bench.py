@@ -170,6 +170,7 @@ def test_personalization_loop_runs_over_http_and_trains(tiny_model_dir):
     # the questions never asked, read from the base model and from every version as it began serving
     held = summarise(run)["held_out_by_version"]
     assert held[0]["version"] == 0 and held[0]["ratings"] == 0 and held[0]["replies"] == len(HELD_OUT_TASKS)
+    assert all(0 <= r["score_sensible"] <= r["score"] for r in held), "read for sense against the base model's own"
     assert [r["version"] for r in held] == sorted({0} | {t.version for t in run.tasks}), held
     ratings = [r["ratings"] for r in held]
     assert ratings == sorted(ratings) and ratings[-1] <= sum(max(t.attempts, 1) for t in run.tasks) + len(run.tasks)
