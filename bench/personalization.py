@@ -1007,7 +1007,9 @@ def headline(result: dict) -> str:
                           + (f", surprise {final['surprise']:.2f} nats/token" if final.get("surprise") is not None else "")
                           + f" ({final['replies']} replies)")
             if final.get("held_out"):
-                parts[-1] += f", held-out questions {final['held_out']['score']:.2f}"
+                held = final["held_out"]
+                parts[-1] += f", held-out questions {held['score']:.2f}" + (
+                    f" ({held['score_sensible']:.2f} with sense)" if held.get("score_sensible") is not None else "")
         if (after := s.get("held_out_after_ratings")) and s.get("held_out_by_version"):
             parts[-1] += (f", held-out {s['held_out_by_version'][0]['score']:.2f} → {after['score']:.2f} "
                           f"after {after['ratings']} ratings (v{after['version']})")
@@ -1133,6 +1135,12 @@ def main() -> None:
         defaults = LearnerSettings()
         args.batch, args.lr, args.lora_r, args.kl_coef = defaults.batch_size, defaults.lr, defaults.lora_r, defaults.kl_coef
         args.votes = JudgeSettings().prm_votes
+    # A --set of a setting the result records is what the run had (it wins over the flags above).
+    for name, value in overrides(args.set).items():
+        if field := {"batch_size": "batch", "lora_r": "lora_r", "prm_votes": "votes"}.get(name):
+            setattr(args, field, int(value))
+        elif name in ("lr", "kl_coef"):
+            setattr(args, name, value if value == "auto" else float(value))
     args.lr = args.lr or (5e-3 if tiny else 2e-4)
     args.lora_r = args.lora_r or (8 if tiny else 16)
     api_key = os.environ.get(args.api_key_env)
