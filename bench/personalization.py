@@ -415,7 +415,7 @@ class ModeRun:
     # (the bench's own reading of what the gate calls forgetting)
     prose_forgetting: dict[int, float] = field(default_factory=dict)
     # per version served (v0: the base model): the ratings the person had given when it began
-    # serving, and the share of its replies to the HELD_OUT_TASKS that fit the wish
+    # serving, and the share of its replies to the held-out questions that fit the wish
     held_out: dict[int, dict] = field(default_factory=dict)
 
 
@@ -500,7 +500,8 @@ def run_mode(mode: str, policy: Path, tasks: list[str], args, judge: dict, user,
         ratings = 0  # reactions the person gave so far: each reply's next state is one
         if held_out_samples:
             held_reference = reference_readings(server, args.max_tokens, args.temperature, questions_of(args).held_out)
-            run.held_out[0] = held_out_reading(server, None, ratings, held_out_samples, args, scorer, held_reference)
+            run.held_out[0] = {"ratings": ratings} | without_samples(
+                held_out_reading(server, None, held_out_samples, args, scorer, held_reference))
         for i, task in enumerate(tasks):
             started = time.perf_counter()
             messages = [{"role": "user", "content": task}]
@@ -546,8 +547,8 @@ def run_mode(mode: str, policy: Path, tasks: list[str], args, judge: dict, user,
                 figures = perplexity_figures(held_out_nll(server, policy.adapter), base_prose)
                 run.prose_forgetting[policy.version] = round(figures["perplexity_ratio"] - 1, 5)
                 if held_out_samples:
-                    held = run.held_out[policy.version] = held_out_reading(
-                        server, policy.adapter, ratings, held_out_samples, args, scorer, held_reference)
+                    held = run.held_out[policy.version] = {"ratings": ratings} | without_samples(
+                        held_out_reading(server, policy.adapter, held_out_samples, args, scorer, held_reference))
                     print(f"{mode:>8}: v{policy.version} after {ratings} ratings: held-out questions "
                           f"{held['score']:.2f} ({held['score_sensible']:.2f} with sense)", flush=True)
         if learning:  # the run's learning ends with its tasks: a step still under way would not serve them
@@ -556,7 +557,8 @@ def run_mode(mode: str, policy: Path, tasks: list[str], args, judge: dict, user,
                      for s in server.app.state.services.learner.steps] if learning else []
         run.calibration = server.app.state.services.judge.calibration.to_dict() if learning else None
         if args.final_samples:
-            run.final = final_evaluation(server, "simulated-user", args, scorer, base_prose, reference)
+            run.final = final_evaluation(server, "simulated-user", args, scorer, base_prose, reference,
+                                         held_reference if held_out_samples else None)
             print(f"{mode:>8}: final evaluation of v{run.final['version']}: score {run.final['score']:.3f} "
                   f"(± {run.final['score_stderr']}), repeated words {run.final['repetition']} over "
                   f"{run.final['replies']} sampled replies", flush=True)
@@ -627,18 +629,16 @@ def sampled_and_scored(server, adapter: str | None, tasks: list[str], n: int, ar
     return replies
 
 
-def held_out_reading(server, adapter: str | None, ratings: int, n: int, args, scorer,
+def held_out_reading(server, adapter: str | None, n: int, args, scorer,
                      reference: dict[str, list[list[float]]]) -> dict:
     """What the version shows of the wish on questions it was never corrected on: the share of
     `n` replies to each held-out question that fit, and that fit and read as sense (`reference`:
-    the base model's readings of its own replies to them), beside the ratings it learnt from."""
+    the base model's readings of its own replies to them), with the replies themselves."""
     held_out = questions_of(args).held_out
     replies = sampled_and_scored(server, adapter, held_out, n, args, scorer)
     scores = [r["score"] for r in replies]
-    strangeness = replies_surprise(server, replies, reference, held_out)
-    return {"ratings": ratings, "score": round(statistics.fmean(scores), 3), "score_stderr": standard_error(scores),
-            "score_sensible": strangeness["score_sensible"], "surprise": strangeness["surprise"],
-            "replies": len(scores)}
+    return {"score": round(statistics.fmean(scores), 3), "score_stderr": standard_error(scores),
+            **replies_surprise(server, replies, reference, held_out), "replies": len(replies), "samples": replies}
 
 
 def reference_readings(server, max_tokens: int, temperature: float,
@@ -693,19 +693,21 @@ def standard_error(values: list[float | None]) -> float | None:
 
 
 def final_evaluation(server, user: str, args, scorer, base_prose: list[tuple[float, int]],
-                     reference: dict[str, list[list[float]]] | None = None) -> dict:
+                     reference: dict[str, list[list[float]]] | None = None,
+                     held_reference: dict[str, list[list[float]]] | None = None) -> dict:
     """`args.final_samples` replies to each question asked from the version serving `user` now,
-    scored and measured as the runs' first replies are (`reference`: reference_readings(), read
-    here when not given). The learner must be stopped first: a version it published meanwhile
-    would unload the one being evaluated."""
+    scored and measured as the runs' first replies are, and as many to each held-out question
+    (`reference`, `held_reference`: reference_readings() of the asked and the held-out questions,
+    read here when not given). The learner must be stopped first: a version it published
+    meanwhile would unload the one being evaluated."""
     questions = questions_of(args)
     if reference is None:
         reference = reference_readings(server, args.max_tokens, args.temperature, questions.asked)
+    if held_reference is None:
+        held_reference = reference_readings(server, args.max_tokens, args.temperature, questions.held_out)
     policy = server.app.state.services.turns.policies.current(user)
     replies = sampled_and_scored(server, policy.adapter, questions.asked, args.final_samples, args, scorer)
     scores = [r["score"] for r in replies]
-    held_out = sampled_and_scored(server, policy.adapter, questions.held_out, args.final_samples, args, scorer)
-    held_out_scores = [r["score"] for r in held_out]
     return {
         "version": policy.version,
         **perplexity_figures(held_out_nll(server, policy.adapter), base_prose),
@@ -719,14 +721,7 @@ def final_evaluation(server, user: str, args, scorer, base_prose: list[tuple[flo
         "words_per_reply": round(statistics.fmean(len(r["first_reply"].split()) for r in replies), 1),
         "samples": replies,
         # the same on the questions never asked: the wish learnt, not the questions
-        "held_out": {
-            "score": round(statistics.fmean(held_out_scores), 3),
-            "score_stderr": standard_error(held_out_scores),
-            **replies_surprise(server, held_out, reference_readings(server, args.max_tokens, args.temperature,
-                                                                    questions.held_out), questions.held_out),
-            "replies": len(held_out),
-            "samples": held_out,
-        },
+        "held_out": held_out_reading(server, policy.adapter, args.final_samples, args, scorer, held_reference),
     }
 
 
@@ -823,13 +818,6 @@ def seeds_report(paths: list[str]) -> None:
             key = (result["preference"]["instruction"], summary["mode"], setting)
             groups.setdefault(key, []).append((result["settings"]["seed"], run, summary))
 
-    def spread(values: list[float]) -> str:
-        values = [v for v in values if v is not None]
-        if not values:
-            return "—"
-        sd = statistics.stdev(values) if len(values) > 1 else 0.0
-        return f"{statistics.fmean(values):.2f} ± {sd:.2f}"
-
     def curve_of(curves: list[list[float]]) -> str:
         curves = [c for c in curves if c]
         return " · ".join(spread([c[i] for c in curves if i < len(c)]) for i in range(max(map(len, curves)))) \
@@ -868,14 +856,19 @@ def seeds_report(paths: list[str]) -> None:
         print(f"the gate's forgetting against the bench's held-out prose, over {versions} versions: Pearson's r = {r}")
 
 
+def spread(values: list[float | None]) -> str:
+    """Mean ± sample standard deviation over seeds, the figures a run lacks left out ("—": none)."""
+    values = [v for v in values if v is not None]
+    if not values:
+        return "—"
+    sd = statistics.stdev(values) if len(values) > 1 else 0.0
+    return f"{statistics.fmean(values):.2f} ± {sd:.2f}"
+
+
 def held_out_column(runs: list[tuple[int, dict, dict]]) -> str:
     """The held-out questions across a setting's seeds: the base model, the first version after
     RATINGS ratings (the ratings it had, per seed) and the final version ("—" for runs saved
     before the bench asked them)."""
-    def spread(values: list[float]) -> str:
-        return f"{statistics.fmean(values):.2f} ± {statistics.stdev(values) if len(values) > 1 else 0.0:.2f}" \
-            if values else "—"
-
     base = [s["held_out_by_version"][0]["score"] for _, _, s in runs if s.get("held_out_by_version")]
     after = [row for _, _, s in runs if (row := s.get("held_out_after_ratings"))]
     final = [f["held_out"]["score"] for _, _, s in runs if (f := s.get("final")) and f.get("held_out")]
