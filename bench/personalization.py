@@ -66,6 +66,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import math
 import os
@@ -544,13 +545,14 @@ def run_mode(mode: str, policy: Path, tasks: list[str], args, judge: dict, user,
                 wait_for_learner(server, "simulated-user")
             if learning and (policy := server.app.state.services.turns.policies.current("simulated-user")).version \
                     not in run.prose_forgetting:  # a new version serves: read it before the next replaces it
-                figures = perplexity_figures(held_out_nll(server, policy.adapter), base_prose)
-                run.prose_forgetting[policy.version] = round(figures["perplexity_ratio"] - 1, 5)
-                if held_out_samples:
-                    held = run.held_out[policy.version] = {"ratings": ratings} | without_samples(
-                        held_out_reading(server, policy.adapter, held_out_samples, args, scorer, held_reference))
-                    print(f"{mode:>8}: v{policy.version} after {ratings} ratings: held-out questions "
-                          f"{held['score']:.2f} ({held['score_sensible']:.2f} with sense)", flush=True)
+                with version_held(server, "simulated-user", policy.version) as adapter:
+                    figures = perplexity_figures(held_out_nll(server, adapter), base_prose)
+                    run.prose_forgetting[policy.version] = round(figures["perplexity_ratio"] - 1, 5)
+                    if held_out_samples:
+                        held = run.held_out[policy.version] = {"ratings": ratings} | without_samples(
+                            held_out_reading(server, adapter, held_out_samples, args, scorer, held_reference))
+                        print(f"{mode:>8}: v{policy.version} after {ratings} ratings: held-out questions "
+                              f"{held['score']:.2f} ({held['score_sensible']:.2f} with sense)", flush=True)
         if learning:  # the run's learning ends with its tasks: a step still under way would not serve them
             server.call(server.app.state.services.learner.aclose())
         run.steps = [{k: v for k, v in s.items() if k != "sample_ids"} | {"samples": len(s.get("sample_ids", []))}
@@ -563,6 +565,22 @@ def run_mode(mode: str, policy: Path, tasks: list[str], args, judge: dict, user,
                   f"(± {run.final['score_stderr']}), repeated words {run.final['repetition']} over "
                   f"{run.final['replies']} sampled replies", flush=True)
     return run
+
+
+@contextlib.contextmanager
+def version_held(server, user: str, version: int):
+    """A copy of `user`'s published `version`, loaded under the bench's own name for as long as
+    it is read: the readings take minutes on two cores, and meanwhile the learner's timer may
+    train a partial batch (its oldest sample waited NEXTSTATE_BATCH_WAIT_S), publish the next
+    version and unload this one from under the reading (a batch-8 run stopped so, mid-reading)."""
+    services = server.app.state.services
+    scope = services.turns.policies.scope_of(user)
+    name = f"bench-read-{scope}-v{version}"
+    server.call(services.engine.load_adapter(name, str(services.learner.versions.path(scope, version))))
+    try:
+        yield name
+    finally:
+        server.call(services.engine.unload_adapter(name))
 
 
 def wait_for_learner(server, user: str, timeout_s: float = 600.0) -> None:
