@@ -18,7 +18,8 @@ def sample(user: str = "alice", age_s: float = 0.0, i: int = 0) -> Sample:
 
 
 def settings(**overrides) -> LearnerSettings:
-    return LearnerSettings(**overrides)  # batch 16, partial >= 4 after 120 s, one user <= 50% of a shared batch
+    # batch 16 (the counts below; the default is 8), partial >= 4 after 120 s, one user <= 50% of a shared batch
+    return LearnerSettings(**{"batch_size": 16} | overrides)
 
 
 def test_a_lone_user_trains_whoever_else_holds_a_key():

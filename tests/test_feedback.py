@@ -185,7 +185,7 @@ def test_the_readmes_openai_sdk_call_works(server_factory):
 
 
 def test_a_few_ratings_publish_a_version_without_filling_a_batch(server_factory):
-    """Default batch (16), learning rate and LoRA; only the wait for a partial batch is short
+    """Default batch (8), learning rate and LoRA; only the wait for a partial batch is short
     here (it is 120 s by default): four ratings make a version."""
     server = server_factory(judge_enabled=False, batch_wait_s=1.0)
     alice = server.key("alice")
@@ -193,7 +193,7 @@ def test_a_few_ratings_publish_a_version_without_filling_a_batch(server_factory)
     for i in range(4):
         reply = client.chat.completions.create(model="tiny", messages=ASK, max_tokens=4, seed=i)
         rate(server, alice, reply.id, 1 if i % 2 else -1)
-    assert server.settings.learner.batch_size == 16 and server.settings.learner.lr == "auto"
+    assert server.settings.learner.batch_size == 8 and server.settings.learner.lr == "auto"
     wait_for(lambda: server.app.state.services.policies.current("alice").version == 1, timeout=60)
     step = server.app.state.services.learner.steps[-1]
     assert step["published"] and step["samples"] == 4
@@ -221,7 +221,7 @@ def test_a_lone_user_beside_an_admin_key_trains_from_four_ratings_of_any_api(ser
         answer = rate(server, alice, response_id, 1 if i % 2 else -1)
         assert answer.status_code == 200 and answer.json()["status"] == "accepted", answer.text
         assert sample_of(server, response_id).feedback["rating"] == (1 if i % 2 else -1)
-    assert server.settings.learner.max_user_share == 0.5 and server.settings.learner.batch_size == 16
+    assert server.settings.learner.max_user_share == 0.5 and server.settings.learner.batch_size == 8
     wait_for(lambda: server.app.state.services.policies.current("alice").version == 1, timeout=90)
     step = server.app.state.services.learner.steps[-1]
     assert step["published"] and step["samples"] == 4 and step["scope"] == ("alice" if scope == "user" else "shared")
