@@ -469,10 +469,11 @@ class LearnerSettings(BaseSettings):
             (0.71 of them at the end against 0.37; BENCHMARKS.md, "Half the batch"). An update
             on 8 samples moves the policy about as far as one on 16, so each rating counts
             twice as much, and a version's mistakes are read and corrected after half as many
-            replies; the cost is a publish-gate check per 8 samples instead of per 16.
+            replies — both ways: the hard seed reached the wish sooner and then lost it. The
+            cost is a publish-gate check per 8 samples instead of per 16.
         min_batch_size, batch_wait_s: a scope whose oldest ready sample has waited
             `batch_wait_s` trains on what it has, if that is at least `min_batch_size`: a
-            person who rates a few replies sees a new version in minutes, not after sixteen.
+            person who rates a few replies sees a new version in minutes, not after a full batch.
         lr: AdamW learning rate, or "auto": a rate fitted to the model's hidden size and family
             by the rule of "LoRA Without Regret" (learner/learning_rate.py): 1.3e-3 for
             SmolLM2-135M, ~5e-4 for Qwen3-4B to 32B. A number wins (the paper's is 1e-5).
