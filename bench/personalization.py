@@ -623,6 +623,17 @@ async def _sampled_replies(turns, adapter, messages: list[dict], seeds: list[int
     return list(await asyncio.gather(*(one(seed) for seed in seeds)))
 
 
+async def _sampled_for_each(turns, adapter, tasks: list[str], n: int, max_tokens: int,
+                            temperature: float) -> list[list[str]]:
+    """`n` replies to each of `tasks` on the final evaluation's seeds, all submitted at once: the
+    engine decodes them in batches of NEXTSTATE_MAX_CONCURRENT_GENERATIONS instead of `n` at a
+    time (a version's held-out reading, 48 replies, took minutes question by question)."""
+    return list(await asyncio.gather(*(
+        _sampled_replies(turns, adapter, [{"role": "user", "content": task}], final_seeds(index, n, tasks),
+                         max_tokens, temperature)
+        for index, task in enumerate(tasks))))
+
+
 def final_seeds(index: int, n: int, tasks: list[str] = TASKS) -> list[int]:
     """The final evaluation's seeds for tasks[index]: the same for every run and version, each
     list of QUESTIONS following on from the one before, so no question shares another's draws."""
@@ -637,14 +648,10 @@ def final_seeds(index: int, n: int, tasks: list[str] = TASKS) -> list[int]:
 def sampled_and_scored(server, adapter: str | None, tasks: list[str], n: int, args, scorer) -> list[dict]:
     """`n` replies to each of `tasks` from the version `adapter` (None: the base model) on the
     final evaluation's seeds, each scored against the wish."""
-    turns = server.app.state.services.turns
-    replies = []
-    for index, task in enumerate(tasks):
-        texts = server.call(_sampled_replies(turns, adapter, [{"role": "user", "content": task}],
-                                             final_seeds(index, n, tasks), args.max_tokens, args.temperature),
-                            timeout=600)
-        replies += [{"task_index": index, "first_reply": text, "score": scorer.score(task, text)} for text in texts]
-    return replies
+    each = server.call(_sampled_for_each(server.app.state.services.turns, adapter, tasks, n, args.max_tokens,
+                                         args.temperature), timeout=1800)
+    return [{"task_index": index, "first_reply": text, "score": scorer.score(task, text)}
+            for index, (task, texts) in enumerate(zip(tasks, each)) for text in texts]
 
 
 def held_out_reading(server, adapter: str | None, n: int, args, scorer,
@@ -663,14 +670,9 @@ def reference_readings(server, max_tokens: int, temperature: float,
                        tasks: list[str] = TASKS) -> dict[str, list[list[float]]]:
     """The base model's readings of its own replies to each of `tasks`, on the final
     evaluation's first seeds: what bench/reply_surprise.py compares a version's replies with."""
-    turns = server.app.state.services.turns
-    reference = {}
-    for index, task in enumerate(tasks):
-        own = server.call(_sampled_replies(turns, None, [{"role": "user", "content": task}],
-                                           final_seeds(index, REFERENCE_REPLIES, tasks), max_tokens, temperature),
-                          timeout=600)
-        reference[task] = [reading(server, task, text) for text in own]
-    return reference
+    each = server.call(_sampled_for_each(server.app.state.services.turns, None, tasks, REFERENCE_REPLIES, max_tokens,
+                                         temperature), timeout=1800)
+    return {task: [reading(server, task, text) for text in own] for task, own in zip(tasks, each)}
 
 
 def replies_surprise(server, replies: list[dict], reference: dict[str, list[list[float]]],
