@@ -72,6 +72,7 @@ import math
 import os
 import random
 import re
+import signal
 import statistics
 import time
 from dataclasses import asdict, dataclass, field
@@ -418,6 +419,30 @@ class ModeRun:
     # per version served (v0: the base model): the ratings the person had given when it began
     # serving, and the share of its replies to the held-out questions that fit the wish
     held_out: dict[int, dict] = field(default_factory=dict)
+    stopped_after: int | None = None  # tasks done when the run was stopped early (StopRequest)
+
+
+class StopRequest:
+    """Ends a run's tasks at the next task boundary, on SIGTERM or once `minutes` have passed:
+    the learner is closed, the final evaluation runs and the result is written as if the tasks
+    had ended there (`stopped_after` says where). A batch-8 run takes hours on two cores, and
+    one stopped for a session's end used to keep only its log. A second SIGTERM stops at once."""
+
+    def __init__(self, minutes: float | None = None) -> None:
+        self.deadline = time.monotonic() + 60 * minutes if minutes else None
+        self.signalled = False
+
+    def install(self) -> None:
+        signal.signal(signal.SIGTERM, self._on_signal)
+
+    def _on_signal(self, signum, frame) -> None:
+        self.signalled = True
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        print("stop requested: the run ends after the task under way (again to stop at once)", flush=True)
+
+    @property
+    def requested(self) -> bool:
+        return self.signalled or (self.deadline is not None and time.monotonic() >= self.deadline)
 
 
 def engine_settings(args) -> dict:
@@ -470,7 +495,8 @@ def overrides(pairs: list[str] | None) -> dict[str, str]:
     return out
 
 
-def run_mode(mode: str, policy: Path, tasks: list[str], args, judge: dict, user, scorer) -> ModeRun:
+def run_mode(mode: str, policy: Path, tasks: list[str], args, judge: dict, user, scorer,
+             stop: StopRequest | None = None) -> ModeRun:
     run = ModeRun(mode)
     learning = mode != "none"
     tuned = {} if args.defaults else dict(
@@ -553,6 +579,10 @@ def run_mode(mode: str, policy: Path, tasks: list[str], args, judge: dict, user,
                             held_out_reading(server, adapter, held_out_samples, args, scorer, held_reference))
                         print(f"{mode:>8}: v{policy.version} after {ratings} ratings: held-out questions "
                               f"{held['score']:.2f} ({held['score_sensible']:.2f} with sense)", flush=True)
+            if stop is not None and stop.requested and i + 1 < len(tasks):
+                run.stopped_after = i + 1
+                print(f"{mode:>8}: stopped after task {i + 1}/{len(tasks)}", flush=True)
+                break
         if learning:  # the run's learning ends with its tasks: a step still under way would not serve them
             server.call(server.app.state.services.learner.aclose())
         run.steps = [{k: v for k, v in s.items() if k != "sample_ids"} | {"samples": len(s.get("sample_ids", []))}
@@ -1124,6 +1154,9 @@ def main() -> None:
         parser.add_argument(f"--{role}-model", default="default")
     parser.add_argument("--api-key-env", default="OPENAI_API_KEY")
     parser.add_argument("--variant", help="a name for this run's settings: its results get their own file")
+    parser.add_argument("--stop-after-min", type=float, default=None, metavar="MINUTES",
+                        help="end the tasks at the first task boundary after this long (SIGTERM does too): the "
+                             "final evaluation runs and the result is written, with `stopped_after` the tasks done")
     parser.add_argument("--sglang-url", help="serve the policy from this SGLang server (deploy/) instead of in-process")
     parser.add_argument("--report", nargs="+", metavar="JSON", help="print saved results as a table and exit")
     parser.add_argument("--seeds-report", nargs="+", metavar="JSON",
@@ -1218,16 +1251,22 @@ def main() -> None:
         "summary": [],
         "runs": [],
     }
+    stop = StopRequest(args.stop_after_min)
+    stop.install()
     try:
         for mode in args.modes:
-            run = run_mode(mode, policy, tasks, args, judge, user, scorer)
+            if stop.requested:
+                print(f"{mode:>8}: not run (stop requested)", flush=True)
+                continue
+            run = run_mode(mode, policy, tasks, args, judge, user, scorer, stop)
             summary = summarise(run)
             print(f"{mode:>8}: score {summary['score_first_quarter']:.2f} (first quarter) -> "
                   f"{summary['score_last_quarter']:.2f} (last quarter), {summary['updates_published']} updates")
             result["summary"].append(summary)
             result["runs"].append({"mode": run.mode, "steps": run.steps, "calibration": run.calibration,
                                    "tasks": [asdict(t) for t in run.tasks], "final": run.final,
-                                   "prose_forgetting": run.prose_forgetting, "held_out": run.held_out})
+                                   "prose_forgetting": run.prose_forgetting, "held_out": run.held_out,
+                                   "stopped_after": run.stopped_after})
             save(result)  # after every mode: an interrupted run keeps the modes it finished
     finally:
         if rule_judge is not None:

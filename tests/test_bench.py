@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import signal
 
 import pytest
 
@@ -258,6 +260,32 @@ def test_personalization_with_explicit_feedback_trains_past_a_judge_that_cannot_
     assert run.calibration["state"] in ("pending", "failed"), "the tiny judge never passes (it may still be trying)"
     published = [s for s in run.steps if s["published"]]
     assert published and run.tasks[-1].version >= 1
+
+
+def test_a_stopped_run_ends_at_a_task_boundary_and_still_keeps_its_final_evaluation(tiny_model_dir):
+    """SIGTERM or --stop-after-min: the tasks end after the one under way, and the run is closed
+    and evaluated as a finished one would be, with `stopped_after` saying where it stopped."""
+    from bench.personalization import StopRequest
+
+    preference = Preference(INSTRUCTIONS["capital"], "capital")
+    args = argparse.Namespace(defaults=False, feedback=True, votes=1, batch=2, lr=5e-3, lora_r=4, kl_coef=0.0,
+                              max_attempts=1, max_tokens=4, temperature=1.0, seed=0, think_s=0.0, sglang_url=None,
+                              final_samples=1, wait_for_learner=False)
+    stop = StopRequest()
+    assert not stop.requested
+    previous = signal.getsignal(signal.SIGTERM)
+    try:
+        stop.install()
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert stop.requested and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL, "a second SIGTERM stops at once"
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    run = run_mode("combined", tiny_model_dir, ["Name a colour."] * 6, args, {}, RuleUser(preference),
+                   RuleScorer(preference), stop)
+    assert run.stopped_after == 1 and len(run.tasks) == 1
+    assert run.final is not None and run.final["replies"] == len(TASKS)
+    assert summarise(run)["tasks"] == 1
+    assert StopRequest(minutes=1e-9).requested, "a deadline passed asks for the stop as the signal does"
 
 
 def test_learner_memory_measures_an_update_on_a_model_built_from_a_config():
