@@ -664,6 +664,12 @@ async def _sampled_for_each(turns, adapter, tasks: list[str], n: int, max_tokens
         for index, task in enumerate(tasks))))
 
 
+def reading_timeout_s(replies: int) -> float:
+    """How long a reading of `replies` sampled replies may take before the run gives up: all are
+    one call now, and on two busy cores a batch of eight took over a minute (beside two runs)."""
+    return 600.0 + 20.0 * replies
+
+
 def final_seeds(index: int, n: int, tasks: list[str] = TASKS) -> list[int]:
     """The final evaluation's seeds for tasks[index]: the same for every run and version, each
     list of QUESTIONS following on from the one before, so no question shares another's draws."""
@@ -679,7 +685,7 @@ def sampled_and_scored(server, adapter: str | None, tasks: list[str], n: int, ar
     """`n` replies to each of `tasks` from the version `adapter` (None: the base model) on the
     final evaluation's seeds, each scored against the wish."""
     each = server.call(_sampled_for_each(server.app.state.services.turns, adapter, tasks, n, args.max_tokens,
-                                         args.temperature), timeout=1800)
+                                         args.temperature), timeout=reading_timeout_s(n * len(tasks)))
     return [{"task_index": index, "first_reply": text, "score": scorer.score(task, text)}
             for index, (task, texts) in enumerate(zip(tasks, each)) for text in texts]
 
@@ -701,7 +707,7 @@ def reference_readings(server, max_tokens: int, temperature: float,
     """The base model's readings of its own replies to each of `tasks`, on the final
     evaluation's first seeds: what bench/reply_surprise.py compares a version's replies with."""
     each = server.call(_sampled_for_each(server.app.state.services.turns, None, tasks, REFERENCE_REPLIES, max_tokens,
-                                         temperature), timeout=1800)
+                                         temperature), timeout=reading_timeout_s(REFERENCE_REPLIES * len(tasks)))
     return {task: [reading(server, task, text) for text in own] for task, own in zip(tasks, each)}
 
 
