@@ -526,9 +526,14 @@ def run_mode(mode: str, policy: Path, tasks: list[str], args, judge: dict, user,
         run.prose_forgetting[0] = 0.0
         ratings = 0  # reactions the person gave so far: each reply's next state is one
         if held_out_samples:
-            held_reference = reference_readings(server, args.max_tokens, args.temperature, questions_of(args).held_out)
-            run.held_out[0] = {"ratings": ratings} | without_samples(
-                held_out_reading(server, None, held_out_samples, args, scorer, held_reference))
+            # the base model's reference and its own reading share their seeds: one sampling serves both
+            held_out = questions_of(args).held_out
+            base = sampled_texts(server, None, held_out, max(held_out_samples, REFERENCE_REPLIES), args.max_tokens,
+                                 args.temperature)
+            held_reference = reference_readings(server, args.max_tokens, args.temperature, held_out,
+                                                [t[:REFERENCE_REPLIES] for t in base])
+            run.held_out[0] = {"ratings": ratings} | without_samples(held_out_reading(
+                server, None, held_out_samples, args, scorer, held_reference, [t[:held_out_samples] for t in base]))
         for i, task in enumerate(tasks):
             started = time.perf_counter()
             messages = [{"role": "user", "content": task}]
@@ -670,6 +675,13 @@ def reading_timeout_s(replies: int) -> float:
     return 600.0 + 20.0 * replies
 
 
+def sampled_texts(server, adapter: str | None, tasks: list[str], n: int, max_tokens: int,
+                  temperature: float) -> list[list[str]]:
+    """_sampled_for_each() from the bench's thread, with a time limit that grows with the replies."""
+    return server.call(_sampled_for_each(server.app.state.services.turns, adapter, tasks, n, max_tokens, temperature),
+                       timeout=reading_timeout_s(n * len(tasks)))
+
+
 def final_seeds(index: int, n: int, tasks: list[str] = TASKS) -> list[int]:
     """The final evaluation's seeds for tasks[index]: the same for every run and version, each
     list of QUESTIONS following on from the one before, so no question shares another's draws."""
@@ -681,33 +693,33 @@ def final_seeds(index: int, n: int, tasks: list[str] = TASKS) -> list[int]:
     return [FINAL_SEED + 1_009 * (offset + index) + k for k in range(n)]
 
 
-def sampled_and_scored(server, adapter: str | None, tasks: list[str], n: int, args, scorer) -> list[dict]:
+def sampled_and_scored(server, adapter: str | None, tasks: list[str], n: int, args, scorer,
+                       texts: list[list[str]] | None = None) -> list[dict]:
     """`n` replies to each of `tasks` from the version `adapter` (None: the base model) on the
-    final evaluation's seeds, each scored against the wish."""
-    each = server.call(_sampled_for_each(server.app.state.services.turns, adapter, tasks, n, args.max_tokens,
-                                         args.temperature), timeout=reading_timeout_s(n * len(tasks)))
+    final evaluation's seeds, each scored against the wish (`texts`: those replies, sampled already)."""
+    each = texts if texts is not None else sampled_texts(server, adapter, tasks, n, args.max_tokens, args.temperature)
     return [{"task_index": index, "first_reply": text, "score": scorer.score(task, text)}
             for index, (task, texts) in enumerate(zip(tasks, each)) for text in texts]
 
 
 def held_out_reading(server, adapter: str | None, n: int, args, scorer,
-                     reference: dict[str, list[list[float]]]) -> dict:
+                     reference: dict[str, list[list[float]]], texts: list[list[str]] | None = None) -> dict:
     """What the version shows of the wish on questions it was never corrected on: the share of
     `n` replies to each held-out question that fit, and that fit and read as sense (`reference`:
     the base model's readings of its own replies to them), with the replies themselves."""
     held_out = questions_of(args).held_out
-    replies = sampled_and_scored(server, adapter, held_out, n, args, scorer)
+    replies = sampled_and_scored(server, adapter, held_out, n, args, scorer, texts)
     scores = [r["score"] for r in replies]
     return {"score": round(statistics.fmean(scores), 3), "score_stderr": standard_error(scores),
             **replies_surprise(server, replies, reference, held_out), "replies": len(replies), "samples": replies}
 
 
-def reference_readings(server, max_tokens: int, temperature: float,
-                       tasks: list[str] = TASKS) -> dict[str, list[list[float]]]:
+def reference_readings(server, max_tokens: int, temperature: float, tasks: list[str] = TASKS,
+                       texts: list[list[str]] | None = None) -> dict[str, list[list[float]]]:
     """The base model's readings of its own replies to each of `tasks`, on the final
-    evaluation's first seeds: what bench/reply_surprise.py compares a version's replies with."""
-    each = server.call(_sampled_for_each(server.app.state.services.turns, None, tasks, REFERENCE_REPLIES, max_tokens,
-                                         temperature), timeout=reading_timeout_s(REFERENCE_REPLIES * len(tasks)))
+    evaluation's first seeds: what bench/reply_surprise.py compares a version's replies with
+    (`texts`: those replies, sampled already)."""
+    each = texts if texts is not None else sampled_texts(server, None, tasks, REFERENCE_REPLIES, max_tokens, temperature)
     return {task: [reading(server, task, text) for text in own] for task, own in zip(tasks, each)}
 
 
