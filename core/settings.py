@@ -484,6 +484,13 @@ class LearnerSettings(BaseSettings):
             times (a backtracking line search, TRPO's; each length from a quadratic model of the
             KL, learner/step_sizes.py); one that still does not fit is undone and its samples
             wait, ready, with the reason and a try count: a rating is never lost to the brake.
+        ppo_epochs, epoch_kl_share: passes over each batch, and the share of `max_kl` the batch's
+            policy KL may reach before further passes stop. Implementations of PPO stop their
+            epochs early once the policy moved past a KL target (Spinning Up, Stable-Baselines3's
+            `target_kl`); read the other way, the target also says how far an update should go:
+            at batch 8 with two optimizer steps an update moved SmolLM2's policy by a KL of 0.08-0.6
+            against a limit of 1, so most updates spent a small part of what they were allowed.
+            Each pass after the first costs a training pass and the KL measure a forward pass.
         max_advantage: per-token advantages are clipped to ± this when training, so no sample
             (an outcome standardised over a tiny spread, a bug upstream) dominates an update.
         replay_coef: each optimizer step also pulls the policy's reading of two passages of
@@ -655,7 +662,10 @@ class LearnerSettings(BaseSettings):
     shared_min_contributors: int = Field(
         2, ge=1, description="Shared scope: distinct users an update's batch must hold samples of (a lone user waits)."
     )
-    ppo_epochs: int = Field(1, ge=1)
+    ppo_epochs: int = Field(1, ge=1, description="Passes over each batch, at most (epoch_kl_share may stop them sooner).")
+    epoch_kl_share: float = Field(
+        0.0, ge=0, le=1, description="Further passes over a batch stop once its policy KL reaches this share of max_kl; 0 = all."
+    )
     minibatch_size: int = Field(
         4, ge=0, description="Samples per optimizer step (4: two steps per update of 8); 0 = the whole batch."
     )

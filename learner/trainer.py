@@ -85,6 +85,8 @@ class StepResult:
     step_scale: float = 1.0  # the share of the trained step kept (KL backtracking; the gate may shorten it further)
     max_kl: float | None = None  # the limit the step's KL was held to
     kl_tries: list[dict] = field(default_factory=list)  # each length tried: {"scale", "kl"}, the kept one last
+    epochs: int = 1  # passes made over the batch (ppo_epochs, fewer once epoch_kl_share's KL was reached)
+    epoch_kls: list[float] = field(default_factory=list)  # the batch's policy KL after each pass but the last
     pass_tokens: int = 0  # padded tokens a forward pass could hold (the step's memory plan)
     peak_added_mb: float = 0.0  # the most a training pass added to memory, measured
     distill_kl: float = 0.0  # mean KL(π_θ ‖ π_teacher) over distilled tokens in training (NEXTSTATE_OPD_LOSS=topk)
@@ -774,9 +776,20 @@ class LoraTrainer:
                 tokens += sum(sample.loss_mask)
         return total / max(1, tokens)
 
-    def _fit_kl(self, scope: str, samples: list[Sample], before: list[torch.Tensor]) -> tuple[float, list[KlTry]]:
+    @staticmethod
+    def _kept(samples: list[Sample], dropped: set[int], before: list[torch.Tensor | None]
+              ) -> tuple[list[Sample], list[torch.Tensor]]:
+        """The samples a step trained (none `dropped`) and the policy's logprobs of each before it."""
+        kept = [i for i in range(len(samples)) if i not in dropped]
+        reference = [before[i] for i in kept]
+        assert all(r is not None for r in reference), "every kept sample had a forward pass before the step"
+        return [samples[i] for i in kept], reference  # type: ignore[return-value]
+
+    def _fit_kl(self, scope: str, samples: list[Sample], before: list[torch.Tensor],
+                at_full: float | None = None) -> tuple[float, list[KlTry]]:
         """Shorten the scope's trained step until its policy KL fits `max_kl`, or the floor is
         reached. Returns the KL of the length kept and every length tried, the kept one last.
+        `at_full`: the KL of the whole step, when it was measured already.
 
         The step starts at the scope's own starting length (smaller after a scope's steps
         overshot, `StepSizes`); each shortening is one forward pass over the batch without
@@ -784,7 +797,8 @@ class LoraTrainer:
         scale = self.step_sizes.start(scope)
         if scale < 1:
             self.shorten_step(scope, scale)
-        tries = [KlTry(scale, self._policy_kl(samples, before))]
+        kl = at_full if scale == 1 and at_full is not None else self._policy_kl(samples, before)
+        tries = [KlTry(scale, kl)]
         while (shorter := self.step_sizes.next_scale(tries)) is not None:
             self.shorten_step(scope, shorter / tries[-1].scale)
             tries.append(KlTry(shorter, self._policy_kl(samples, before)))
@@ -818,7 +832,8 @@ class LoraTrainer:
         tokens = sum(sum(s.loss_mask) for s in samples)
         mean_adv = sum(a * m for s in samples for a, m in zip(s.advantages, s.loss_mask)) / max(tokens, 1)
         skipped = None
-        steps = 0
+        steps = epochs = 0
+        epoch_kls: list[float] = []  # the batch's policy KL after each pass but the last (epoch_kl_share)
         passes = c.ppo_epochs * sum(len(self._micro_batches(samples[start: start + c.minibatch]))
                                     for start in range(0, len(samples), c.minibatch))
         done = 0
@@ -899,14 +914,21 @@ class LoraTrainer:
                     steps += 1
                 if skipped:
                     break
+                epochs += 1
+                if epochs < c.ppo_epochs and c.epoch_kl_share > 0:  # PPO's early stop on KL, as a target
+                    self.model.eval()
+                    epoch_kls.append(self._policy_kl(*self._kept(samples, dropped, before)))
+                    self.model.train()
+                    if epoch_kls[-1] >= c.epoch_kl_share * self.step_sizes.max_kl:
+                        break
+            if progress is not None and epochs < c.ppo_epochs:  # the passes left were not needed
+                progress(passes, passes)
             self.model.eval()
             policy_kl = 0.0
             kl_tries: list[KlTry] = []
             if not skipped:
-                kept = [i for i in range(len(samples)) if i not in dropped]
-                reference = [before[i] for i in kept]
-                assert all(r is not None for r in reference), "every kept sample had a forward pass before the step"
-                policy_kl, kl_tries = self._fit_kl(scope, [samples[i] for i in kept], reference)  # type: ignore[arg-type]
+                at_full = epoch_kls[-1] if len(epoch_kls) == epochs else None  # measured after the last pass
+                policy_kl, kl_tries = self._fit_kl(scope, *self._kept(samples, dropped, before), at_full)
                 if not math.isfinite(policy_kl):
                     skipped = "policy KL not finite"
                 elif policy_kl > self.step_sizes.max_kl:
@@ -917,7 +939,7 @@ class LoraTrainer:
             optimizer.zero_grad(set_to_none=True)
         if skipped:
             self._restore(scope, *self._before.pop(scope))
-        denom = max(tokens * max(1, c.ppo_epochs), 1)
+        denom = max(tokens * max(1, epochs), 1)
         return StepResult(
             scope=scope,
             samples=len(samples),
@@ -930,6 +952,8 @@ class LoraTrainer:
             step_scale=kl_tries[-1].scale if kl_tries else 1.0,
             max_kl=self.step_sizes.max_kl,
             kl_tries=[t.to_dict() for t in kl_tries],
+            epochs=epochs,
+            epoch_kls=[round(k, 6) for k in epoch_kls],
             mismatch=totals["mismatch"] / max(tokens, 1),
             mean_advantage=mean_adv,
             distill_kl=totals["distill"] / totals["distilled"] if totals["distilled"] else 0.0,

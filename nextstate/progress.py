@@ -21,7 +21,7 @@ if TYPE_CHECKING:  # the running server's objects; offline use (status, forget) 
     from nextstate.services import Services
 
 STEP_FIELDS = ("loss", "policy_kl", "kl_to_base", "clip_fraction", "mean_advantage", "grad_norm", "samples", "seconds",
-               "step_scale", "kl_tries", "max_kl")
+               "step_scale", "kl_tries", "max_kl", "epochs", "epoch_kls")
 
 
 def _manifests(versions: AdapterVersions, scope: str) -> list[tuple[int, dict[str, Any]]]:
@@ -139,6 +139,11 @@ def describe_step(step: dict[str, Any]) -> str:
     made of it, and whether it serves — "first try KL 1.28 > 1, retried at 0.63 of the step:
     KL 0.61, published"."""
     parts = []
+    epochs, epoch_kls = step.get("epochs") or 1, step.get("epoch_kls") or []
+    if len(epoch_kls) == epochs:  # the passes stopped at their KL target (NEXTSTATE_EPOCH_KL_SHARE)
+        parts.append(f"{epochs} pass{'es' if epochs > 1 else ''} over the batch (KL {epoch_kls[-1]:.3g} reached its target)")
+    elif epochs > 1:
+        parts.append(f"{epochs} passes over the batch")
     tries = step.get("kl_tries") or []
     limit = step.get("max_kl")
     over = f" > {limit:g}" if limit is not None else ""

@@ -248,6 +248,9 @@ def test_each_update_tells_its_story_in_a_sentence():
     gated = {"published": True, "version": 3, "kl_tries": [{"scale": 0.5, "kl": 0.2}],
              "gate": {"passed": True, "refused": [["repeats"]], "step_scale": 0.5}}
     assert describe_step(gated) == "KL 0.2 at half of the step, the gate passed it at half of that, published as v3"
+    early = {"published": True, "version": 4, "epochs": 2, "epoch_kls": [0.1, 0.55], "kl_tries": [{"scale": 1.0, "kl": 0.55}]}
+    assert describe_step(early) == "2 passes over the batch (KL 0.55 reached its target), published as v4"
+    assert describe_step({**early, "epochs": 3}) == "3 passes over the batch, published as v4"
     lost = {"published": False, "skipped": "policy KL 3 exceeds the limit 1 even at 0.06 of the step", "returned": 4,
             "tries_before": 1, "kl_tries": [{"scale": 1.0, "kl": 9.0}, {"scale": 0.25, "kl": 3.0}], "max_kl": 1.0}
     assert describe_step(lost).endswith("not published: policy KL 3 exceeds the limit 1 even at 0.06 of the step, "

@@ -203,6 +203,27 @@ async def test_an_overshooting_step_is_shortened_along_its_direction_until_it_fi
     assert loose.step_sizes.start("shared") == 1.0, "the trainer leaves the next start to the learner (settle)"
 
 
+async def test_passes_over_a_batch_stop_once_its_kl_reaches_the_target(tiny_model_dir, engine):
+    """NEXTSTATE_EPOCH_KL_SHARE: a batch whose first pass moved the policy little gets more
+    passes, one that reached the target share of max_kl gets no more (PPO's early stop on KL);
+    the KL measured after the last pass is the line search's first try, not measured twice."""
+    samples = [make_sample(toks, advantage=1.0) for toks in await generate(engine, 3)]
+
+    def trainer(share: float, max_kl: float) -> LoraTrainer:
+        torch.manual_seed(0)
+        return LoraTrainer(tiny_model_dir, LearnerSettings(lr=5e-2, lora_r=4, lora_alpha=8, max_kl=max_kl,
+                                                           ppo_epochs=3, epoch_kl_share=share))
+
+    every = trainer(0.0, 1e9).step("shared", samples)
+    assert every.epochs == 3 and every.epoch_kls == [], "no target: every pass, nothing measured between them"
+    far = trainer(1.0, 1e9).step("shared", samples)
+    assert far.epochs == 3 and len(far.epoch_kls) == 2 and all(0 < k < 1e9 for k in far.epoch_kls)
+    assert far.policy_kl == pytest.approx(every.policy_kl, rel=1e-4), "the same three passes"
+    near = trainer(0.5, 2 * far.epoch_kls[0]).step("shared", samples)  # the first pass reaches 0.5 of this limit
+    assert near.epochs == 1 and near.epoch_kls == [pytest.approx(far.epoch_kls[0], rel=1e-4)]
+    assert near.kl_tries == [{"scale": 1.0, "kl": near.epoch_kls[0]}], "its KL measured once"
+
+
 @pytest.mark.parametrize("minibatch", [0, 1])
 async def test_the_kl_limit_measures_the_step_not_how_far_stale_samples_already_are(tiny_model_dir, engine, minibatch):
     """Samples served a few versions ago differ from the policy by the updates since: their
