@@ -488,7 +488,7 @@ class LearnerSettings(BaseSettings):
             policy KL may reach before further passes stop. Implementations of PPO stop their
             epochs early once the policy moved past a KL target (Spinning Up, Stable-Baselines3's
             `target_kl`); read the other way, the target also says how far an update should go:
-            at batch 8 with two optimizer steps an update moved SmolLM2's policy by a KL of 0.08-0.6
+            at batch 8 with two optimizer steps an update moved SmolLM2's policy by a KL of 0.01-0.6
             against a limit of 1, so most updates spent a small part of what they were allowed.
             Each pass after the first costs a training pass and the KL measure a forward pass.
             Off by default until more seeds are run: at 4 passes and 0.5 the opening word's hard
