@@ -491,9 +491,10 @@ class LearnerSettings(BaseSettings):
             at batch 8 with two optimizer steps an update moved SmolLM2's policy by a KL of 0.01-0.6
             against a limit of 1, so most updates spent a small part of what they were allowed.
             Each pass after the first costs a training pass and the KL measure a forward pass.
-            Off by default until more seeds are run: at 4 passes and 0.5 the opening word's hard
-            seed showed on 0.88 of held-out replies after 37 ratings (one pass: 0.19 after 50),
-            while the length wish (seed 0) was learnt no faster (BENCHMARKS.md, "More passes").
+            Off by default until the length wish's other seeds are run: at 4 passes and 0.5 the
+            opening word showed on 0.85 of held-out replies after 20 ratings and on its hard seed
+            0.88 after 37 (one pass: 0.21 after 14, 0.19 after 50), while the length wish (seed
+            0) was learnt no faster (BENCHMARKS.md, "More passes").
         max_advantage: per-token advantages are clipped to ± this when training, so no sample
             (an outcome standardised over a tiny spread, a bug upstream) dominates an update.
         replay_coef: each optimizer step also pulls the policy's reading of two passages of
