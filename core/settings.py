@@ -495,6 +495,13 @@ class LearnerSettings(BaseSettings):
             opening word showed on 0.85 of held-out replies after 20 ratings and on its hard seed
             0.88 after 37 (one pass: 0.21 after 14, 0.19 after 50), while the length wish (seed
             0) was learnt no faster (BENCHMARKS.md, "More passes").
+        fresh_optimizer: each update starts AdamW's moments afresh. Carried over, β1 = 0.9 makes
+            an update of two optimizer steps move 85% along earlier batches' gradients and 15%
+            along its own (Σ 0.9^k over its steps against the rest): a rating steers the update
+            after next more than its own, and a partial batch of 4 (one step per pass) moved its
+            own samples' policy by a KL of 0.03-0.09 after four passes. Afresh, every update's
+            first step has the length of a new user's first (Adam's bias-corrected first step is
+            `lr` per weight, the sign of the gradient), and the KL limit still holds each update.
         max_advantage: per-token advantages are clipped to ± this when training, so no sample
             (an outcome standardised over a tiny spread, a bug upstream) dominates an update.
         replay_coef: each optimizer step also pulls the policy's reading of two passages of
@@ -672,6 +679,9 @@ class LearnerSettings(BaseSettings):
     )
     minibatch_size: int = Field(
         4, ge=0, description="Samples per optimizer step (4: two steps per update of 8); 0 = the whole batch."
+    )
+    fresh_optimizer: bool = Field(
+        False, description="Each update starts AdamW's moments afresh instead of carrying them from earlier updates."
     )
     lora_r: int = Field(16, ge=1)
     lora_alpha: int = Field(32, ge=1)

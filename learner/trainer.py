@@ -826,6 +826,8 @@ class LoraTrainer:
         weights_before = [p.detach().clone() for p in params]
         optimizer_before = copy.deepcopy(optimizer.state_dict())
         self._before[scope] = (weights_before, optimizer_before)
+        if c.fresh_optimizer:  # undo and a skipped step restore the moments kept just above
+            optimizer.state.clear()
         dropped: set[int] = set()
         totals = {"loss": 0.0, "pg": 0.0, "kl": 0.0, "clipped": 0.0, "mismatch": 0.0, "grad_norm": 0.0, "distill": 0.0,
                   "distilled": 0.0, "guarded": 0.0, "replay": 0.0}

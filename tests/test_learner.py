@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import copy
 import json
 import math
 import re
@@ -15,7 +16,7 @@ import torch
 from nextstate.engine.base import SamplingParams
 from nextstate.learner.ppo import k3_kl, ppo_token_losses
 from nextstate.core.settings import LearnerSettings
-from nextstate.learner.trainer import LoraTrainer
+from nextstate.learner.trainer import LoraTrainer, adapter_name
 from nextstate.core.policy import PolicyRef
 from nextstate.core.types import Sample
 
@@ -222,6 +223,38 @@ async def test_passes_over_a_batch_stop_once_its_kl_reaches_the_target(tiny_mode
     near = trainer(0.5, 2 * far.epoch_kls[0]).step("shared", samples)  # the first pass reaches 0.5 of this limit
     assert near.epochs == 1 and near.epoch_kls == [pytest.approx(far.epoch_kls[0], rel=1e-4)]
     assert near.kl_tries == [{"scale": 1.0, "kl": near.epoch_kls[0]}], "its KL measured once"
+
+
+async def test_a_fresh_optimizer_starts_each_update_without_earlier_moments(tiny_model_dir, engine):
+    """NEXTSTATE_FRESH_OPTIMIZER: an update's AdamW moments are its own batch's alone, so its
+    first step is as long as a new scope's first; carried over, they hold earlier batches' too.
+    A skipped step still puts back the moments from before it."""
+    first = [make_sample(toks, advantage=1.0) for toks in await generate(engine, 2)]
+    second = [make_sample(toks, advantage=-1.0) for toks in await generate(engine, 2, seed0=100)]
+
+    def two_updates(fresh: bool) -> tuple[LoraTrainer, list[torch.Tensor], dict]:
+        torch.manual_seed(0)
+        trainer = LoraTrainer(tiny_model_dir, LearnerSettings(lr=1e-3, lora_r=4, lora_alpha=8, max_kl=1e9,
+                                                              minibatch_size=1, fresh_optimizer=fresh))
+        assert trainer.step("shared", first).skipped is None
+        _, params = trainer._activate("shared")
+        before = [p.detach().clone() for p in params]
+        moments = copy.deepcopy(trainer._optimizers["shared"].state_dict())
+        assert trainer.step("shared", second).skipped is None
+        return trainer, [p.detach() - b for p, b in zip(trainer._params(adapter_name("shared")), before)], moments
+
+    carried, carried_move, _ = two_updates(False)
+    fresh, fresh_move, after_first = two_updates(True)
+    steps = lambda t: {int(state["step"]) for state in t._optimizers["shared"].state.values()}  # noqa: E731
+    assert steps(carried) == {4} and steps(fresh) == {2}, "two optimizer steps per update of two samples"
+    assert any(not torch.allclose(a, b) for a, b in zip(carried_move, fresh_move)), "the earlier momentum steered"
+    # Adam's bias-corrected first step moves a weight with a gradient by lr (its sign), whatever its size
+    first_moves = [m.abs().max().item() for m in fresh_move if m.abs().max() > 0]
+    assert first_moves and max(first_moves) <= 2 * 1e-3 * 1.1
+    fresh.undo("shared")
+    restored = fresh._optimizers["shared"].state_dict()["state"]
+    assert restored.keys() == after_first["state"].keys()
+    assert all(torch.equal(restored[k]["exp_avg"], after_first["state"][k]["exp_avg"]) for k in restored)
 
 
 @pytest.mark.parametrize("minibatch", [0, 1])
