@@ -519,6 +519,13 @@ class LearnerSettings(BaseSettings):
             more time per update on a CPU and no peak memory on a GPU. The default since it
             and the sampled gate (gate_replies) together learnt the opening word too (BENCHMARKS.md,
             "Issue 38 in one place"). 0: off.
+        replay_grad_share: the replay's gradient is scaled down, where larger, to this multiple
+            of the norm of the batch's own gradient in each optimizer step. Once an adapter has
+            drifted on the prose (a replay KL of 0.08-0.15 nats a token after three or four
+            updates), 20 times that KL made gradients of norm 6-15 against the batch's 1-3, the
+            norm clip shrank the batch's part to a tenth, and an update moved its own samples'
+            policy by a KL of 0.03-0.09 after four passes (0.3-0.7 before): the anchor silenced
+            the person. Bounded, it still pulls back as hard as the batch pushes. 0: no bound.
         empty_guard: where the trained weights give a sample's prompt more than this chance of
             ending the reply before it begins (a stop token first), the update also pushes that
             chance down (a hinge on its log at the reply's first position, learner/trainer.py);
@@ -665,6 +672,9 @@ class LearnerSettings(BaseSettings):
     )
     replay_coef: float = Field(
         20.0, ge=0, description="Weight of KL(base ‖ policy) on shipped everyday prose in each update (PPO-ptx's replay); 0 = off."
+    )
+    replay_grad_share: float = Field(
+        0.0, ge=0, description="Replay's gradient is scaled to at most this times the batch's own (norms); 0 = no bound."
     )
     max_staleness: int = Field(8, ge=0, description="Samples served more than this many versions ago are dropped; 0 = any.")
     max_user_share: float = Field(

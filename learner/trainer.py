@@ -126,6 +126,12 @@ def learner_dtype(setting: str, device: str) -> torch.dtype:
     return getattr(torch, setting)
 
 
+def grad_norm(grads: list[torch.Tensor | None]) -> float:
+    """The L2 norm of a list of gradients taken as one vector (None: no gradient)."""
+    present = [torch.linalg.vector_norm(g.float()) for g in grads if g is not None]
+    return float(torch.linalg.vector_norm(torch.stack(present))) if present else 0.0
+
+
 def adapter_name(scope: str) -> str:
     """peft adapter names become module keys: keep them to letters and digits."""
     return "a" + hashlib.sha256(scope.encode()).hexdigest()[:16]
@@ -523,10 +529,29 @@ class LoraTrainer:
         tokenizer = self._chat().tokenizer
         return [ids for text in texts if len(ids := tokenizer.encode(text, add_special_tokens=False)) > 1]
 
-    def _replay_backward(self, coef: float) -> float:
+    def _replay_backward(self, coef: float, params: list[torch.nn.Parameter], share: float = 0.0) -> float:
         """Adds to the gradients `coef` times KL(base ‖ policy) per token on the next
         REPLAY_PASSAGES of the shipped replay prose (settings: replay_coef says why); returns
-        that KL. The base model's side is the same weights with the adapter off, no copy."""
+        that KL. The base model's side is the same weights with the adapter off, no copy.
+        `share` > 0: the replay's own gradient is scaled down to at most `share` times the norm
+        of the gradient already there, the batch's (settings: replay_grad_share)."""
+        batch_grads = None
+        if share > 0:
+            batch_grads = [None if p.grad is None else p.grad.clone() for p in params]
+            for p in params:
+                p.grad = None
+        total = self._replay_loss_backward(coef)
+        if batch_grads is not None:
+            scale = min(1.0, share * grad_norm(batch_grads) / max(grad_norm([p.grad for p in params]), 1e-12))
+            for p, g in zip(params, batch_grads):
+                if p.grad is not None and scale < 1:
+                    p.grad.mul_(scale)
+                if g is not None:
+                    p.grad = g if p.grad is None else p.grad.add_(g)
+        return total
+
+    def _replay_loss_backward(self, coef: float) -> float:
+        """`_replay_backward`'s loss and its gradients, added to those there; returns its KL."""
         passages = self._replay_passages()
         total = 0.0
         for _ in range(REPLAY_PASSAGES):
@@ -905,7 +930,7 @@ class LoraTrainer:
                         if progress is not None:
                             progress(min(done, passes), passes)
                     if c.replay_coef > 0:  # its gradients are checked with the batch's below
-                        totals["replay"] += self._replay_backward(c.replay_coef)
+                        totals["replay"] += self._replay_backward(c.replay_coef, params, c.replay_grad_share)
                     if len(dropped) == len(samples) or not math.isfinite(totals["loss"]) or any(
                         p.grad is not None and not torch.isfinite(p.grad).all() for p in params
                     ):

@@ -133,8 +133,38 @@ async def test_replay_keeps_the_base_models_reading_of_everyday_prose(tiny_model
             assert results[0].replay_kl == 0.0 and results[-1].replay_kl > 0, "it pulls back what earlier steps drifted"
         t.model.eval()
         t._replay_next = 0  # the same passages for both: every one, no pull
-        drift[coef] = sum(t._replay_backward(0.0) for _ in range(len(t._replay_passages()) // 2))
+        drift[coef] = sum(t._replay_loss_backward(0.0) for _ in range(len(t._replay_passages()) // 2))
     assert drift[50.0] < drift[0.0]
+
+
+async def test_the_replays_gradient_is_bounded_by_the_batchs(tiny_model_dir, engine):
+    """NEXTSTATE_REPLAY_GRAD_SHARE: on an adapter drifted from the base model, the replay's pull
+    is scaled to at most that share of the batch's own gradient norm and added to it; without a
+    bound it is added as it comes."""
+    from nextstate.learner.trainer import grad_norm
+
+    batch = [make_sample(toks, advantage=1.0) for toks in await generate(engine, 4)]
+    torch.manual_seed(0)
+    t = LoraTrainer(tiny_model_dir, LearnerSettings(lr=5e-2, lora_r=4, lora_alpha=8, max_kl=1e9))
+    for _ in range(3):
+        assert t.step("shared", batch).skipped is None  # drifts off the base model on the prose
+    _, params = t._activate("shared")
+    batch_grads = [torch.full_like(p, 1e-4) for p in params]
+
+    def replay(share: float) -> list[torch.Tensor]:
+        for p, g in zip(params, batch_grads):
+            p.grad = g.clone()
+        t._replay_next = 0
+        assert t._replay_backward(1e3, params, share) > 0
+        return [p.grad.clone() - g for p, g in zip(params, batch_grads)]
+
+    free, bounded = replay(0.0), replay(0.5)
+    assert grad_norm(free) > grad_norm(batch_grads), "drifted: the replay's pull outweighs this batch"
+    assert grad_norm(bounded) == pytest.approx(0.5 * grad_norm(batch_grads), rel=1e-3)
+    scale = grad_norm(bounded) / grad_norm(free)
+    assert all(torch.allclose(b, scale * f, atol=1e-9) for b, f in zip(bounded, free)), "the same direction"
+    for p in params:
+        p.grad = None
 
 
 async def test_bad_steps_are_skipped_and_rolled_back(trainer, engine):
