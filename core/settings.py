@@ -490,11 +490,14 @@ class LearnerSettings(BaseSettings):
             `target_kl`); read the other way, the target also says how far an update should go:
             at batch 8 with two optimizer steps an update moved SmolLM2's policy by a KL of 0.01-0.6
             against a limit of 1, so most updates spent a small part of what they were allowed.
-            Each pass after the first costs a training pass and the KL measure a forward pass.
-            Off by default until the length wish's other seeds are run: at 4 passes and 0.5 the
-            opening word showed on 0.85 of held-out replies after 20 ratings and on its hard seed
-            0.88 after 37 (one pass: 0.21 after 14, 0.19 after 50), while the length wish (seed
-            0) was learnt no faster (BENCHMARKS.md, "More passes").
+            Each pass after the first costs a training pass and the KL measure a forward pass,
+            so an update takes up to four times one pass's time (first updates mostly stop
+            after one). 4 and 0.5 by default: the opening word showed on 0.85 of held-out
+            replies after 20 ratings and on its hard seed 0.88 after 37 (one pass: 0.21 after
+            14, 0.19 after 50); the length wish was level over three seeds (held-out 0.60 after
+            13 and 0.38 after 16 where one pass had 0.46 after 19 and 0.25 after 19, but 0.46
+            after 13 against 0.67 after 15 on seed 0; BENCHMARKS.md, "More passes" and
+            "Passes until KL on every seed"). ppo_epochs=1: one pass, the earlier default.
         fresh_optimizer: each update starts AdamW's moments afresh. Carried over, β1 = 0.9 makes
             an update of two optimizer steps move 85% along earlier batches' gradients and 15%
             along its own (Σ 0.9^k over its steps against the rest): a rating steers the update
@@ -683,9 +686,9 @@ class LearnerSettings(BaseSettings):
     shared_min_contributors: int = Field(
         2, ge=1, description="Shared scope: distinct users an update's batch must hold samples of (a lone user waits)."
     )
-    ppo_epochs: int = Field(1, ge=1, description="Passes over each batch, at most (epoch_kl_share may stop them sooner).")
+    ppo_epochs: int = Field(4, ge=1, description="Passes over each batch, at most (epoch_kl_share may stop them sooner).")
     epoch_kl_share: float = Field(
-        0.0, ge=0, le=1, description="Further passes over a batch stop once its policy KL reaches this share of max_kl; 0 = all."
+        0.5, ge=0, le=1, description="Further passes over a batch stop once its policy KL reaches this share of max_kl; 0 = all."
     )
     minibatch_size: int = Field(
         4, ge=0, description="Samples per optimizer step (4: two steps per update of 8); 0 = the whole batch."
