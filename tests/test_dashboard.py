@@ -95,7 +95,7 @@ def test_nextstate_status_prints_the_same_figures(learned):
     out = done.stdout
     assert "explicit feedback: 2 good, 2 bad (2 with a correction)" in out
     assert "shared serves v2 of 2" in out
-    assert re.search(r"v1\s+shared\s+2\s+\S+\s+\S+\s+\S+\s+published", out), out
+    assert re.search(r"v1\s+shared\s+2\s+\S+\s+\S+\s+\S+\s+(\d passes over the batch, )?published as v1", out), out
 
 
 def _chromium() -> tuple[str, str] | None:

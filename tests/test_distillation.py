@@ -111,7 +111,8 @@ def test_the_shifted_target_of_a_fresh_adapter_is_the_hinted_base_and_an_idle_hi
     idle = [distilled(make_sample(toks), teacher_prompt=PROMPT) for toks in replies]
     idle_kl = {}
     for target in ("teacher", "shift"):
-        trainer = LoraTrainer(peaked_model_dir, LearnerSettings(lr=3e-2, lora_r=4, lora_alpha=8, opd_topk=16,
+        # one pass: after it the policy has moved, and a further pass would distil back towards the target
+        trainer = LoraTrainer(peaked_model_dir, LearnerSettings(lr=3e-2, lora_r=4, lora_alpha=8, opd_topk=16, ppo_epochs=1,
                                                                 opd_target=target, max_kl=100.0, kl_coef=0.0))
         trainer.step("alice", samples)  # a real hint first: the adapter moves off the base model
         idle_kl[target] = trainer.step("alice", idle).distill_kl
