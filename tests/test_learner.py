@@ -126,7 +126,8 @@ async def test_replay_keeps_the_base_models_reading_of_everyday_prose(tiny_model
     drift = {}
     for coef in (0.0, 50.0):
         torch.manual_seed(0)
-        t = LoraTrainer(tiny_model_dir, LearnerSettings(lr=2e-2, lora_r=4, lora_alpha=8, replay_coef=coef, max_kl=1e9))
+        t = LoraTrainer(tiny_model_dir, LearnerSettings(lr=2e-2, lora_r=4, lora_alpha=8, replay_coef=coef, max_kl=1e9,
+                                                        ppo_epochs=1))
         results = [t.step("shared", batch) for batch in batches]
         assert all(r.skipped is None for r in results)
         if coef:
@@ -216,7 +217,7 @@ def test_the_line_search_shortens_by_a_quadratic_model_of_the_kl_and_remembers_w
 async def test_an_overshooting_step_is_shortened_along_its_direction_until_it_fits(tiny_model_dir, engine):
     samples = [make_sample(toks, advantage=1.0) for toks in await generate(engine, 3)]
     torch.manual_seed(0)
-    loose = LoraTrainer(tiny_model_dir, LearnerSettings(lr=5e-2, lora_r=4, lora_alpha=8, max_kl=1e9))
+    loose = LoraTrainer(tiny_model_dir, LearnerSettings(lr=5e-2, lora_r=4, lora_alpha=8, max_kl=1e9, ppo_epochs=1))
     name, params = loose._activate("shared")
     before = [p.detach().clone() for p in params]
     full = loose.step("shared", samples)
@@ -264,7 +265,7 @@ async def test_a_fresh_optimizer_starts_each_update_without_earlier_moments(tiny
 
     def two_updates(fresh: bool) -> tuple[LoraTrainer, list[torch.Tensor], dict]:
         torch.manual_seed(0)
-        trainer = LoraTrainer(tiny_model_dir, LearnerSettings(lr=1e-3, lora_r=4, lora_alpha=8, max_kl=1e9,
+        trainer = LoraTrainer(tiny_model_dir, LearnerSettings(lr=1e-3, lora_r=4, lora_alpha=8, max_kl=1e9, ppo_epochs=1,
                                                               minibatch_size=1, fresh_optimizer=fresh))
         assert trainer.step("shared", first).skipped is None
         _, params = trainer._activate("shared")
@@ -768,7 +769,7 @@ async def test_packed_micro_batches_make_the_same_update_in_fewer_passes(tiny_mo
 
     def run(budget: int):
         torch.manual_seed(0)
-        trainer = LoraTrainer(tiny_model_dir, LearnerSettings(lr=5e-3, lora_r=4, lora_alpha=8, micro_batch_tokens=budget,
+        trainer = LoraTrainer(tiny_model_dir, LearnerSettings(lr=5e-3, lora_r=4, lora_alpha=8, micro_batch_tokens=budget, ppo_epochs=1,
                                                               kl_coef=0.1, replay_coef=0))  # the batch's passes alone
         name, params = trainer._activate("shared")
         with torch.no_grad():  # LoRA B starts at zero: give it a value so the adapter matters
