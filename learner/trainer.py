@@ -26,6 +26,7 @@ from pathlib import Path
 
 import torch
 import torch.utils.checkpoint
+from torch.nn.utils import get_total_norm
 from transformers import LogitsProcessorList
 
 from nextstate.core.settings import LearnerSettings
@@ -124,12 +125,6 @@ def learner_dtype(setting: str, device: str) -> torch.dtype:
     if setting == "auto":
         return torch.bfloat16 if str(device).startswith("cuda") else torch.float32
     return getattr(torch, setting)
-
-
-def grad_norm(grads: list[torch.Tensor | None]) -> float:
-    """The L2 norm of a list of gradients taken as one vector (None: no gradient)."""
-    present = [torch.linalg.vector_norm(g.float()) for g in grads if g is not None]
-    return float(torch.linalg.vector_norm(torch.stack(present))) if present else 0.0
 
 
 def adapter_name(scope: str) -> str:
@@ -542,7 +537,9 @@ class LoraTrainer:
                 p.grad = None
         total = self._replay_loss_backward(coef)
         if batch_grads is not None:
-            scale = min(1.0, share * grad_norm(batch_grads) / max(grad_norm([p.grad for p in params]), 1e-12))
+            batch_norm = float(get_total_norm([g for g in batch_grads if g is not None]))
+            replay_norm = float(get_total_norm([p.grad for p in params if p.grad is not None]))
+            scale = min(1.0, share * batch_norm / max(replay_norm, 1e-12))
             for p, g in zip(params, batch_grads):
                 if p.grad is not None and scale < 1:
                     p.grad.mul_(scale)

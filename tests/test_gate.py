@@ -163,8 +163,7 @@ def test_a_version_that_unlearns_what_users_liked_does_not_serve(server_factory)
 def test_a_step_that_went_too_far_is_tried_at_half_its_length(server_factory, monkeypatch):
     """NEXTSTATE_GATE_BACKTRACKS at its default: the whole step is refused (forced here, so the
     test does not hang on how far a tiny model moves), half of it is scored again and serves."""
-    # one pass: a small step, along which the liked replies' likelihood moves about linearly (the last line)
-    server = learning_server(server_factory, publish_gate=True, gate_max_likelihood_drop=10.0, ppo_epochs=1)
+    server = learning_server(server_factory, publish_gate=True, gate_max_likelihood_drop=10.0)
     learner = server.app.state.services.learner
     real, verdicts = learner.gate._check, []
 

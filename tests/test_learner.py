@@ -142,7 +142,10 @@ async def test_the_replays_gradient_is_bounded_by_the_batchs(tiny_model_dir, eng
     """NEXTSTATE_REPLAY_GRAD_SHARE: on an adapter drifted from the base model, the replay's pull
     is scaled to at most that share of the batch's own gradient norm and added to it; without a
     bound it is added as it comes."""
-    from nextstate.learner.trainer import grad_norm
+    from torch.nn.utils import get_total_norm
+
+    def grad_norm(grads: list[torch.Tensor]) -> float:
+        return float(get_total_norm(grads))
 
     batch = [make_sample(toks, advantage=1.0) for toks in await generate(engine, 4)]
     torch.manual_seed(0)
