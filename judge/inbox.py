@@ -113,7 +113,12 @@ class JudgeInbox:
         self.judge.spawn(judged())
 
     async def aclose(self) -> None:
+        """After the judge's own close: what it did not judge goes back to the inbox, free to take."""
         await self._renewer.stop()
+        try:
+            await asyncio.to_thread(self.store.release_claims)
+        except Exception:  # noqa: BLE001 - the claims then run out on their own (LEASE_S)
+            log.warning("could not release this worker's claims on the judge's inbox", exc_info=True)
 
     def arriving(self, response_id: str) -> Turn | None:
         """The turn of a transition handed over but not on disk yet."""
@@ -239,7 +244,8 @@ class JudgeInbox:
 
     async def _judge(self, transition_id: int | None, transition: Transition) -> None:
         judge = self.judge
-        await judge.calibrated.wait()
+        if not await judge.verdict():  # stopping before the check ended: the turn stays pending
+            return
         if not judge.implicit:  # the judge failed its calibration: the turn waits for explicit feedback
             if transition_id is not None:
                 await self._writes.write(self.store.close_transition, transition_id, "unjudged")

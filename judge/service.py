@@ -108,6 +108,10 @@ class Judge:
         self.calibration = Calibration()
         # set once the calibration's verdict is in: implicit judging waits for it
         self.calibrated = asyncio.Event()
+        # the start-up check being asked (judge/startup_check.py), and shutdown begun: a stop
+        # does not wait minutes for a check the next start asks again anyway
+        self.checking: asyncio.Task[Any] | None = None
+        self._stopping = asyncio.Event()
 
     # ---------------------------------------------------------------- lifecycle
 
@@ -128,7 +132,22 @@ class Judge:
         """Wait until every submitted transition is judged and stored, and every rating applied."""
         await self.tasks.drain(timeout)
 
+    async def verdict(self) -> bool:
+        """Wait for the start-up check's verdict; False when the server stops first (what waits
+        for it stays pending in the store and is judged after the next start)."""
+        if not self.calibrated.is_set():
+            waits = {asyncio.ensure_future(self.calibrated.wait()), asyncio.ensure_future(self._stopping.wait())}
+            try:
+                await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                for wait in waits:
+                    wait.cancel()
+        return self.calibrated.is_set()
+
     async def aclose(self, timeout: float = 10.0) -> None:
+        self._stopping.set()
+        if self.checking is not None:
+            self.checking.cancel()  # unconcluded: the next start asks again
         await self.drain(timeout)
         await self.tasks.cancel()  # unfinished ones stay pending in the store
         await self.client.aclose()

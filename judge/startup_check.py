@@ -44,7 +44,7 @@ class StartupCheck:
             log.info("judge: %s (the verdict of %s stands: same judge, cases and prompt)", known.detail,
                      time.strftime("%Y-%m-%d %H:%M", time.localtime(known.checked_at or 0)))
             return
-        judge.tasks.spawn(self.ask())
+        judge.checking = judge.tasks.spawn(self.ask())
 
     def key(self) -> str | None:
         if not (self.prompts.directory / CALIBRATION_FILE).is_file():
@@ -71,7 +71,7 @@ class StartupCheck:
     async def ask(self) -> Calibration:
         """Ask the judge the calibration cases; implicit judging waits for the verdict."""
         judge, started = self.judge, time.monotonic()
-        calibration = Calibration("skipped", "not asked")
+        calibration, stopped = Calibration("skipped", "not asked"), False
         try:
             if not (self.prompts.directory / CALIBRATION_FILE).is_file():
                 calibration = Calibration("skipped", f"no {CALIBRATION_FILE} in {self.prompts.directory}")
@@ -93,13 +93,19 @@ class StartupCheck:
                 log.info("judge: %s (%.1f s)", calibration.detail, calibration.seconds)
             judge.records.write("judge_calibration", calibration.to_dict())
             return calibration
+        except asyncio.CancelledError:
+            # the server stops: no verdict, none kept, and what waits for one stays pending
+            log.info("judge: the start-up check stopped with the server; the next start asks it again")
+            stopped = True
+            raise
         except Exception as exc:  # noqa: BLE001 - a check that cannot run leaves the judge as configured
             log.warning("judge: the calibration could not run (%s: %s); judging goes on unchecked", type(exc).__name__, exc)
             calibration = Calibration("skipped", f"could not run: {type(exc).__name__}: {exc}")
             return calibration
         finally:
-            judge.conclude(calibration)
-            await self._remember()
+            if not stopped:
+                judge.conclude(calibration)
+                await self._remember()
 
     async def _remember(self) -> None:
         try:  # for `nextstate status`, which reads the data dir, and for the next start

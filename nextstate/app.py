@@ -181,8 +181,8 @@ async def shutdown(services: Services) -> None:
         await services.learner.aclose()
     if services.follower is not None:
         await services.follower.aclose()
-    await services.inbox.aclose()
     await services.judge.aclose()
+    await services.inbox.aclose()
     for store in USER_DATA:
         if store.close is not None:
             await store.close(services)

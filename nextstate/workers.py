@@ -68,8 +68,8 @@ async def run_judge(settings: Settings, stop: asyncio.Event, engine_factory: Eng
             except asyncio.TimeoutError:
                 pass
     finally:
-        await inbox.aclose()
         await judge.aclose()
+        await inbox.aclose()
         await follower.aclose()
         await stores.aclose()
         await records.aclose()

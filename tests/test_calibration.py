@@ -3,6 +3,8 @@ and explicit feedback still trains."""
 
 from __future__ import annotations
 
+import time
+
 import httpx
 import pytest
 
@@ -128,6 +130,30 @@ def test_a_restart_keeps_the_verdict_on_the_same_judge_and_asks_a_new_one(server
     other = calibrated_server(server_factory, judge, data_dir=data, judge_model="another-judge")
     assert other.app.state.services.judge.calibration.state == "passed"
     assert len(judge.calls) > asked, "a different judge is checked anew"
+
+
+def test_a_stop_during_the_check_waits_for_no_verdict_and_loses_no_turn(server_factory, judge, tmp_path):
+    """A stop during the start-up check waited for the check's in-flight votes (over 7 s with the
+    embedded SmolLM2 judging itself). Now the check stops at once, concludes nothing and keeps
+    nothing; turns waiting for its verdict stay pending, and the next start judges them."""
+    data = tmp_path / "kept"
+    judge.mode = "hang"
+    values = {"judge_base_url": judge.base_url, "judge_model": "judge", "prm_votes": 3, "judge_calibration": True,
+              "data_dir": data}
+    first = server_factory(**values)
+    wait_for(lambda: judge.calls, timeout=30)  # the check is asking its first case
+    converse(first.client(first.key("alice")), SCRIPT[:2], max_tokens=3)
+    first.end_conversations()
+    assert first.app.state.services.samples.stats()["transitions_pending"] == 1
+    started = time.monotonic()
+    first.stop()
+    assert time.monotonic() - started < 5, "the stop did not wait for the check"
+    assert first.app.state.services.judge.calibration.state == "pending", "no verdict from a check cut short"
+
+    judge.mode = "rules"
+    again = calibrated_server(server_factory, judge, **{k: v for k, v in values.items() if k != "judge_calibration"})
+    assert again.app.state.services.judge.calibration.state == "passed", "asked again, not a kept non-verdict"
+    wait_for(lambda: [s.reward for s in again.app.state.services.samples.samples()] == [-1.0], timeout=60)
 
 
 def test_a_check_whose_votes_all_failed_is_asked_again_at_the_next_start(server_factory, judge, tmp_path):

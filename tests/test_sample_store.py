@@ -251,6 +251,17 @@ def test_judges_polling_an_unclaimed_inbox_take_a_bounded_batch_each_and_keep_it
         "not renewed (a died), they return"
 
 
+def test_a_worker_that_stops_lets_go_of_its_claims_at_once(open_store):
+    """A stopped worker's unjudged transitions need not wait out its lease: a restart on
+    another port (another worker name) takes them at once."""
+    first, restarted = open_store("serve-1"), open_store("serve-2")
+    ids = [first.add_transition(transition(turn(index=i))) for i in range(2)]
+    assert [i for i, _ in first.claim_pending()] == ids
+    assert restarted.claim_pending() == [], "held while the first lives"
+    assert first.release_claims() == 2 and open_store("").release_claims() == 0
+    assert [i for i, _ in restarted.claim_pending()] == ids
+
+
 def test_a_corrected_turn_gets_one_sample_from_its_accepted_successor(open_store):
     """Two workers may judge the corrected and the accepted turn at once; one sample is built."""
     first, second = open_store("w1"), open_store("w2")

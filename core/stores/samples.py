@@ -251,6 +251,18 @@ class SampleStore(Store):
             ).fetchall()
         return sorted((int(row[0]), Transition.model_validate_json(row[1])) for row in rows)
 
+    def release_claims(self) -> int:
+        """Let go of this worker's claims on the transitions it has not judged: it stops, and
+        any worker (itself restarted on another port among them) may take them at once rather
+        than after the lease."""
+        if not self.worker:
+            return 0
+        with self._lock:
+            return self._db.execute(
+                "UPDATE transitions SET claimed_by = NULL, claimed_until = NULL WHERE claimed_by = ? AND status = 'pending'",
+                (self.worker,),
+            ).rowcount
+
     def renew_claims(self) -> int:
         """Extend this worker's claims on the transitions it has not judged yet: it lives."""
         if not self.worker:
