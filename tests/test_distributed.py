@@ -77,7 +77,7 @@ class Deployment:
             "NEXTSTATE_PUBLISH_GATE": "false", "NEXTSTATE_ADAPTER_SCOPE": "shared", "NEXTSTATE_SHARED_MIN_CONTRIBUTORS": "1",
             "NEXTSTATE_BATCH_SIZE": "2",
             "NEXTSTATE_MIN_BATCH_SIZE": "2", "NEXTSTATE_LR": "5e-3", "NEXTSTATE_LORA_R": "4", "NEXTSTATE_LORA_ALPHA": "8",
-            "NEXTSTATE_MAX_STALENESS": "0", "NEXTSTATE_LEARNER_DEVICE": "cpu",
+            "NEXTSTATE_MAX_STALENESS": "0", "NEXTSTATE_LEARNER_DEVICE": "cpu", "NEXTSTATE_PPO_EPOCHS": "1",
         }
         serving = {**common, "NEXTSTATE_LEARN": "false", "NEXTSTATE_JUDGE_IN_PROCESS": "false"}
         plan = [("serve", serving, "proxy0"), ("serve", serving, "proxy1"), ("judge", common, "judge0"),

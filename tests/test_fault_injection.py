@@ -39,6 +39,7 @@ class Server:
             "NEXTSTATE_MODE": "binary", "NEXTSTATE_BATCH_SIZE": "2", "NEXTSTATE_LR": "1e-3", "NEXTSTATE_LORA_R": "4",
             "NEXTSTATE_LORA_ALPHA": "8", "NEXTSTATE_MAX_KL": "1000", "NEXTSTATE_LOG_LEVEL": "warning",
             "NEXTSTATE_ADAPTER_SCOPE": "shared", "NEXTSTATE_SHARED_MIN_CONTRIBUTORS": "1",
+            "NEXTSTATE_PPO_EPOCHS": "1",  # as the in-process test servers: the tiny model never reaches the KL target
         }
         self.proc: subprocess.Popen | None = None
 
