@@ -533,7 +533,7 @@ class LearnerSettings(BaseSettings):
             seeds each, the wish showed on held-out questions after 22-35 ratings on 0.84 of
             replies for the opening word (0.69 without) and 0.68 for the length wish (0.59), on
             4 seeds of 6 more; about level after ~15 ratings (the length wish 0.44 against
-            0.48, the opening word 0.19-0.38 against 0.15-0.23 where read); prose read as before (0.997-1.008 of the base model's), but the opening
+            0.48, the opening word 0.19-0.38 against 0.15-0.23 where read); prose read as before (0.996-1.008 of the base model's), but the opening
             word's replies repeated words more on two seeds (0.14 and 0.21 length-matched, the
             base model ~0.10; BENCHMARKS.md, "The replay's bound on three seeds"). 0: no bound.
         empty_guard: where the trained weights give a sample's prompt more than this chance of
