@@ -21,6 +21,8 @@ from pathlib import Path
 import pytest
 from openai import OpenAI
 
+from nextstate.core.settings import Settings
+from nextstate.core.stores.opener import Stores
 from tests.background_server import free_port, wait_for_health
 from tests.crash_server import CRASHED
 from tests.judge_server import ScriptedJudge
@@ -50,9 +52,17 @@ class Server:
         wait_for_health(f"http://127.0.0.1:{self.port}", self.proc)
 
     def key(self) -> str:
-        out = subprocess.run([sys.executable, "-m", "nextstate.cli", "keys", "create", "--user", "sam"],
-                             env=self.env, capture_output=True, text=True, check=True).stdout
-        return next(word for word in out.split() if word.startswith("ns-"))
+        """A key in the server's data dir, made here: `nextstate keys create` would cost a Python
+        start with torch for each of the eight points (tests/test_keys_and_cli.py runs it)."""
+        with pytest.MonkeyPatch.context() as env:
+            for name, value in self.env.items():
+                if name.startswith("NEXTSTATE_"):
+                    env.setenv(name, value)
+            keys = Stores(Settings()).keys
+        try:
+            return keys.create("sam")[1]
+        finally:
+            keys.close()
 
     def converse(self, key: str, name: str, turns: int = 3) -> bool:
         """One conversation of `turns` replies (the last closes the session); False if the server died."""
