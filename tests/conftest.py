@@ -11,7 +11,7 @@ import httpx
 import pytest
 from openai import OpenAI
 
-from tests.tiny_model import build_tiny_model
+from tests.tiny_model import TINY_PPO_EPOCHS, build_tiny_model
 from nextstate.assembly import open_engine
 from tests.background_server import RunningServer, free_port, start_server
 from nextstate.core.settings import Settings
@@ -52,12 +52,10 @@ def make_settings(tmp_path: Path, model_dir: Path, **overrides) -> Settings:
     # and check one adapter, and the shared scope is the one whose batches mix users. One user
     # may train it alone here (tests/test_batching.py checks the rule that keeps that from happening),
     # and no turn is held out: tests count the samples they feed into versions (tests/test_held_out.py
-    # and tests/test_sample_store.py check holding out). One pass over each batch: the tiny model's
-    # updates never reach the KL target that stops the default's four, which doubled the suite's
-    # time (tests/test_learner.py checks the passes).
+    # and tests/test_sample_store.py check holding out). Passes over a batch: TINY_PPO_EPOCHS.
     values = {"data_dir": tmp_path / "data", "model": str(model_dir), "port": free_port(), "served_model_name": "tiny",
               "judge_calibration": False, "publish_gate": False, "adapter_scope": "shared", "shared_min_contributors": 1,
-              "held_out_every": 0, "ppo_epochs": 1}
+              "held_out_every": 0, "ppo_epochs": TINY_PPO_EPOCHS}
     return Settings(**{**values, **overrides})
 
 

@@ -20,9 +20,9 @@ from bench.report import LOG_HEADING, upsert_row
 from nextstate.judge.parsing import parse_hint, parse_score
 from nextstate.judge.context import fence
 from nextstate.judge.prompts import PromptLibrary
+from tests.tiny_model import TINY_PPO_EPOCHS
 
-# as the default suite's servers (tests/conftest.py): the tiny model never reaches the KL target
-ONE_PASS = ["ppo_epochs=1"]
+ONE_PASS = [f"ppo_epochs={TINY_PPO_EPOCHS}"]  # as the suite's servers (tests/tiny_model.py)
 
 
 def test_results_log_rows_are_replaced_by_file_and_stay_in_their_table(tmp_path):

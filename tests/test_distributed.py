@@ -26,6 +26,7 @@ from nextstate.core.types import Transition
 from nextstate.learner.versions import AdapterVersions
 from nextstate.core.stores.keys import KeyStore
 from tests.distributed_processes import FakeWorker, NextstateProcess
+from tests.tiny_model import TINY_PPO_EPOCHS
 from tests.judge_server import ScriptedJudge
 from tests.real_engines.router_process import SGLangRouter
 from tests.test_learner import wait_for
@@ -77,7 +78,7 @@ class Deployment:
             "NEXTSTATE_PUBLISH_GATE": "false", "NEXTSTATE_ADAPTER_SCOPE": "shared", "NEXTSTATE_SHARED_MIN_CONTRIBUTORS": "1",
             "NEXTSTATE_BATCH_SIZE": "2",
             "NEXTSTATE_MIN_BATCH_SIZE": "2", "NEXTSTATE_LR": "5e-3", "NEXTSTATE_LORA_R": "4", "NEXTSTATE_LORA_ALPHA": "8",
-            "NEXTSTATE_MAX_STALENESS": "0", "NEXTSTATE_LEARNER_DEVICE": "cpu", "NEXTSTATE_PPO_EPOCHS": "1",
+            "NEXTSTATE_MAX_STALENESS": "0", "NEXTSTATE_LEARNER_DEVICE": "cpu", "NEXTSTATE_PPO_EPOCHS": str(TINY_PPO_EPOCHS),
         }
         serving = {**common, "NEXTSTATE_LEARN": "false", "NEXTSTATE_JUDGE_IN_PROCESS": "false"}
         plan = [("serve", serving, "proxy0"), ("serve", serving, "proxy1"), ("judge", common, "judge0"),

@@ -26,6 +26,7 @@ from nextstate.core.stores.opener import Stores
 from tests.background_server import free_port, wait_for_health
 from tests.crash_server import CRASHED
 from tests.judge_server import ScriptedJudge
+from tests.tiny_model import TINY_PPO_EPOCHS
 
 POINTS = ["inbox", "judging", "storing", "training", "saving", "current", "consumed", "serving"]
 FEEDBACK = ["Thanks, great!", "No, that is wrong.", "Thanks!", "No, try again."]
@@ -41,7 +42,7 @@ class Server:
             "NEXTSTATE_MODE": "binary", "NEXTSTATE_BATCH_SIZE": "2", "NEXTSTATE_LR": "1e-3", "NEXTSTATE_LORA_R": "4",
             "NEXTSTATE_LORA_ALPHA": "8", "NEXTSTATE_MAX_KL": "1000", "NEXTSTATE_LOG_LEVEL": "warning",
             "NEXTSTATE_ADAPTER_SCOPE": "shared", "NEXTSTATE_SHARED_MIN_CONTRIBUTORS": "1",
-            "NEXTSTATE_PPO_EPOCHS": "1",  # as the in-process test servers: the tiny model never reaches the KL target
+            "NEXTSTATE_PPO_EPOCHS": str(TINY_PPO_EPOCHS),
         }
         self.proc: subprocess.Popen | None = None
 
@@ -54,11 +55,7 @@ class Server:
     def key(self) -> str:
         """A key in the server's data dir, made here: `nextstate keys create` would cost a Python
         start with torch for each of the eight points (tests/test_keys_and_cli.py runs it)."""
-        with pytest.MonkeyPatch.context() as env:
-            for name, value in self.env.items():
-                if name.startswith("NEXTSTATE_"):
-                    env.setenv(name, value)
-            keys = Stores(Settings()).keys
+        keys = Stores(Settings(data_dir=Path(self.env["NEXTSTATE_DATA_DIR"]), model=self.env["NEXTSTATE_MODEL"])).keys
         try:
             return keys.create("sam")[1]
         finally:

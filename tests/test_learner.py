@@ -19,6 +19,7 @@ from nextstate.core.settings import LearnerSettings
 from nextstate.learner.trainer import LoraTrainer, adapter_name
 from nextstate.core.policy import PolicyRef
 from nextstate.core.types import Sample
+from tests.tiny_model import TINY_PPO_EPOCHS
 
 PROMPT = list(range(5, 30))
 
@@ -624,7 +625,7 @@ def test_killed_mid_batch_the_server_loses_nothing(tmp_path, tiny_model_dir):
     env = {**os.environ, "NEXTSTATE_DATA_DIR": str(tmp_path / "data"), "NEXTSTATE_MODEL": str(tiny_model_dir),
            "NEXTSTATE_PORT": str(port), "NEXTSTATE_BATCH_SIZE": "4", "NEXTSTATE_JUDGE_ENABLED": "false",
            "NEXTSTATE_LR": "5e-3", "NEXTSTATE_LORA_R": "4", "NEXTSTATE_LORA_ALPHA": "8", "NEXTSTATE_ADAPTER_SCOPE": "shared",
-           "NEXTSTATE_SHARED_MIN_CONTRIBUTORS": "1", "NEXTSTATE_PPO_EPOCHS": "1"}
+           "NEXTSTATE_SHARED_MIN_CONTRIBUTORS": "1", "NEXTSTATE_PPO_EPOCHS": str(TINY_PPO_EPOCHS)}
 
     def serve():
         proc = subprocess.Popen([sys.executable, "-m", "nextstate.cli", "serve"], env=env,
