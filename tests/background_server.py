@@ -23,6 +23,7 @@ from nextstate.app import create_app
 from nextstate.assembly import EngineFactory, open_engine
 from nextstate.core.settings import Settings
 from nextstate.core.stores.keys import KeyStore
+from tests.forked_process import ForkedCommand
 
 
 def free_port() -> int:
@@ -31,7 +32,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def wait_for_health(root: str, proc: subprocess.Popen, timeout: float = 90) -> None:
+def wait_for_health(root: str, proc: subprocess.Popen | ForkedCommand, timeout: float = 90) -> None:
     """Wait until a server started as a subprocess answers /healthz; fail with its output if
     it exits first or takes longer than `timeout`."""
     deadline = time.monotonic() + timeout
@@ -42,7 +43,8 @@ def wait_for_health(root: str, proc: subprocess.Popen, timeout: float = 90) -> N
         except httpx.HTTPError:
             pass
         if proc.poll() is not None:
-            raise RuntimeError(f"the server exited with {proc.returncode}:\n{proc.stdout.read() if proc.stdout else ''}")
+            said = proc.output() if isinstance(proc, ForkedCommand) else proc.stdout.read() if proc.stdout else ""
+            raise RuntimeError(f"the server exited with {proc.returncode}:\n{said}")
         if time.monotonic() > deadline:
             raise RuntimeError("the server did not come up")
         time.sleep(0.2)
@@ -109,10 +111,17 @@ class RunningServer:
             raise RuntimeError("server did not stop within 30 s")
 
 
-def serve_in_thread(app, port: int, name: str = "nextstate-server") -> tuple[uvicorn.Server, threading.Thread, asyncio.AbstractEventLoop]:
-    """Start any ASGI app with uvicorn on 127.0.0.1:port in a daemon thread; return once it listens."""
+# A stand-in (a scripted judge, a fake engine) that was told to hang holds its request forever:
+# waiting on it at stop would add the whole grace to every test of a hang.
+STAND_IN_GRACE_S = 0.5
+
+
+def serve_in_thread(app, port: int, name: str = "nextstate-server", grace_s: float = 5,
+                    ) -> tuple[uvicorn.Server, threading.Thread, asyncio.AbstractEventLoop]:
+    """Start any ASGI app with uvicorn on 127.0.0.1:port in a daemon thread; return once it
+    listens. At stop, requests still running get `grace_s` to finish before they are cancelled."""
     config = uvicorn.Config(
-        app, host="127.0.0.1", port=port, log_level="warning", lifespan="on", timeout_graceful_shutdown=5,
+        app, host="127.0.0.1", port=port, log_level="warning", lifespan="on", timeout_graceful_shutdown=grace_s,
         proxy_headers=False,  # as `nextstate serve` runs it: the app reads them (proxy/client_address.py)
     )
     server = uvicorn.Server(config)
@@ -141,7 +150,7 @@ class AppInThread:
     def serve(self, app, port: int, name: str) -> None:
         self.app = app
         self.port = port or free_port()
-        self.server, self.thread, self.loop = serve_in_thread(app, self.port, name=name)
+        self.server, self.thread, self.loop = serve_in_thread(app, self.port, name=name, grace_s=STAND_IN_GRACE_S)
 
     @property
     def url(self) -> str:

@@ -63,8 +63,13 @@ def arm(point: str, nth: int) -> None:
     setattr(owner, name, crashing)
 
 
-if __name__ == "__main__":
-    arm(sys.argv[1], int(sys.argv[2]))
-    from nextstate.cli import main
+def main(argv: list[str]) -> int:
+    """POINT N: arm, then `nextstate serve`."""
+    arm(argv[0], int(argv[1]))
+    from nextstate.cli import main as nextstate
 
-    raise SystemExit(main(["serve"]))
+    return nextstate(["serve"])
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))

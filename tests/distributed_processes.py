@@ -1,5 +1,7 @@
 """The processes of a distributed deployment, each in its own process group so that a test can
-kill -9 it: an SGLang stand-in worker (tests/fake_sglang.py) and `nextstate serve | judge | learn`."""
+kill -9 it: an SGLang stand-in worker (tests/fake_sglang.py) and `nextstate serve | judge | learn`,
+forked from one process that imported them (tests/forked_process.py): seven of them at once
+would otherwise spend the test's first 15 s importing torch."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ from pathlib import Path
 
 import httpx
 
+from tests.forked_process import ForkedCommand
 from tests.real_engines.server_process import ServerProcess
 
 # What `nextstate judge` and `nextstate learn` log once they work (nextstate/workers.py).
@@ -31,6 +34,10 @@ class FakeWorker(ServerProcess):
     def environment(self) -> dict[str, str]:
         return {**super().environment(), "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
 
+    def launch(self) -> ForkedCommand:
+        return ForkedCommand("tests.fake_sglang", self.command()[3:], self.environment(), self.log_path,
+                             cwd=self.log_path.parent)
+
     def served(self) -> list[str | None]:
         """The adapter of each reply this worker generated since it started (None: the base model)."""
         return httpx.get(f"{self.url}/fake/generations", timeout=10).json()
@@ -48,6 +55,9 @@ class NextstateProcess(ServerProcess):
 
     def command(self) -> list[str]:
         return [self.python, "-m", "nextstate.cli", self.kind]
+
+    def launch(self) -> ForkedCommand:
+        return ForkedCommand("nextstate.cli", [self.kind], self.environment(), self.log_path, cwd=self.log_path.parent)
 
     def environment(self) -> dict[str, str]:
         return {**super().environment(), **self.env, "NEXTSTATE_PORT": str(self.port),

@@ -233,7 +233,7 @@ class FakeSGLang(AppInThread):
         return {"text": "", "output_ids": [], "meta_info": meta}
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     """python -m tests.fake_sglang PORT MODEL_DIR [--scripted TEXT] [--token-ms MS]: in its own process."""
     import argparse
     import threading
@@ -247,7 +247,7 @@ def main() -> None:
     parser.add_argument("model_dir")
     parser.add_argument("--scripted", help="answer every request with this text instead of running the model")
     parser.add_argument("--token-ms", type=float, default=0.0, help="scripted: delay per token")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     factory = None
     if args.scripted is not None:
         async def factory():

@@ -16,7 +16,7 @@ import time
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
-from tests.background_server import free_port, serve_in_thread
+from tests.background_server import STAND_IN_GRACE_S, free_port, serve_in_thread
 
 HINTS = ["Use French.", "Answer in French, not English.", "Answer in French, not English, and keep it to one short sentence."]
 _NEXT_STATE = re.compile(r"\[role: (\w+)\]\n<data (\w+)>\n(.*?)\n</data \2>", re.DOTALL)
@@ -55,7 +55,7 @@ class ScriptedJudge:
         self.app = app
         self.port = free_port()
         if serve:
-            self.server, self.thread, _ = serve_in_thread(app, self.port, name="scripted-judge")
+            self.server, self.thread, _ = serve_in_thread(app, self.port, name="scripted-judge", grace_s=STAND_IN_GRACE_S)
 
     @property
     def base_url(self) -> str:

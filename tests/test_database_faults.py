@@ -13,7 +13,9 @@ from tests.real_engines.postgres_server import PostgresServer
 
 @pytest.fixture
 def own_postgres():
-    """A PostgreSQL server of this test's own: restarting it disturbs no other test."""
+    """A PostgreSQL server of this test's own: restarting it disturbs no other test. Asked for
+    before `server_factory`, so it stops after the server: a server stopping after its database
+    waits out a connection timeout."""
     server = PostgresServer()
     yield server
     server.stop()
@@ -24,7 +26,7 @@ def chat(server, key: str) -> httpx.Response:
                       json={"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
 
 
-def test_a_postgres_restart_costs_only_the_restart_and_readyz_follows(server_factory, own_postgres):
+def test_a_postgres_restart_costs_only_the_restart_and_readyz_follows(own_postgres, server_factory):
     url = own_postgres.fresh_database("restart")
     server = server_factory(database_url=url, learn=False, judge_enabled=False)
     key = server.key("alice")
@@ -49,7 +51,7 @@ def test_a_postgres_restart_costs_only_the_restart_and_readyz_follows(server_fac
     assert httpx.get(f"{server.root}/readyz").json() == {"status": "ready"}
 
 
-def test_a_frozen_database_holds_up_no_request_that_does_not_need_it(server_factory, own_postgres):
+def test_a_frozen_database_holds_up_no_request_that_does_not_need_it(own_postgres, server_factory):
     """PostgreSQL stopped dead (SIGSTOP: connections hang instead of failing) while a request
     waits on it: the event loop is not the one waiting, so /healthz answers at once."""
     import os

@@ -6,14 +6,13 @@ from __future__ import annotations
 import io
 import json
 import os
-import subprocess
-import sys
 import tarfile
 
 import httpx
 import pytest
 import torch
 
+from tests.forked_process import run_cli
 from tests.test_learner import PROMPT, feed, learning_server, served_samples, wait_for
 
 
@@ -32,8 +31,7 @@ def test_the_export_loads_in_peft_and_scores_as_nextstate_serves_it(trained, tmp
     env = {**{k: v for k, v in os.environ.items() if not k.startswith("NEXTSTATE_")},
            "NEXTSTATE_DATA_DIR": str(trained.settings.data_dir), "NEXTSTATE_ADAPTER_SCOPE": "user"}
     out = tmp_path / "alice-adapter"
-    done = subprocess.run([sys.executable, "-m", "nextstate.cli", "export", "--user", "alice", str(out)], env=env,
-                          capture_output=True, text=True, timeout=120)
+    done = run_cli("export", "--user", "alice", str(out), env=env)
     assert done.returncode == 0, done.stderr
     assert sorted(p.name for p in out.iterdir()) == ["README.md", "adapter_config.json", "adapter_model.safetensors"]
     readme = (out / "README.md").read_text()
@@ -50,8 +48,7 @@ def test_the_export_loads_in_peft_and_scores_as_nextstate_serves_it(trained, tmp
     services = trained.app.state.services
     ours = trained.call(services.turns.engine.score(PROMPT + response, len(PROMPT), adapter=services.policies.current("alice").adapter))
     assert theirs.tolist() == pytest.approx(ours, abs=1e-4)
-    again = subprocess.run([sys.executable, "-m", "nextstate.cli", "export", "--user", "alice", str(out)], env=env,
-                           capture_output=True, text=True, timeout=120)
+    again = run_cli("export", "--user", "alice", str(out), env=env)
     assert again.returncode != 0 and "not empty" in again.stderr, "an export never overwrites"
 
 
@@ -99,8 +96,7 @@ def test_the_gguf_export_is_a_llama_cpp_lora_adapter_named_and_ordered_as_its_ba
     env = {**{k: v for k, v in os.environ.items() if not k.startswith("NEXTSTATE_")},
            "NEXTSTATE_DATA_DIR": str(trained.settings.data_dir), "NEXTSTATE_ADAPTER_SCOPE": "user"}
     out = tmp_path / "alice-gguf"
-    done = subprocess.run([sys.executable, "-m", "nextstate.cli", "export", "--user", "alice", "--format", "gguf", str(out)],
-                          env=env, capture_output=True, text=True, timeout=120)
+    done = run_cli("export", "--user", "alice", "--format", "gguf", str(out), env=env)
     assert done.returncode == 0, done.stderr
     assert sorted(p.name for p in out.iterdir()) == ["README.md", "nextstate-alice-v1.gguf"]
     assert "--lora nextstate-alice-v1.gguf" in (out / "README.md").read_text()

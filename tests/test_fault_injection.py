@@ -13,8 +13,6 @@ from __future__ import annotations
 import json
 import os
 import sqlite3
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -25,6 +23,7 @@ from nextstate.core.settings import Settings
 from nextstate.core.stores.opener import Stores
 from tests.background_server import free_port, wait_for_health
 from tests.crash_server import CRASHED
+from tests.forked_process import ForkedCommand
 from tests.judge_server import ScriptedJudge
 from tests.tiny_model import TINY_PPO_EPOCHS
 
@@ -35,6 +34,7 @@ FEEDBACK = ["Thanks, great!", "No, that is wrong.", "Thanks!", "No, try again."]
 class Server:
     def __init__(self, data: Path, model: Path, judge_url: str) -> None:
         self.port = free_port()
+        self.log = data.parent / "server.log"
         self.env = {
             **{k: v for k, v in os.environ.items() if not k.startswith("NEXTSTATE_")},
             "NEXTSTATE_DATA_DIR": str(data), "NEXTSTATE_MODEL": str(model), "NEXTSTATE_PORT": str(self.port),
@@ -43,13 +43,16 @@ class Server:
             "NEXTSTATE_LORA_ALPHA": "8", "NEXTSTATE_MAX_KL": "1000", "NEXTSTATE_LOG_LEVEL": "warning",
             "NEXTSTATE_ADAPTER_SCOPE": "shared", "NEXTSTATE_SHARED_MIN_CONTRIBUTORS": "1",
             "NEXTSTATE_PPO_EPOCHS": str(TINY_PPO_EPOCHS),
+            # as in tests/conftest.py make_settings: the judge's start-up check and the gate are
+            # checked in their own tests; here they only lengthen each of the sixteen runs
+            "NEXTSTATE_JUDGE_CALIBRATION": "false", "NEXTSTATE_PUBLISH_GATE": "false",
         }
-        self.proc: subprocess.Popen | None = None
+        self.proc: ForkedCommand | None = None
 
     def start(self, *crash: str) -> None:
-        command = ["-m", "tests.crash_server", *crash] if crash else ["-m", "nextstate.cli", "serve"]
-        self.proc = subprocess.Popen([sys.executable, *command], env=self.env, stdout=subprocess.PIPE,
-                                     stderr=subprocess.STDOUT, text=True)
+        """`nextstate serve`, or with POINT N, armed to die at the N-th call of POINT."""
+        self.proc = (ForkedCommand("tests.crash_server", list(crash), self.env, self.log) if crash
+                     else ForkedCommand("nextstate.cli", ["serve"], self.env, self.log))
         wait_for_health(f"http://127.0.0.1:{self.port}", self.proc)
 
     def key(self) -> str:
@@ -120,12 +123,12 @@ def test_a_crash_loses_nothing_and_trains_nothing_twice(point, tmp_path, tiny_mo
         deadline = time.monotonic() + 30
         while server.proc.poll() is None and time.monotonic() < deadline:
             time.sleep(0.1)
-        assert server.proc.returncode == CRASHED, f"the server did not crash at '{point}':\n{server.proc.stdout.read()}"
+        assert server.proc.returncode == CRASHED, f"the server did not crash at '{point}':\n{server.proc.output()}"
         before = published(data)
 
         server.start()
         for i in range(4):
-            assert server.converse(key, f"after {i}"), server.proc.stdout.read() if server.proc.poll() is not None else ""
+            assert server.converse(key, f"after {i}"), server.proc.output() if server.proc.poll() is not None else ""
         server.wait_idle()
         server.stop()
     finally:

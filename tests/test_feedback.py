@@ -5,13 +5,12 @@ from __future__ import annotations
 import math
 import os
 import re
-import subprocess
-import sys
 
 import anthropic
 import httpx
 import pytest
 
+from tests.forked_process import run_cli
 from tests.test_learner import learning_server, wait_for
 
 ASK = [{"role": "user", "content": "Say something."}]
@@ -259,8 +258,7 @@ def nextstate_status(server) -> str:
     """`nextstate status` on the server's data dir, as a person runs it beside the server."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("NEXTSTATE_")}
     env["NEXTSTATE_DATA_DIR"] = str(server.settings.data_dir)
-    done = subprocess.run([sys.executable, "-m", "nextstate.cli", "status"], env=env, capture_output=True, text=True,
-                          timeout=120)
+    done = run_cli("status", env=env)
     assert done.returncode == 0, done.stderr
     return done.stdout
 

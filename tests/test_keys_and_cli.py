@@ -14,12 +14,7 @@ from openai import OpenAI
 from nextstate.core.stores.opener import Stores
 from nextstate.core.stores.keys import KeyStore
 from tests.background_server import free_port, wait_for_health
-
-
-def run_cli(*args: str, env: dict) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "nextstate.cli", *args], env=env, capture_output=True, text=True, timeout=120
-    )
+from tests.forked_process import run_cli
 
 
 @pytest.fixture
@@ -121,23 +116,17 @@ def test_serve_command_starts_and_answers(cli_env):
 
 def test_missing_model_dir_fails_at_start(cli_env, tmp_path):
     env = {**cli_env, "NEXTSTATE_MODEL": str(tmp_path / "nope"), "NEXTSTATE_PORT": str(free_port())}
-    proc = subprocess.run([sys.executable, "-m", "nextstate.cli", "serve"], env=env, capture_output=True, text=True, timeout=120)
+    proc = run_cli("serve", env=env)
     assert proc.returncode != 0
     assert "not a Hugging Face model directory" in proc.stdout + proc.stderr
 
 
 def test_invalid_mode_is_a_clear_start_up_error(cli_env):
-    proc = subprocess.run(
-        [sys.executable, "-m", "nextstate.cli", "serve"], env={**cli_env, "NEXTSTATE_MODE": "reinforce"},
-        capture_output=True, text=True, timeout=60,
-    )
+    proc = run_cli("serve", env={**cli_env, "NEXTSTATE_MODE": "reinforce"}, timeout=60)
     assert proc.returncode != 0
     assert "NEXTSTATE_MODE" in proc.stderr and "binary" in proc.stderr
 
 
 def test_missing_prm_prompt_is_a_clear_start_up_error(cli_env):
-    proc = subprocess.run(
-        [sys.executable, "-m", "nextstate.cli", "serve"], env={**cli_env, "NEXTSTATE_PRM_PROMPT": "prm_nope"},
-        capture_output=True, text=True, timeout=60,
-    )
+    proc = run_cli("serve", env={**cli_env, "NEXTSTATE_PRM_PROMPT": "prm_nope"}, timeout=60)
     assert proc.returncode != 0 and "prm_nope" in proc.stderr

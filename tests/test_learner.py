@@ -614,11 +614,9 @@ async def sample_replies(engine, prompt, adapter, n, seed0):
 def test_killed_mid_batch_the_server_loses_nothing(tmp_path, tiny_model_dir):
     """SIGKILL a real `nextstate serve` holding a partial batch; the restart trains it."""
     import os
-    import signal
-    import subprocess
-    import sys
 
     from tests.background_server import free_port
+    from tests.forked_process import ForkedCommand
     from nextstate.core.stores.samples import SampleStore
 
     port = free_port()
@@ -628,10 +626,9 @@ def test_killed_mid_batch_the_server_loses_nothing(tmp_path, tiny_model_dir):
            "NEXTSTATE_SHARED_MIN_CONTRIBUTORS": "1", "NEXTSTATE_PPO_EPOCHS": str(TINY_PPO_EPOCHS)}
 
     def serve():
-        proc = subprocess.Popen([sys.executable, "-m", "nextstate.cli", "serve"], env=env,
-                                stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+        proc = ForkedCommand("nextstate.cli", ["serve"], env, tmp_path / "serve.log")
         wait_for(lambda: _up(port) or proc.poll() is not None)
-        assert proc.poll() is None
+        assert proc.poll() is None, proc.output()
         return proc
 
     def fake_turns(n, seed):
@@ -650,7 +647,7 @@ def test_killed_mid_batch_the_server_loses_nothing(tmp_path, tiny_model_dir):
             store.add_sample(s)
         time.sleep(0.5)
     finally:
-        proc.send_signal(signal.SIGKILL)
+        proc.kill()
         proc.wait(10)
     assert len(store.samples("ready")) == 3, "a partial batch survives the kill"
 

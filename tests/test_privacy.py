@@ -6,8 +6,6 @@ import json
 import logging
 import os
 import stat
-import subprocess
-import sys
 import time
 
 import httpx
@@ -15,6 +13,7 @@ import httpx
 from nextstate.cli import banner
 from nextstate.core.settings import Settings
 from nextstate.proxy.access_log import StripQueryStrings
+from tests.forked_process import run_cli
 from tests.test_learner import feed, learning_server, served_samples, wait_for
 
 HELLO = [{"role": "user", "content": "my password is hunter2"}]
@@ -74,12 +73,10 @@ def test_forget_on_the_command_line(tmp_path, tiny_model_dir, server_factory):
     chat(server, alice, **{"X-Session-Id": "open-one"})
     chat(server, server.key("bob"))
     env = {**os.environ, "NEXTSTATE_DATA_DIR": str(server.settings.data_dir), "NEXTSTATE_ADAPTER_SCOPE": "shared"}
-    refused = subprocess.run([sys.executable, "-m", "nextstate.cli", "forget", "--user", "alice", "--yes"],
-                             env=env, capture_output=True, text=True)
+    refused = run_cli("forget", "--user", "alice", "--yes", env=env)
     assert refused.returncode != 0 and "server is running" in refused.stderr
     server.stop()
-    done = subprocess.run([sys.executable, "-m", "nextstate.cli", "forget", "--user", "alice", "--yes"],
-                          env=env, capture_output=True, text=True)
+    done = run_cli("forget", "--user", "alice", "--yes", env=env)
     assert done.returncode == 0, done.stderr
     assert "1 key(s), 1 open session(s)" in done.stdout and "shared adapter keeps" in done.stdout
     text = "".join(p.read_text() for p in server.settings.records_dir.glob("*.jsonl"))
@@ -125,7 +122,7 @@ def test_an_unusable_data_dir_is_one_clear_sentence(tmp_path, tiny_model_dir):
     blocker = tmp_path / "a-file"
     blocker.write_text("not a folder")
     env = {**os.environ, "NEXTSTATE_DATA_DIR": str(blocker / "data"), "NEXTSTATE_MODEL": str(tiny_model_dir)}
-    done = subprocess.run([sys.executable, "-m", "nextstate.cli", "serve"], env=env, capture_output=True, text=True, timeout=120)
+    done = run_cli("serve", env=env)
     assert done.returncode != 0 and "cannot be used" in done.stderr and "Traceback" not in done.stderr
 
 

@@ -64,11 +64,14 @@ class ServerProcess:
     def environment(self) -> dict[str, str]:
         return {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
 
+    def launch(self) -> subprocess.Popen:
+        """The server's process, in a process group of its own, its output in its log."""
+        with self.log_path.open("ab") as log:
+            return subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT, env=self.environment(),
+                                    start_new_session=True, cwd=self.log_path.parent)
+
     def start(self) -> None:
-        log = self.log_path.open("ab")
-        self.process = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT, env=self.environment(),
-                                        start_new_session=True, cwd=self.log_path.parent)
-        log.close()
+        self.process = self.launch()
         deadline = time.monotonic() + self.start_timeout_s
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
