@@ -6,13 +6,12 @@ from __future__ import annotations
 import os
 import re
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import httpx
 import pytest
 
+from tests.forked_process import run_cli
 from tests.test_feedback import ASK, rate
 from tests.test_learner import learning_server, wait_for
 
@@ -89,8 +88,7 @@ def test_the_dashboard_needs_an_admin_key_and_draws_its_charts(learned):
 def test_nextstate_status_prints_the_same_figures(learned):
     env = {k: v for k, v in os.environ.items() if not k.startswith("NEXTSTATE_")}
     env["NEXTSTATE_DATA_DIR"] = str(learned.settings.data_dir)
-    done = subprocess.run([sys.executable, "-m", "nextstate.cli", "status"], env=env, capture_output=True, text=True,
-                          timeout=120)
+    done = run_cli("status", env=env)
     assert done.returncode == 0, done.stderr
     out = done.stdout
     assert "explicit feedback: 2 good, 2 bad (2 with a correction)" in out
@@ -282,10 +280,6 @@ def test_nextstate_status_says_which_update_runs_now(tmp_path):
 
 def test_nextstate_status_tells_what_a_benched_judges_next_states_do(tmp_path):
     """Read from the disk (no server to ask), the judge's fallback comes from the settings."""
-    import os
-    import subprocess
-    import sys
-
     from nextstate.core.stores.samples import SampleStore
 
     data = tmp_path / "data"
@@ -298,21 +292,16 @@ def test_nextstate_status_tells_what_a_benched_judges_next_states_do(tmp_path):
     for fallback, said in (("hindsight", "judge: the judge failed its start-up check: next states teach as hints of their own"),
                            ("ratings", "training waits (*, judge_benched): the judge failed its start-up check: "
                                        "next states are kept, not judged")):
-        done = subprocess.run([sys.executable, "-m", "nextstate.cli", "status"], capture_output=True, text=True,
-                              env={**env, "NEXTSTATE_JUDGE_FALLBACK": fallback}, timeout=120)
+        done = run_cli("status", env={**env, "NEXTSTATE_JUDGE_FALLBACK": fallback})
         assert done.returncode == 0 and said in done.stdout, done.stdout + done.stderr
     # with the hindsight fallback nothing waits for the judge: next states train
-    assert "judge_benched" not in subprocess.run([sys.executable, "-m", "nextstate.cli", "status"], capture_output=True,
-                                                 text=True, env=env, timeout=120).stdout
+    assert "judge_benched" not in run_cli("status", env=env).stdout
 
 
 def test_a_running_update_shows_its_pass_progress_live_and_from_the_data_dir(server_factory):
     """Issue 43: for 19 and then 35 minutes of training, status showed only what the scope had
     waited for. Here the trainer is held after its first pass: the live report, `nextstate
     status` (from the data dir) and the dashboard say which update runs, on how much, how far."""
-    import os
-    import subprocess
-    import sys
     import threading
 
     server = learning_server(server_factory, batch_size=2, adapter_scope="user")
@@ -338,8 +327,7 @@ def test_a_running_update_shows_its_pass_progress_live_and_from_the_data_dir(ser
         assert (live["scope"], live["samples"], live["phase"], live["passes"][0]) == ("alice", 2, "training", 1)
         env = {k: v for k, v in os.environ.items() if not k.startswith("NEXTSTATE_")}
         env["NEXTSTATE_DATA_DIR"] = str(server.settings.data_dir)
-        status = subprocess.run([sys.executable, "-m", "nextstate.cli", "status"], capture_output=True, text=True,
-                                env=env, timeout=120).stdout
+        status = run_cli("status", env=env).stdout
         assert f"training now (alice): an update on 2 samples, training (pass 1 of {live['passes'][1]})" in status, status
         login = httpx.post(f"{server.root}/dashboard/login", data={"key": admin})
         assert "training now (alice): an update on 2 samples, training (pass 1 of" in httpx.get(
