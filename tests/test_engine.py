@@ -140,9 +140,11 @@ async def test_background_work_yields_to_user_requests(engine):
 
 async def test_background_scoring_waits_for_user_requests(engine):
     order = []
+    generating = asyncio.Event()
 
     async def user():
-        await collect(engine, SamplingParams(max_new_tokens=150))
+        async for _ in engine.generate(PROMPT, SamplingParams(max_new_tokens=150)):
+            generating.set()
         order.append("user")
 
     async def judge():
@@ -150,7 +152,7 @@ async def test_background_scoring_waits_for_user_requests(engine):
         order.append("judge")
 
     task = asyncio.create_task(user())
-    await asyncio.sleep(0.005)
+    await generating.wait()  # the judge asks while the user's reply is being written (a sleep was not enough on a busy machine)
     await asyncio.gather(task, judge())
     assert order == ["user", "judge"]
     assert len(await engine.score(PROMPT, 1, background=True)) == len(PROMPT) - 1  # idle: runs at once
