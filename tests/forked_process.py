@@ -92,7 +92,7 @@ def run_cli(*args: str, env: dict[str, str], timeout: float = 120) -> subprocess
     `subprocess.run(..., capture_output=True, text=True)` gives them."""
     with tempfile.TemporaryDirectory(prefix="nextstate-cli-") as folder:
         out, err = Path(folder) / "stdout", Path(folder) / "stderr"
-        command = ForkedCommand("nextstate.cli", args, env, out, errors=err)
+        command = ForkedCommand("nextstate.cli", list(args), env, out, errors=err)
         try:
             status = command.wait(timeout)
         except subprocess.TimeoutExpired:
