@@ -25,6 +25,7 @@ from tests.background_server import start_server
 from tests.conftest import scripted_factory
 from tests.judge_server import ScriptedJudge
 from tests.scripted_engine import ScriptedEngine
+from tests.test_learner import wait_for
 
 CAPTURE = Path(__file__).parent / "data" / "openclaw-2026.9.6" / "traffic.jsonl"
 CONVERSATION = range(4, 17)  # rows of the one trimmed-setup conversation; row 3 is a probe of its own
@@ -86,6 +87,21 @@ class Replay:
                           headers={**headers, "Authorization": f"Bearer {self.key}"}) as response:
             response.read()
         return response.status_code, response.headers.get("x-session-id"), response.headers.get("x-turn-type")
+
+    def hang_up_mid_stream(self, body: dict, reply: str) -> None:
+        """The client reads the stream's start and hangs up, as a person's stop does. The engine
+        stays slow until the server has recorded the abort: sped up at once, on a starved machine
+        it wrote the rest of the reply before the hang-up was noticed, and the turn counted as
+        delivered."""
+        aborts = len([r for r in self.server.records() if r["kind"] == "aborted"])
+        self.engine.delay_s = 0.05
+        self.engine.script(reply)
+        with httpx.stream("POST", f"{self.server.base_url}/chat/completions", json=body, timeout=60,
+                          headers={"Authorization": f"Bearer {self.key}"}) as response:
+            lines = response.iter_lines()
+            next(lines), next(lines)  # the stream started
+        wait_for(lambda: len([r for r in self.server.records() if r["kind"] == "aborted"]) > aborts, timeout=30)
+        self.engine.delay_s = 0.0
 
 
 @pytest.fixture
@@ -192,14 +208,8 @@ def test_an_aborted_reply_and_openclaws_merge_and_rewrite_keep_every_turn_and_on
     a1 = second["messages"][2]
 
     # the reply to u2 is aborted mid-stream (the engine is slow; the client hangs up)
-    replay.engine.delay_s = 0.05
-    replay.engine.script("A long answer that the user will never see to its end. " * 4)
-    headers = {"Authorization": f"Bearer {replay.key}"}
-    with httpx.stream("POST", f"{replay.server.base_url}/chat/completions", headers=headers, timeout=60,
-                      json={**second, "max_completion_tokens": 1024}) as response:
-        chunks = response.iter_lines()
-        next(chunks), next(chunks)  # the stream started
-    replay.engine.delay_s = 0.0
+    replay.hang_up_mid_stream({**second, "max_completion_tokens": 1024},
+                              "A long answer that the user will never see to its end. " * 4)
 
     merged = {"role": "user", "content": f"{QUEUED}\n{u2['content']}\n\n{u3['content']}"}
     reply3 = "Paris is the capital of France, and I will read notes.txt now."
@@ -247,14 +257,8 @@ def test_a_day_with_an_abort_a_memory_flush_and_a_compaction_keeps_only_the_pers
     answered = {}
     for row in day:
         if row.get("client_gone"):  # the client hung up mid-stream: abort it the same way
-            body = {**row["req_body"], "max_completion_tokens": 1024}
-            replay.engine.delay_s = 0.05
-            replay.engine.script("A long answer that the person will never see to its end. " * 4)
-            with httpx.stream("POST", f"{replay.server.base_url}/chat/completions", json=body, timeout=60,
-                              headers={"Authorization": f"Bearer {replay.key}"}) as response:
-                lines = response.iter_lines()
-                next(lines), next(lines)
-            replay.engine.delay_s = 0.0
+            replay.hang_up_mid_stream({**row["req_body"], "max_completion_tokens": 1024},
+                                      "A long answer that the person will never see to its end. " * 4)
             continue
         answered[row["n"]] = replay.send(row, max_tokens=4096)  # these replies are long: never cut, as they were not
     assert all(status == 200 for status, _, _ in answered.values()), answered
