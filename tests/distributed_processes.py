@@ -28,15 +28,9 @@ class FakeWorker(ServerProcess):
         self.name = name
         super().__init__(model_dir, log_dir, python=sys.executable)
 
-    def command(self) -> list[str]:
-        return [self.python, "-m", "tests.fake_sglang", str(self.port), str(self.model_dir)]
-
-    def environment(self) -> dict[str, str]:
-        return {**super().environment(), "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
-
     def launch(self) -> ForkedCommand:
-        return ForkedCommand("tests.fake_sglang", self.command()[3:], self.environment(), self.log_path,
-                             cwd=self.log_path.parent)
+        return ForkedCommand("tests.fake_sglang", [str(self.port), str(self.model_dir)], self.environment(),
+                             self.log_path, cwd=self.log_path.parent)
 
     def served(self) -> list[str | None]:
         """The adapter of each reply this worker generated since it started (None: the base model)."""
@@ -52,9 +46,6 @@ class NextstateProcess(ServerProcess):
     def __init__(self, kind: str, env: dict[str, str], log_dir: Path, name: str) -> None:
         self.kind, self.env, self.name = kind, env, name
         super().__init__(Path("."), log_dir, python=sys.executable)
-
-    def command(self) -> list[str]:
-        return [self.python, "-m", "nextstate.cli", self.kind]
 
     def launch(self) -> ForkedCommand:
         return ForkedCommand("nextstate.cli", [self.kind], self.environment(), self.log_path, cwd=self.log_path.parent)

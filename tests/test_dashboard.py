@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from tests.forked_process import run_cli
-from tests.test_feedback import ASK, rate
+from tests.test_feedback import ASK, nextstate_status, rate
 from tests.test_learner import learning_server, wait_for
 
 
@@ -86,11 +86,7 @@ def test_the_dashboard_needs_an_admin_key_and_draws_its_charts(learned):
 
 
 def test_nextstate_status_prints_the_same_figures(learned):
-    env = {k: v for k, v in os.environ.items() if not k.startswith("NEXTSTATE_")}
-    env["NEXTSTATE_DATA_DIR"] = str(learned.settings.data_dir)
-    done = run_cli("status", env=env)
-    assert done.returncode == 0, done.stderr
-    out = done.stdout
+    out = nextstate_status(learned)
     assert "explicit feedback: 2 good, 2 bad (2 with a correction)" in out
     assert "shared serves v2 of 2" in out
     assert re.search(r"v1\s+shared\s+2\s+\S+\s+\S+\s+\S+\s+(\d passes over the batch, )?published as v1", out), out
@@ -325,9 +321,7 @@ def test_a_running_update_shows_its_pass_progress_live_and_from_the_data_dir(ser
                           or {}).get("passes"), timeout=60)
         live = httpx.get(f"{server.base_url}/admin/progress", headers=headers).json()["training"]
         assert (live["scope"], live["samples"], live["phase"], live["passes"][0]) == ("alice", 2, "training", 1)
-        env = {k: v for k, v in os.environ.items() if not k.startswith("NEXTSTATE_")}
-        env["NEXTSTATE_DATA_DIR"] = str(server.settings.data_dir)
-        status = run_cli("status", env=env).stdout
+        status = nextstate_status(server)
         assert f"training now (alice): an update on 2 samples, training (pass 1 of {live['passes'][1]})" in status, status
         login = httpx.post(f"{server.root}/dashboard/login", data={"key": admin})
         assert "training now (alice): an update on 2 samples, training (pass 1 of" in httpx.get(
