@@ -87,6 +87,14 @@ def _read(path: Path) -> str:
     return path.read_text(errors="replace") if path.exists() else ""
 
 
+def nextstate_env(**settings: object) -> dict[str, str]:
+    """This process's environment without its NEXTSTATE_* variables, plus `settings` as
+    NEXTSTATE_<NAME>: a command started by a test reads only what the test sets, whatever the
+    shell running pytest exports."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("NEXTSTATE_")}
+    return env | {f"NEXTSTATE_{name.upper()}": str(value) for name, value in settings.items()}
+
+
 def run_cli(*args: str, env: dict[str, str], timeout: float = 120) -> subprocess.CompletedProcess[str]:
     """`python -m nextstate.cli ARGS`, forked, to its end: its status, stdout and stderr, as
     `subprocess.run(..., capture_output=True, text=True)` gives them."""

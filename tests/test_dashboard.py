@@ -11,7 +11,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.forked_process import run_cli
+from tests.forked_process import nextstate_env, run_cli
 from tests.test_feedback import ASK, nextstate_status, rate
 from tests.test_learner import learning_server, wait_for
 
@@ -283,8 +283,7 @@ def test_nextstate_status_tells_what_a_benched_judges_next_states_do(tmp_path):
     store = SampleStore(data / "samples.sqlite3")
     store.set_meta("judge_calibration", {"state": "failed", "detail": "the judge got 'clear thanks' wrong"})
     store.close()
-    env = {k: v for k, v in os.environ.items() if not k.startswith("NEXTSTATE_")}
-    env["NEXTSTATE_DATA_DIR"] = str(data)
+    env = nextstate_env(data_dir=data)
     for fallback, said in (("hindsight", "judge: the judge failed its start-up check: next states teach as hints of their own"),
                            ("ratings", "training waits (*, judge_benched): the judge failed its start-up check: "
                                        "next states are kept, not judged")):

@@ -5,14 +5,13 @@ from __future__ import annotations
 
 import io
 import json
-import os
 import tarfile
 
 import httpx
 import pytest
 import torch
 
-from tests.forked_process import run_cli
+from tests.forked_process import nextstate_env, run_cli
 from tests.test_learner import PROMPT, feed, learning_server, served_samples, wait_for
 
 
@@ -28,8 +27,7 @@ def test_the_export_loads_in_peft_and_scores_as_nextstate_serves_it(trained, tmp
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    env = {**{k: v for k, v in os.environ.items() if not k.startswith("NEXTSTATE_")},
-           "NEXTSTATE_DATA_DIR": str(trained.settings.data_dir), "NEXTSTATE_ADAPTER_SCOPE": "user"}
+    env = nextstate_env(data_dir=trained.settings.data_dir, adapter_scope="user")
     out = tmp_path / "alice-adapter"
     done = run_cli("export", "--user", "alice", str(out), env=env)
     assert done.returncode == 0, done.stderr
@@ -93,8 +91,7 @@ def test_the_gguf_export_is_a_llama_cpp_lora_adapter_named_and_ordered_as_its_ba
     from gguf import GGUFReader
     from safetensors.numpy import load_file
 
-    env = {**{k: v for k, v in os.environ.items() if not k.startswith("NEXTSTATE_")},
-           "NEXTSTATE_DATA_DIR": str(trained.settings.data_dir), "NEXTSTATE_ADAPTER_SCOPE": "user"}
+    env = nextstate_env(data_dir=trained.settings.data_dir, adapter_scope="user")
     out = tmp_path / "alice-gguf"
     done = run_cli("export", "--user", "alice", "--format", "gguf", str(out), env=env)
     assert done.returncode == 0, done.stderr

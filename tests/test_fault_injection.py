@@ -11,7 +11,6 @@ the inbox, and learning that went on after the restart.
 from __future__ import annotations
 
 import json
-import os
 import sqlite3
 import time
 from pathlib import Path
@@ -23,7 +22,7 @@ from nextstate.core.settings import Settings
 from nextstate.core.stores.opener import Stores
 from tests.background_server import free_port, wait_for_health
 from tests.crash_server import CRASHED
-from tests.forked_process import ForkedCommand
+from tests.forked_process import ForkedCommand, nextstate_env
 from tests.judge_server import ScriptedJudge
 from tests.tiny_model import TINY_PPO_EPOCHS
 
@@ -36,7 +35,7 @@ class Server:
         self.port = free_port()
         self.log = data.parent / "server.log"
         self.env = {
-            **{k: v for k, v in os.environ.items() if not k.startswith("NEXTSTATE_")},
+            **nextstate_env(),
             "NEXTSTATE_DATA_DIR": str(data), "NEXTSTATE_MODEL": str(model), "NEXTSTATE_PORT": str(self.port),
             "NEXTSTATE_SERVED_MODEL_NAME": "tiny", "NEXTSTATE_JUDGE_BASE_URL": judge_url, "NEXTSTATE_PRM_VOTES": "1",
             "NEXTSTATE_MODE": "binary", "NEXTSTATE_BATCH_SIZE": "2", "NEXTSTATE_LR": "1e-3", "NEXTSTATE_LORA_R": "4",

@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import math
-import os
 import re
 
 import anthropic
 import httpx
 import pytest
 
-from tests.forked_process import run_cli
+from tests.forked_process import nextstate_env, run_cli
 from tests.test_learner import learning_server, wait_for
 
 ASK = [{"role": "user", "content": "Say something."}]
@@ -256,9 +255,7 @@ def test_the_policy_teacher_scores_with_the_serving_version_once_the_turns_is_go
 
 def nextstate_status(server) -> str:
     """`nextstate status` on the server's data dir, as a person runs it beside the server."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("NEXTSTATE_")}
-    env["NEXTSTATE_DATA_DIR"] = str(server.settings.data_dir)
-    done = run_cli("status", env=env)
+    done = run_cli("status", env=nextstate_env(data_dir=server.settings.data_dir))
     assert done.returncode == 0, done.stderr
     return done.stdout
 
