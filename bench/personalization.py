@@ -295,7 +295,9 @@ def instruction_for(rule: str) -> str | None:
 # and picnic tasks), and no everyday topic measured had more (feelings 10%, nature 11%): the
 # topic kind asks its own questions, the OUTINGS, where food or drink comes up unasked — in 23%
 # of SmolLM2's replies to them and 10% to their held-out ones (48 replies each, 48 tokens at
-# temperature 1, 2026-11-28): still little room, but four times the everyday questions'.
+# temperature 1, 2026-11-28): still little room, but four times the everyday questions'. No
+# candidate topic does better (bench/topic_rates.py: at most 0.28 of replies), so the kind
+# cannot be measured on SmolLM2-135M (BENCHMARKS.md, twenty-first pass of issue 38).
 KINDS = {"opening": "marker:auto", "length": "short", "format": "list", "case": "lowercase", "topic": AVOIDED_TOPIC}
 KIND_QUESTIONS = {"topic": "outings"}
 

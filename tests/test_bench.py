@@ -405,3 +405,17 @@ def test_the_echo_bench_samples_the_compounded_shift_and_a_placebo_that_reads_as
     assert len(sampler.reading(task, alone or "blue")) >= 1
     assert ECHO.search("No, that response was not accepted.") and ECHO.search("That answer was wrong.")
     assert not ECHO.search("Blue, like the sky at noon. Nobody knows.")
+
+
+def test_each_candidate_topic_s_rule_spots_it_and_leaves_the_rest():
+    from bench.personalization import avoided
+    from bench.topic_rates import TOPICS, headline
+
+    said = {"food": "Bring a picnic with sandwiches.", "itself": "I'm happy to help!",
+            "doctor": "You should see a doctor.", "dogs": "A puppy would love the garden."}
+    for key, topic in TOPICS.items():
+        assert avoided(topic.rule).search(said[key]), key
+        assert not avoided(topic.rule).search("Take a walk in the park and read a book."), key
+        assert len(topic.questions) >= 16 and len(set(topic.questions)) == len(topic.questions), key
+    result = {"topics": [{"topic": "dogs", "mention_rate": 0.21}, {"topic": "food", "mention_rate": 0.1}]}
+    assert headline(result) == "brought up unasked: dogs 0.21, food 0.10"
