@@ -360,8 +360,8 @@ class JudgeSettings(BaseSettings):
             is one scope's), so that a step raises what was better than the rest instead of
             lowering everything a person rejected (judge/advantages.py); `none` trains on the
             raw rewards, as the paper does. Off by default: it helps a wish about what replies
-            lack (a bulleted list: 0.44 and 0.52 of held-out replies after 30-32 ratings against
-            0.19 and 0.10) and hurts one about what they hold (the length wish ended at 0.31
+            lack (a bulleted list: 0.39 ± 0.16 of held-out replies after 30-36 ratings over three
+            seeds against 0.21 ± 0.12) and hurts one about what they hold (the length wish ended at 0.31
             against 0.79), since lowering a too-long reply is itself the lesson (BENCHMARKS.md,
             "A baseline for the list's ratings").
         accepted_after_correction: a reply the person accepted right after correcting the one
