@@ -45,6 +45,7 @@ import httpx
 from bench.models import bench_model
 from bench.report import pyplot, save
 from tests.background_server import free_port, wait_for_health
+from tests.forked_process import nextstate_env
 from tests.judge_server import ScriptedJudge
 
 OPENCLAW = "openclaw@2026.9.6"
@@ -133,10 +134,7 @@ class Nextstate:
 
     def __init__(self, data: Path, model_dir: Path | None, judge_url: str | None, log: Path) -> None:
         self.port = free_port()
-        self.env = {
-            **{k: v for k, v in os.environ.items() if not k.startswith("NEXTSTATE_")},
-            "NEXTSTATE_DATA_DIR": str(data), "NEXTSTATE_PORT": str(self.port),
-        }
+        self.env = nextstate_env(data_dir=data, port=self.port)
         if model_dir is not None:
             self.env["NEXTSTATE_MODEL"] = str(model_dir)
         if judge_url is not None:  # the rule judge's run; --rate keeps every default

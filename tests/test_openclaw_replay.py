@@ -93,14 +93,17 @@ class Replay:
         stays slow until the server has recorded the abort: sped up at once, on a starved machine
         it wrote the rest of the reply before the hang-up was noticed, and the turn counted as
         delivered."""
-        aborts = len([r for r in self.server.records() if r["kind"] == "aborted"])
+        def aborted() -> int:
+            return sum(r["kind"] == "aborted" for r in self.server.records())
+
+        before = aborted()
         self.engine.delay_s = 0.05
         self.engine.script(reply)
         with httpx.stream("POST", f"{self.server.base_url}/chat/completions", json=body, timeout=60,
                           headers={"Authorization": f"Bearer {self.key}"}) as response:
             lines = response.iter_lines()
             next(lines), next(lines)  # the stream started
-        wait_for(lambda: len([r for r in self.server.records() if r["kind"] == "aborted"]) > aborts, timeout=30)
+        wait_for(lambda: aborted() > before, timeout=30)
         self.engine.delay_s = 0.0
 
 

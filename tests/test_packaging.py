@@ -26,6 +26,7 @@ import pytest
 from openai import OpenAI
 
 from tests.background_server import free_port, wait_for_health
+from tests.forked_process import nextstate_env
 from tests.judge_server import ScriptedJudge
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -115,12 +116,9 @@ def test_the_wheel_ships_one_namespace_with_its_prompts(wheel_env, tmp_path):
 def test_serve_from_the_wheel_judges_with_its_bundled_prompts(wheel_env, tmp_path, tiny_model_dir):
     judge = ScriptedJudge()
     port = free_port()
-    env = {k: v for k, v in os.environ.items() if not k.startswith("NEXTSTATE_") and k != "PYTHONPATH"}
-    env.update(
-        NEXTSTATE_DATA_DIR=str(tmp_path / "data"), NEXTSTATE_MODEL=str(tiny_model_dir), NEXTSTATE_PORT=str(port),
-        NEXTSTATE_SERVED_MODEL_NAME="tiny", NEXTSTATE_JUDGE_BASE_URL=judge.base_url, NEXTSTATE_LEARN="false",
-        NEXTSTATE_PRM_VOTES="1",
-    )
+    env = nextstate_env(data_dir=tmp_path / "data", model=tiny_model_dir, port=port, served_model_name="tiny",
+                        judge_base_url=judge.base_url, learn="false", prm_votes=1)
+    env.pop("PYTHONPATH", None)  # the wheel's own nextstate, not this checkout's
     nextstate = wheel_env.parent / "nextstate"
     created = subprocess.run([str(nextstate), "keys", "create", "--user", "wheel"], env=env, cwd=tmp_path,
                              capture_output=True, text=True, timeout=120)
