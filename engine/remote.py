@@ -51,9 +51,10 @@ log = logging.getLogger(__name__)
 
 JSON_HEADERS = {"content-type": "application/json"}
 # A scoring answer that does not echo the tokens asked about is asked for once more before it is
-# an error: SGLang behind its router now and then answered the start-up logprob probe with
-# input logprobs that were not input_ids[start:] (CI, 2026-11-27; not reproduced in several
-# local runs), as engines are known to when a prefix cache hit races the answer.
+# an error. The mismatches CI saw (2026-11-27 behind SGLang's router, 2026-12-01 direct) were
+# first blamed on a prefix-cache race; their cause was SGLang echoing the vocabulary's last id
+# as 0 whenever the start-up probe sampled it (engine/sglang.py, `echoed_ids`), now expected.
+# The second try stays as cheap insurance for an answer that really is cut short.
 SCORE_TRIES = 2
 
 

@@ -15,7 +15,11 @@ deploy/). Shapes used, from SGLang's io_struct / tokenizer manager:
   with --incremental-streaming-output; both are handled.
 * scoring: `max_new_tokens: 0` with `logprob_start_len = start − 1`; `input_token_logprobs`
   then covers input_ids[start − 1:], and its first entry (that position's own logprob) is
-  always null, so it is dropped: one logprob per scored token, aligned.
+  always null, so it is dropped: one logprob per scored token, aligned. The ids it echoes are
+  not quite the ids sent: any id at or past `vocab_size − 1` comes back as 0 (0.5.23's
+  logprob_result_processor clips "padded hash values from image tokens" that way, an off-by-one
+  that also takes the vocabulary's last real token), so the echo is checked against the ids as
+  SGLang clips them (`echoed_ids`). The logprob beside a clipped id is the real token's.
 * logprobs, one convention: **temperature 1** ("raw"), for sampled and scored tokens alike.
   Stock SGLang takes prompt-token logprobs (what scoring reads) at temperature 1 whatever the
   request says, and sampled-token logprobs after temperature scaling unless the server runs
@@ -45,6 +49,13 @@ from nextstate.engine.base import EngineBadGateway, GeneratedToken, SamplingPara
 from nextstate.engine.remote import RemoteEngine
 
 TARGET_SGLANG = "0.5.23 (tested for real by .ci/real-engines); other 0.5.x releases share the native /generate API"
+
+
+def echoed_ids(ids: list[int], vocab_size: int) -> list[int]:
+    """The prompt ids as SGLang echoes them beside their logprobs: 0 for any id at or past
+    `vocab_size − 1` (see the module's docstring). A vocabulary size of 0 (unknown) clips nothing."""
+    last = vocab_size - 1 if vocab_size > 0 else None
+    return [0 if last is not None and t >= last else t for t in ids]
 
 
 class SGLangEngine(RemoteEngine):
@@ -127,7 +138,7 @@ class SGLangEngine(RemoteEngine):
     def _scores(self, body: dict[str, Any], input_ids: list[int], start: int) -> list[float]:
         entries = body["meta_info"]["input_token_logprobs"][1:]
         got = [int(e[1]) for e in entries]
-        if got != list(input_ids[start:]):
+        if got != echoed_ids(input_ids[start:], self.info.vocab_size):
             raise ValueError(f"the scored tokens are not input_ids[{start}:] ({len(got)} entries for "
                              f"{len(input_ids) - start} tokens, first {got[:4]} for {list(input_ids[start:start + 4])}, "
                              f"cached_tokens {body['meta_info'].get('cached_tokens')})")

@@ -224,7 +224,11 @@ class FakeSGLang(AppInThread):
         start = body["logprob_start_len"]
         # stock SGLang: prompt-token logprobs are at temperature 1, whatever the request says
         scores = await self.engine.score(ids, start + 1, adapter=adapter)
-        entries = [[None, ids[start], None]] + [[lp, t, None] for lp, t in zip(scores, ids[start + 1 :])]
+        # SGLang 0.5.23 echoes each id at or past vocab_size - 1 as 0 (it clips image-token hashes
+        # that way, and the vocabulary's last real token with them); written out here on its own
+        vocab = self.engine.info.vocab_size
+        echoed = [t if not vocab or t < vocab - 1 else 0 for t in ids]  # 0: a scripted engine's, unknown
+        entries = [[None, echoed[start], None]] + [[lp, t, None] for lp, t in zip(scores, echoed[start + 1 :])]
         if self.truncated_scores:  # as if a cached prefix had swallowed part of what was asked
             self.truncated_scores -= 1
             entries = entries[:1] + entries[3:]

@@ -148,6 +148,17 @@ async def test_scores_are_aligned_one_per_token(client, direct):
         assert scored == pytest.approx(await direct.score(PROMPT, start), abs=TOLERANCE)
 
 
+async def test_the_vocabularys_last_tokens_are_scored(client, direct, tiny_model_dir):
+    """SGLang echoes the vocabulary's last id as 0 beside its logprob (an off-by-one of its
+    image-token clip); the start-up probe sampled that id now and then, and nextstate refused
+    a sound server for it (CI, 2026-11-27 and 2026-12-01)."""
+    vocab = client.info.vocab_size
+    assert vocab > 0
+    ids = PROMPT[:10] + [vocab - 1, vocab - 2, 7, vocab - 1]
+    scored = await client.score(ids, 10)
+    assert scored == pytest.approx(await direct.score(ids, 10), abs=TOLERANCE)
+
+
 async def test_greedy_replies_are_the_models(client, direct):
     params = SamplingParams(max_new_tokens=8, temperature=0.0)
     assert [t.token_id for t in await generate(client, params)] == [t.token_id for t in await generate(direct, params)]
