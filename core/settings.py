@@ -361,9 +361,11 @@ class JudgeSettings(BaseSettings):
             lowering everything a person rejected (judge/advantages.py); `none` trains on the
             raw rewards, as the paper does. Off by default: it helps a wish about what replies
             lack (a bulleted list: 0.39 ± 0.16 of held-out replies after 30-36 ratings over three
-            seeds against 0.21 ± 0.12) and hurts one about what they hold (the length wish ended at 0.31
-            against 0.79), since lowering a too-long reply is itself the lesson (BENCHMARKS.md,
-            "A baseline for the list's ratings").
+            seeds against 0.21 ± 0.12) and hurts one about what they hold (the length wish: 0.24 ±
+            0.09 of held-out replies short after 19-21 ratings over three seeds, against 0.44 ±
+            0.20 after 12-15 without; 0.57 ± 0.27 at the end against 0.72 ± 0.06), since lowering a
+            too-long reply is itself the lesson (BENCHMARKS.md, "A baseline for the list's ratings"
+            and "The baseline on the length wish's three seeds").
         accepted_after_correction: a reply the person accepted right after correcting the one
             before it is also trained on the corrected turn's prompt, with its reward: what
             they wanted, shown where they first asked (judge/accepted.py). Off by default: on
