@@ -23,6 +23,12 @@ replies where the kind's choice is live, how far the hint moves the log-odds of 
 fit the wish. The default distillation target applies that shift to the policy again at every
 update, so a direction held consistently compounds past what the hinted model writes.
 
+`--guidance 2 3` adds a placement per scale: replies sampled from the base model with the hint's
+log-ratio multiplied by that scale (transformers' classifier-free guidance, the hinted prompt as
+the condition and the plain one as the unconditional): what the first update's distillation
+target (NEXTSTATE_OPD_TARGET=shift, a policy still at the base) would write with
+NEXTSTATE_OPD_SHIFT_SCALE at that scale. Scale 1 is the hinted model itself.
+
 Writes bench/results/teacher_ceiling-<model>.json.
 """
 
@@ -64,6 +70,8 @@ def main() -> None:
                         help="also tell the teacher K replies the person accepted to other tasks (the asked replies "
                              "that fit and read as sense): the OEL track's experience-augmented teacher")
     parser.add_argument("--variant", help="a name for this run: its results get their own file (e.g. a subset of --kinds)")
+    parser.add_argument("--guidance", type=float, nargs="*", default=[],
+                        help="scales of the hint's shift to sample from as well (NEXTSTATE_OPD_SHIFT_SCALE)")
     args = parser.parse_args()
 
     policy = bench_model(model=args.policy, smol=args.smol, peaked=True)
@@ -79,18 +87,25 @@ def main() -> None:
             preference = Preference(instruction_for(rule), rule)
             row = {"kind": kind, "rule": rule, "instruction": preference.instruction}
             accepted: list[tuple[int, str, str]] = []  # (task index, task, reply) the person would have taken
-            placements = ("asked", "hinted") + (("experienced",) if args.experience else ())
+            placements = ("asked", "hinted") + (("experienced",) if args.experience else ()) + tuple(
+                guided_name(scale) for scale in args.guidance)
             for placement in placements:
                 examples, replies = [], []
                 for i, task in enumerate(TASKS):
                     messages = [{"role": "user", "content": task}]
+                    seeds = [7 * i + k for k in range(args.samples)]
+                    if placement.startswith("guided"):
+                        texts = guided_replies(reader, turns.renderer, messages, preference.instruction,
+                                               float(placement.removeprefix("guided")), seeds, args.max_tokens)
+                        replies += [{"task_index": i, "first_reply": t, "score": float(preference.fits(t))} for t in texts]
+                        examples.append(texts[0][:160])
+                        continue
                     if placement == "hinted":
                         messages = enhanced_messages(messages, preference.instruction)
                     elif placement == "experienced":
                         nearest = sorted((e for e in accepted if e[0] != i), key=lambda e: (i - e[0]) % len(TASKS))
                         others = [(t, r) for _, t, r in nearest[:args.experience]]  # the tasks just before
                         messages = enhanced_messages(messages, with_experience(preference.instruction, others))
-                    seeds = [7 * i + k for k in range(args.samples)]
                     texts = server.call(_sampled_replies(turns, None, messages, seeds, args.max_tokens, 1.0), timeout=600)
                     replies += [{"task_index": i, "first_reply": t, "score": float(preference.fits(t))} for t in texts]
                     examples.append(texts[0][:160])
@@ -116,6 +131,31 @@ def main() -> None:
     save({"benchmark": "teacher_ceiling", "model": policy.name, "variant": args.variant,
           "replies_per_placement": args.samples * len(TASKS),
           "max_tokens": args.max_tokens, "kinds": rows})
+
+
+def guided_name(scale: float) -> str:
+    return f"guided{scale:g}"
+
+
+def guided_replies(reader, renderer, messages: list[dict], instruction: str, scale: float, seeds: list[int],
+                   max_tokens: int) -> list[str]:
+    """Replies from the base model with the hint's log-ratio scaled by `scale`, at temperature 1:
+    log π(·|no hint) + scale · (log π(·|hint) − log π(·|no hint)) at every step (transformers'
+    classifier-free guidance; both contexts grow by the same sampled tokens)."""
+    plain = torch.tensor([renderer.render(messages).ids])
+    hinted = torch.tensor([renderer.render(enhanced_messages(messages, instruction)).ids])
+    stops = list(renderer.stop_token_ids)
+    out = []
+    for seed in seeds:
+        torch.manual_seed(seed)
+        with torch.no_grad():
+            ids = reader.generate(hinted, attention_mask=torch.ones_like(hinted), negative_prompt_ids=plain,
+                                  negative_prompt_attention_mask=torch.ones_like(plain), guidance_scale=scale,
+                                  do_sample=True, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=max_tokens,
+                                  eos_token_id=stops, pad_token_id=stops[0])[0, hinted.shape[1]:].tolist()
+        ids = ids[:next((k for k, t in enumerate(ids) if t in stops), len(ids))]
+        out.append(renderer.tokenizer.decode(ids, skip_special_tokens=True))
+    return out
 
 
 def hint_direction(reader, renderer, cls, instruction: str, replies: list[dict]) -> dict:
@@ -151,7 +191,12 @@ def headline(result: dict) -> str:
         return (f", {r['experienced']:.2f} told with accepted replies ({r['experienced_sensible']:.2f} sensible)"
                 if "experienced" in r else "")
 
-    return "; ".join(f"{r['kind']} {r['asked']:.2f} → {r['hinted']:.2f} told{sensible(r)}{experienced(r)}{direction(r.get('shift'))}"
+    def guided(r: dict) -> str:
+        return "".join(f", {r[k]:.2f} at shift ×{k.removeprefix('guided')} ({r[k + '_sensible']:.2f} sensible)"
+                       for k in r if k.startswith("guided") and not k.endswith(("_sensible", "_surprise", "_examples")))
+
+    return "; ".join(f"{r['kind']} {r['asked']:.2f} → {r['hinted']:.2f} told{sensible(r)}{experienced(r)}{guided(r)}"
+                     f"{direction(r.get('shift'))}"
                      for r in result["kinds"]) + (
         f" (share of {result['replies_per_placement']} replies that fit, as asked → with the hint the teacher reads)")
 

@@ -656,6 +656,13 @@ class LearnerSettings(BaseSettings):
             nothing, nonsense included (learner/distillation.py). Off: at 0.5 (one seed) it
             traded the length wish (0.71 against 0.88) for less strange replies, not for more
             sensible ones (BENCHMARKS.md, "A user who turns down nonsense").
+        opd_shift_scale: with opd_target=shift, the factor on the hint's log-ratio (log π_base(·|hint)
+            − log π_base(·|no hint)) before it is added, as classifier-free guidance scales a
+            condition (Ho & Salimans 2022; for language models Sanchez et al. 2023). A wish the
+            hinted model itself barely follows (SmolLM2 writes a bulleted list 4-6% of the time
+            when told) moves each update's target little; a scale above 1 takes the target
+            further the hint's way. 1 (the default) is one reading of the hint; larger scales
+            are measured in BENCHMARKS.md ("The hint's shift, scaled").
         learner_memory_mb: the most a training pass may add to memory; 0 = what the machine
             has free (80% of MemAvailable or the container's room on the CPU, of the device's
             free memory on a GPU). Every pass is measured, micro-batches shrink to what fits,
@@ -759,6 +766,9 @@ class LearnerSettings(BaseSettings):
     )
     opd_anchor: float = Field(
         0.0, ge=0, le=1, description="opd_target=shift: share of the way the target starts back at the base model (0 = pure shift)."
+    )
+    opd_shift_scale: float = Field(
+        1.0, gt=0, description="opd_target=shift: the hint's log-ratio is multiplied by this (guidance; 1 = one reading of the hint)."
     )
     learner_memory_mb: int = Field(
         0, ge=0, description="Most memory a training pass may add (MB); 0 = what is free. A step that would not fit waits."

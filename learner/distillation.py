@@ -66,19 +66,21 @@ def teacher_topk(logits: torch.Tensor, temperature: float, k: int) -> tuple[torc
 
 
 def shifted_target(policy: torch.Tensor, hinted: torch.Tensor, unhinted: torch.Tensor,
-                   anchor: float = 0.0) -> torch.Tensor:
+                   anchor: float = 0.0, scale: float = 1.0) -> torch.Tensor:
     """The policy moved by the hint's effect on the base model, over the K + 1 bins.
 
     policy, hinted, unhinted: [n, K] log-probabilities of the hinted base model's top K tokens
     under the policy before the update, the base model reading the hint, and the base model
     without it. `anchor` (NEXTSTATE_OPD_ANCHOR) first takes the policy that share of the way
     back to the base model, in log-probabilities: 0 is the pure shift, 1 the hinted base model
-    itself (NEXTSTATE_OPD_TARGET=teacher). Returns [n, K + 1] log-probabilities (the last bin:
-    all other tokens)."""
+    itself (NEXTSTATE_OPD_TARGET=teacher). `scale` (NEXTSTATE_OPD_SHIFT_SCALE) multiplies the
+    hint's log-ratio, as classifier-free guidance scales a condition's: above 1 the target goes
+    past what one reading of the hint does, for a wish the hinted model itself barely follows.
+    Returns [n, K + 1] log-probabilities (the last bin: all other tokens)."""
     start = with_tail(policy)
     if anchor:
         start = start + anchor * (with_tail(unhinted) - start)
-    target = start + with_tail(hinted) - with_tail(unhinted)
+    target = start + scale * (with_tail(hinted) - with_tail(unhinted))
     return target - torch.logsumexp(target, dim=-1, keepdim=True)
 
 

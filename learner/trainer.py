@@ -395,7 +395,8 @@ class LoraTrainer:
         sides = self._base_sides(samples, todo)
         policy = self._policy_passes(samples, sorted(set(todo) | set(reference)), {i: ids for i, (ids, _, _) in sides.items()})
         for i, (ids, hinted, unhinted) in sides.items():
-            out[i] = (shifted_target(policy[i][1], hinted, unhinted, self.settings.opd_anchor), ids)
+            out[i] = (shifted_target(policy[i][1], hinted, unhinted, self.settings.opd_anchor,
+                                     self.settings.opd_shift_scale), ids)
         return out, {i: policy[i][0] for i in reference}
 
     def _base_sides(self, samples: list[Sample], todo: list[int]) -> dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:

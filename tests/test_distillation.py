@@ -37,6 +37,21 @@ def test_the_shifted_target_moves_the_policy_only_as_far_as_the_hint_moves_the_b
     assert torch.allclose(moved, (hinted[:, 0] - hinted[:, 1]) - (unhinted[:, 0] - unhinted[:, 1]), atol=1e-5)
 
 
+def test_a_scaled_shift_moves_the_log_odds_that_many_times_the_hints_move():
+    """NEXTSTATE_OPD_SHIFT_SCALE: guidance on the hint, for a wish its reader barely follows."""
+    torch.manual_seed(3)
+    policy, hinted, unhinted = (torch.log_softmax(torch.randn(3, 10), -1)[:, :4] for _ in range(3))
+    assert torch.allclose(shifted_target(policy, hinted, unhinted, scale=1.0), shifted_target(policy, hinted, unhinted))
+    for scale in (0.5, 2.0, 3.0):
+        target = shifted_target(policy, hinted, unhinted, scale=scale)
+        assert torch.allclose(target.logsumexp(-1), torch.zeros(3), atol=1e-6)
+        moved = (target[:, 0] - target[:, 1]) - (policy[:, 0] - policy[:, 1])
+        hint = (hinted[:, 0] - hinted[:, 1]) - (unhinted[:, 0] - unhinted[:, 1])
+        assert torch.allclose(moved, scale * hint, atol=1e-5)
+    assert torch.allclose(shifted_target(policy, hinted, hinted, scale=3.0), with_tail(policy), atol=1e-6), \
+        "a hint that changes nothing still leaves the policy where it is, at any scale"
+
+
 def test_with_every_token_kept_it_is_the_reverse_kl_and_its_gradient():
     torch.manual_seed(1)
     logits = torch.randn(2, 8, requires_grad=True)
