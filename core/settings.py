@@ -661,8 +661,11 @@ class LearnerSettings(BaseSettings):
             condition (Ho & Salimans 2022; for language models Sanchez et al. 2023). A wish the
             hinted model itself barely follows (SmolLM2 writes a bulleted list 4-6% of the time
             when told) moves each update's target little; a scale above 1 takes the target
-            further the hint's way. 1 (the default) is one reading of the hint; larger scales
-            are measured in BENCHMARKS.md ("The hint's shift, scaled").
+            further the hint's way. 1 (the default) is one reading of the hint. At 2 and 3 on
+            SmolLM2 what the first update's target writes quotes the hint back ("[user's hint /
+            instruction] ...") and reads as nonsense (sensible lists 0.04 → 0.00, short
+            sensible replies 0.25 → 0.08): a correction's shift favours the hint's own words
+            most, and scaling favours them more (BENCHMARKS.md, "The hint's shift, scaled").
         learner_memory_mb: the most a training pass may add to memory; 0 = what the machine
             has free (80% of MemAvailable or the container's room on the CPU, of the device's
             free memory on a GPU). Every pass is measured, micro-batches shrink to what fits,
