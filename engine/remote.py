@@ -51,10 +51,11 @@ log = logging.getLogger(__name__)
 
 JSON_HEADERS = {"content-type": "application/json"}
 # A scoring answer that does not echo the tokens asked about is asked for once more before it is
-# an error. The mismatches CI saw (2026-11-27 behind SGLang's router, 2026-12-01 direct) were
-# first blamed on a prefix-cache race; their cause was SGLang echoing the vocabulary's last id
-# as 0 whenever the start-up probe sampled it (engine/sglang.py, `echoed_ids`), now expected.
-# The second try stays as cheap insurance for an answer that really is cut short.
+# an error. The mismatch CI saw on 2026-11-27 (behind SGLang's router) was blamed on a
+# prefix-cache race; the one of 2026-12-01 was SGLang echoing the vocabulary's last id as 0
+# whenever the start-up probe sampled it (engine/sglang.py, `echoed_ids`, now expected), most
+# likely the earlier one's cause too. The second try stays as cheap insurance for an answer
+# that really is cut short.
 SCORE_TRIES = 2
 
 
