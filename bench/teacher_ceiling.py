@@ -87,26 +87,25 @@ def main() -> None:
             preference = Preference(instruction_for(rule), rule)
             row = {"kind": kind, "rule": rule, "instruction": preference.instruction}
             accepted: list[tuple[int, str, str]] = []  # (task index, task, reply) the person would have taken
-            placements = ("asked", "hinted") + (("experienced",) if args.experience else ()) + tuple(
-                guided_name(scale) for scale in args.guidance)
+            guided = {f"guided{scale:g}": scale for scale in args.guidance}  # placement name -> scale
+            placements = ("asked", "hinted") + (("experienced",) if args.experience else ()) + tuple(guided)
             for placement in placements:
                 examples, replies = [], []
                 for i, task in enumerate(TASKS):
                     messages = [{"role": "user", "content": task}]
                     seeds = [7 * i + k for k in range(args.samples)]
-                    if placement.startswith("guided"):
+                    if placement in guided:
                         texts = guided_replies(reader, turns.renderer, messages, preference.instruction,
-                                               float(placement.removeprefix("guided")), seeds, args.max_tokens)
-                        replies += [{"task_index": i, "first_reply": t, "score": float(preference.fits(t))} for t in texts]
-                        examples.append(texts[0][:160])
-                        continue
-                    if placement == "hinted":
-                        messages = enhanced_messages(messages, preference.instruction)
-                    elif placement == "experienced":
-                        nearest = sorted((e for e in accepted if e[0] != i), key=lambda e: (i - e[0]) % len(TASKS))
-                        others = [(t, r) for _, t, r in nearest[:args.experience]]  # the tasks just before
-                        messages = enhanced_messages(messages, with_experience(preference.instruction, others))
-                    texts = server.call(_sampled_replies(turns, None, messages, seeds, args.max_tokens, 1.0), timeout=600)
+                                               guided[placement], seeds, args.max_tokens)
+                    else:
+                        if placement == "hinted":
+                            messages = enhanced_messages(messages, preference.instruction)
+                        elif placement == "experienced":
+                            nearest = sorted((e for e in accepted if e[0] != i), key=lambda e: (i - e[0]) % len(TASKS))
+                            others = [(t, r) for _, t, r in nearest[:args.experience]]  # the tasks just before
+                            messages = enhanced_messages(messages, with_experience(preference.instruction, others))
+                        texts = server.call(_sampled_replies(turns, None, messages, seeds, args.max_tokens, 1.0),
+                                            timeout=600)
                     replies += [{"task_index": i, "first_reply": t, "score": float(preference.fits(t))} for t in texts]
                     examples.append(texts[0][:160])
                 row[placement] = round(statistics.fmean(r["score"] for r in replies), 3)
@@ -131,10 +130,6 @@ def main() -> None:
     save({"benchmark": "teacher_ceiling", "model": policy.name, "variant": args.variant,
           "replies_per_placement": args.samples * len(TASKS),
           "max_tokens": args.max_tokens, "kinds": rows})
-
-
-def guided_name(scale: float) -> str:
-    return f"guided{scale:g}"
 
 
 def guided_replies(reader, renderer, messages: list[dict], instruction: str, scale: float, seeds: list[int],
