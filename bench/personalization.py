@@ -393,8 +393,13 @@ class PreferenceJudge(ScriptedJudge):
     """The rule judge, with the hint taken from the user's correction: its instruction sentence."""
 
     def hint(self, next_state: str) -> str:
-        sentences = re.split(r"(?<=[.!?])\s+", next_state)
-        return next((s for s in sentences if s.startswith("Always")), next_state)
+        """The correction less its opener ("No, that's not how I like it.") and its "Please try
+        again: <task>": the wish in the person's words, as a judge's extracted hint is. Before
+        2026-12-02 only a sentence beginning "Always" was taken, so for the length, lowercase and
+        topic wishes the teacher read the whole reaction, the task asked again included
+        (BENCHMARKS.md, issue 38's twenty-third pass)."""
+        body = next_state.split(" Please try again:")[0]
+        return " ".join(re.split(r"(?<=[.!?])\s+", body)[1:]) or next_state
 
 
 @dataclass

@@ -12,8 +12,8 @@ import pytest
 
 from bench.personalization import (
     HELD_OUT_TASKS, INSTRUCTIONS, NOT_AN_ANSWER, THANKS, ChatModel, ModelScorer, ModelUser, Preference, PreferenceJudge,
-    RuleScorer, RuleUser, TASKS, final_evaluation, final_seeds, headline, held_out_nll, mean_repetition, react, report,
-    run_mode, summarise,
+    RuleScorer, RuleUser, TASKS, final_evaluation, final_seeds, headline, held_out_nll, mean_repetition, missed,
+    not_an_answer, react, report, run_mode, summarise,
 )
 from bench.models import bench_server
 from bench.report import LOG_HEADING, upsert_row
@@ -141,6 +141,10 @@ def test_rule_judge_reads_the_user_from_the_real_judge_prompts():
     hinted = ask("opd_hint", correction)
     assert parse_score(hinted) == 1 and parse_hint(hinted) == INSTRUCTIONS["capital"]
     assert parse_score(ask("opd_hint", THANKS)) == -1
+    for instruction in INSTRUCTIONS.values():  # each kind's wish, missed or met with nonsense: its sentence alone
+        wish = instruction.format("The")
+        for reaction in (missed(wish, "Give me a tip."), not_an_answer(wish, "Give me a tip.")):
+            assert parse_hint(ask("opd_hint", reaction)) == wish, reaction
 
 
 def test_personalization_loop_runs_over_http_and_trains(tiny_model_dir):
