@@ -24,10 +24,13 @@ fit the wish. The default distillation target applies that shift to the policy a
 update, so a direction held consistently compounds past what the hinted model writes.
 
 `--guidance 2 3` adds a placement per scale: replies sampled from the base model with the hint's
-log-ratio multiplied by that scale (transformers' classifier-free guidance, the hinted prompt as
-the condition and the plain one as the unconditional): what the first update's distillation
-target (NEXTSTATE_OPD_TARGET=shift, a policy still at the base) would write with
-NEXTSTATE_OPD_SHIFT_SCALE at that scale. Scale 1 is the hinted model itself.
+log-ratio multiplied by that scale, log π(·|plain) + scale · (log π(·|hint) − log π(·|against)),
+at every step: what the first update's distillation target (NEXTSTATE_OPD_TARGET=shift, a policy
+still at the base) would write with NEXTSTATE_OPD_SHIFT_SCALE at that scale. `--contrast prompt`
+(the default) measures the hint against the plain prompt, as a correction's is (classifier-free
+guidance; scale 1 is the hinted model itself); `--contrast placebo` against the hint's words
+shuffled (judge/hindsight.py's placebo, as a next state's is), so that what merely copying the
+hint's words adds cancels, and scale 1 is already its own placement.
 
 Writes bench/results/teacher_ceiling-<model>.json.
 """
@@ -38,15 +41,17 @@ import argparse
 import statistics
 
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, DynamicCache
 
 from bench.hint_shift import reply_shift, spill_of, summary, token_class
 from bench.models import bench_model, bench_server
 from bench.personalization import (
-    KINDS, TASKS, Preference, _sampled_replies, instruction_for, reference_readings,
+    KINDS, TASKS, Preference, _sampled_replies, instruction_for, missed, reference_readings,
 )
 from bench.reply_surprise import SENSIBLE_SURPRISE, of_reply, reading, surprise
 from bench.report import pyplot, save
+from nextstate.engine.kv_cache import cache_argument
+from nextstate.judge.hindsight import scrambled
 from nextstate.judge.teacher import enhanced_messages
 
 
@@ -72,6 +77,12 @@ def main() -> None:
     parser.add_argument("--variant", help="a name for this run: its results get their own file (e.g. a subset of --kinds)")
     parser.add_argument("--guidance", type=float, nargs="*", default=[],
                         help="scales of the hint's shift to sample from as well (NEXTSTATE_OPD_SHIFT_SCALE)")
+    parser.add_argument("--contrast", choices=("prompt", "placebo"), default="prompt",
+                        help="what --guidance measures the hint's shift against: the plain prompt, or the hint's "
+                             "words shuffled (NEXTSTATE_HINDSIGHT_CONTRAST's placebo)")
+    parser.add_argument("--hint", choices=("instruction", "reaction"), default="instruction",
+                        help="the hint the teacher reads: the wish's sentence, or the rule user's whole reaction to a "
+                             "reply that missed it ('No, that's not how I like it. <wish> Please try again: <task>')")
     args = parser.parse_args()
 
     policy = bench_model(model=args.policy, smol=args.smol, peaked=True)
@@ -85,9 +96,15 @@ def main() -> None:
         for kind in args.kinds:
             rule = f"marker:{args.marker}" if KINDS[kind] == "marker:auto" else KINDS[kind]
             preference = Preference(instruction_for(rule), rule)
-            row = {"kind": kind, "rule": rule, "instruction": preference.instruction}
+            row = {"kind": kind, "rule": rule, "instruction": preference.instruction, "hint": args.hint,
+                   "contrast": args.contrast}
             accepted: list[tuple[int, str, str]] = []  # (task index, task, reply) the person would have taken
-            guided = {f"guided{scale:g}": scale for scale in args.guidance}  # placement name -> scale
+            suffix = "" if args.contrast == "prompt" else "-placebo"
+            guided = {f"guided{scale:g}{suffix}": scale for scale in args.guidance}  # placement name -> scale
+            placebo = args.contrast == "placebo"
+
+            def hint_for(task: str, instruction: str = preference.instruction) -> str:
+                return missed(instruction, task) if args.hint == "reaction" else instruction
             placements = ("asked", "hinted") + (("experienced",) if args.experience else ()) + tuple(guided)
             for placement in placements:
                 examples, replies = [], []
@@ -95,15 +112,16 @@ def main() -> None:
                     messages = [{"role": "user", "content": task}]
                     seeds = [7 * i + k for k in range(args.samples)]
                     if placement in guided:
-                        texts = guided_replies(reader, turns.renderer, messages, preference.instruction,
-                                               guided[placement], seeds, args.max_tokens)
+                        hint = hint_for(task)
+                        texts = shifted_replies(reader, turns.renderer, messages, hint, scrambled(hint) if placebo else None,
+                                                guided[placement], seeds, args.max_tokens)
                     else:
                         if placement == "hinted":
-                            messages = enhanced_messages(messages, preference.instruction)
+                            messages = enhanced_messages(messages, hint_for(task))
                         elif placement == "experienced":
                             nearest = sorted((e for e in accepted if e[0] != i), key=lambda e: (i - e[0]) % len(TASKS))
                             others = [(t, r) for _, t, r in nearest[:args.experience]]  # the tasks just before
-                            messages = enhanced_messages(messages, with_experience(preference.instruction, others))
+                            messages = enhanced_messages(messages, with_experience(hint_for(task), others))
                         texts = server.call(_sampled_replies(turns, None, messages, seeds, args.max_tokens, 1.0),
                                             timeout=600)
                     replies += [{"task_index": i, "first_reply": t, "score": float(preference.fits(t))} for t in texts]
@@ -116,45 +134,60 @@ def main() -> None:
                 row[f"{placement}_examples"] = examples[:4]
                 if placement == "asked":
                     cls = token_class(kind, vocab, list(turns.renderer.stop_token_ids), args.marker)
-                    row["shift"] = hint_direction(reader, turns.renderer, cls, preference.instruction, replies)
+                    row["shift"] = hint_direction(reader, turns.renderer, cls, hint_for, replies)
                     spill = spill_of(cls) if cls is not None else None
-                    row["spill"] = hint_direction(reader, turns.renderer, spill, preference.instruction, replies)
+                    row["spill"] = hint_direction(reader, turns.renderer, spill, hint_for, replies)
+                    if placebo:  # the same direction, measured against the placebo
+                        row["shift_placebo"] = hint_direction(reader, turns.renderer, cls, hint_for, replies, True)
                     accepted = [(r["task_index"], task, reply) for r, (task, reply), (_, base) in zip(replies, asked, reads)
                                 if r["score"] and (x := of_reply(task, base, reference)) is not None
                                 and x <= SENSIBLE_SURPRISE]
             told = "".join(f", {p} {row[p]:.2f} ({row[p + '_sensible']:.2f} sensible)" for p in placements[1:])
             spilt = f"; at later line and sentence starts{direction(row['spill'], first=False)[1:]}" if row["spill"].get("positions") else ""
+            placebo = f"; against the placebo{direction(row['shift_placebo'], first=False)[1:]}" if "shift_placebo" in row else ""
             print(f"{kind:8} as asked {row['asked']:.2f} ({row['asked_sensible']:.2f} sensible){told}"
-                  f"{direction(row['shift'])}{spilt}", flush=True)
+                  f"{direction(row['shift'])}{spilt}{placebo}", flush=True)
             rows.append(row)
     save({"benchmark": "teacher_ceiling", "model": policy.name, "variant": args.variant,
           "replies_per_placement": args.samples * len(TASKS),
           "max_tokens": args.max_tokens, "kinds": rows})
 
 
-def guided_replies(reader, renderer, messages: list[dict], instruction: str, scale: float, seeds: list[int],
-                   max_tokens: int) -> list[str]:
-    """Replies from the base model with the hint's log-ratio scaled by `scale`, at temperature 1:
-    log π(·|no hint) + scale · (log π(·|hint) − log π(·|no hint)) at every step (transformers'
-    classifier-free guidance; both contexts grow by the same sampled tokens)."""
-    plain = torch.tensor([renderer.render(messages).ids])
-    hinted = torch.tensor([renderer.render(enhanced_messages(messages, instruction)).ids])
-    stops = list(renderer.stop_token_ids)
+def shifted_replies(reader, renderer, messages: list[dict], hint: str, against: str | None, scale: float,
+                    seeds: list[int], max_tokens: int) -> list[str]:
+    """Replies from the base model at temperature 1, each token drawn from
+    log π(·|plain) + scale · (log π(·|hint) − log π(·|hint `against`)) — with `against` None the
+    plain prompt, so classifier-free guidance — all contexts growing by the same sampled tokens.
+    The full vocabulary, where the learner's target keeps the hinted model's top K and the rest."""
+    plain = renderer.render(messages).ids
+    contexts = [plain, renderer.render(enhanced_messages(messages, hint)).ids]
+    if against is not None:
+        contexts.append(renderer.render(enhanced_messages(messages, against)).ids)
+    stops = set(renderer.stop_token_ids)
+    keyword = cache_argument(reader)
     out = []
     for seed in seeds:
-        torch.manual_seed(seed)
+        generator = torch.Generator().manual_seed(seed)
+        inputs, caches, ids = [torch.tensor([c]) for c in contexts], [DynamicCache() for _ in contexts], []
         with torch.no_grad():
-            ids = reader.generate(hinted, attention_mask=torch.ones_like(hinted), negative_prompt_ids=plain,
-                                  negative_prompt_attention_mask=torch.ones_like(plain), guidance_scale=scale,
-                                  do_sample=True, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=max_tokens,
-                                  eos_token_id=stops, pad_token_id=stops[0])[0, hinted.shape[1]:].tolist()
-        ids = ids[:next((k for k, t in enumerate(ids) if t in stops), len(ids))]
+            for _ in range(max_tokens):
+                reads = [torch.log_softmax(reader(input_ids=x, use_cache=True, **{keyword: cache}).logits[0, -1].float(), -1)
+                         for x, cache in zip(inputs, caches)]  # each cache grows in place
+                contrast = reads[2] if against is not None else reads[0]
+                logits = reads[0] + scale * (reads[1] - contrast)
+                token = int(torch.multinomial(torch.softmax(logits, -1), 1, generator=generator))
+                if token in stops:
+                    break
+                ids.append(token)
+                inputs = [torch.tensor([[token]])] * len(contexts)
         out.append(renderer.tokenizer.decode(ids, skip_special_tokens=True))
     return out
 
 
-def hint_direction(reader, renderer, cls, instruction: str, replies: list[dict]) -> dict:
-    """bench/hint_shift.py's summary over the asked replies (empty for a kind without a token class)."""
+def hint_direction(reader, renderer, cls, hint_for, replies: list[dict], placebo: bool = False) -> dict:
+    """bench/hint_shift.py's summary over the asked replies (empty for a kind without a token class),
+    each task's hint (`hint_for(task)`) measured against the plain prompt or, `placebo`, the hint's
+    words shuffled."""
     if cls is None:
         return {"positions": 0}
     shifts, firsts = [], []
@@ -163,8 +196,10 @@ def hint_direction(reader, renderer, cls, instruction: str, replies: list[dict])
         reply = renderer.tokenizer.encode(r["first_reply"], add_special_tokens=False)
         if not reply:
             continue
-        at, first = reply_shift(reader, renderer.tokenizer, cls, renderer.render(messages).ids,
-                                renderer.render(enhanced_messages(messages, instruction)).ids, reply)
+        hint = hint_for(TASKS[r["task_index"]])
+        base = enhanced_messages(messages, scrambled(hint)) if placebo else messages
+        at, first = reply_shift(reader, renderer.tokenizer, cls, renderer.render(base).ids,
+                                renderer.render(enhanced_messages(messages, hint)).ids, reply)
         shifts += at
         firsts.append(first)
     return summary(shifts, firsts)
@@ -187,7 +222,8 @@ def headline(result: dict) -> str:
                 if "experienced" in r else "")
 
     def guided(r: dict) -> str:
-        return "".join(f", {r[k]:.2f} at shift ×{k.removeprefix('guided')} ({r[k + '_sensible']:.2f} sensible)"
+        return "".join(f", {r[k]:.2f} at shift ×{k.removeprefix('guided').replace('-placebo', ' against the placebo')}"
+                       f" ({r[k + '_sensible']:.2f} sensible)"
                        for k in r if k.startswith("guided") and not k.endswith(("_sensible", "_surprise", "_examples")))
 
     return "; ".join(f"{r['kind']} {r['asked']:.2f} → {r['hinted']:.2f} told{sensible(r)}{experienced(r)}{guided(r)}"
