@@ -32,12 +32,16 @@ guidance; scale 1 is the hinted model itself); `--contrast placebo` against the 
 shuffled (judge/hindsight.py's placebo, as a next state's is), so that what merely copying the
 hint's words adds cancels, and scale 1 is already its own placement.
 
+`--hint reaction` gives the teacher the rule user's whole reaction ("No, that's not how I like it.
+<the wish> Please try again: <task>") instead of the wish's sentence.
+
 Writes bench/results/teacher_ceiling-<model>.json.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 
 import torch
@@ -102,9 +106,7 @@ def main() -> None:
             suffix = "" if args.contrast == "prompt" else "-placebo"
             guided = {f"guided{scale:g}{suffix}": scale for scale in args.guidance}  # placement name -> scale
             placebo = args.contrast == "placebo"
-
-            def hint_for(task: str, instruction: str = preference.instruction) -> str:
-                return missed(instruction, task) if args.hint == "reaction" else instruction
+            hint_for = functools.partial(hint_of, preference.instruction, args.hint)
             placements = ("asked", "hinted") + (("experienced",) if args.experience else ()) + tuple(guided)
             for placement in placements:
                 examples, replies = [], []
@@ -144,13 +146,20 @@ def main() -> None:
                                 and x <= SENSIBLE_SURPRISE]
             told = "".join(f", {p} {row[p]:.2f} ({row[p + '_sensible']:.2f} sensible)" for p in placements[1:])
             spilt = f"; at later line and sentence starts{direction(row['spill'], first=False)[1:]}" if row["spill"].get("positions") else ""
-            placebo = f"; against the placebo{direction(row['shift_placebo'], first=False)[1:]}" if "shift_placebo" in row else ""
+            shuffled = f"; against the placebo{direction(row['shift_placebo'], first=False)[1:]}" if placebo else ""
             print(f"{kind:8} as asked {row['asked']:.2f} ({row['asked_sensible']:.2f} sensible){told}"
-                  f"{direction(row['shift'])}{spilt}{placebo}", flush=True)
+                  f"{direction(row['shift'])}{spilt}{shuffled}", flush=True)
             rows.append(row)
     save({"benchmark": "teacher_ceiling", "model": policy.name, "variant": args.variant,
           "replies_per_placement": args.samples * len(TASKS),
           "max_tokens": args.max_tokens, "kinds": rows})
+
+
+def hint_of(instruction: str, form: str, task: str) -> str:
+    """The hint the teacher reads for `task`: the wish's sentence, as a judge extracts it
+    (bench.personalization's PreferenceJudge), or (`reaction`) the rule user's whole reaction to
+    a reply that missed it, as that judge passed it on for some kinds before 2026-12-02."""
+    return missed(instruction, task) if form == "reaction" else instruction
 
 
 def shifted_replies(reader, renderer, messages: list[dict], hint: str, against: str | None, scale: float,
