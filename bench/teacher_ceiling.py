@@ -97,15 +97,14 @@ def main() -> None:
         tokenizer = turns.renderer.tokenizer
         vocab = [tokenizer.decode([i]) for i in range(len(tokenizer))]
         reference = reference_readings(server, args.max_tokens, 1.0)
+        placebo = args.contrast == "placebo"
+        guided = {f"guided{scale:g}{'-placebo' if placebo else ''}": scale for scale in args.guidance}  # name -> scale
         for kind in args.kinds:
             rule = f"marker:{args.marker}" if KINDS[kind] == "marker:auto" else KINDS[kind]
             preference = Preference(instruction_for(rule), rule)
             row = {"kind": kind, "rule": rule, "instruction": preference.instruction, "hint": args.hint,
                    "contrast": args.contrast}
             accepted: list[tuple[int, str, str]] = []  # (task index, task, reply) the person would have taken
-            suffix = "" if args.contrast == "prompt" else "-placebo"
-            guided = {f"guided{scale:g}{suffix}": scale for scale in args.guidance}  # placement name -> scale
-            placebo = args.contrast == "placebo"
             hint_for = functools.partial(hint_of, preference.instruction, args.hint)
             placements = ("asked", "hinted") + (("experienced",) if args.experience else ()) + tuple(guided)
             for placement in placements:
@@ -114,8 +113,7 @@ def main() -> None:
                     messages = [{"role": "user", "content": task}]
                     seeds = [7 * i + k for k in range(args.samples)]
                     if placement in guided:
-                        hint = hint_for(task)
-                        texts = shifted_replies(reader, turns.renderer, messages, hint, scrambled(hint) if placebo else None,
+                        texts = shifted_replies(reader, turns.renderer, messages, hint_for(task), placebo,
                                                 guided[placement], seeds, args.max_tokens)
                     else:
                         if placement == "hinted":
@@ -162,16 +160,17 @@ def hint_of(instruction: str, form: str, task: str) -> str:
     return missed(instruction, task) if form == "reaction" else instruction
 
 
-def shifted_replies(reader, renderer, messages: list[dict], hint: str, against: str | None, scale: float,
+def shifted_replies(reader, renderer, messages: list[dict], hint: str, placebo: bool, scale: float,
                     seeds: list[int], max_tokens: int) -> list[str]:
     """Replies from the base model at temperature 1, each token drawn from
-    log π(·|plain) + scale · (log π(·|hint) − log π(·|hint `against`)) — with `against` None the
-    plain prompt, so classifier-free guidance — all contexts growing by the same sampled tokens.
-    The full vocabulary, where the learner's target keeps the hinted model's top K and the rest."""
+    log π(·|plain) + scale · (log π(·|hint) − log π(·|contrast)), the contrast the plain prompt
+    (classifier-free guidance) or, `placebo`, the hint's words shuffled — all contexts growing by
+    the same sampled tokens. The full vocabulary, where the learner's target keeps the hinted
+    model's top K and the rest."""
     plain = renderer.render(messages).ids
     contexts = [plain, renderer.render(enhanced_messages(messages, hint)).ids]
-    if against is not None:
-        contexts.append(renderer.render(enhanced_messages(messages, against)).ids)
+    if placebo:
+        contexts.append(renderer.render(enhanced_messages(messages, scrambled(hint))).ids)
     stops = set(renderer.stop_token_ids)
     keyword = cache_argument(reader)
     out = []
@@ -182,8 +181,7 @@ def shifted_replies(reader, renderer, messages: list[dict], hint: str, against: 
             for _ in range(max_tokens):
                 reads = [torch.log_softmax(reader(input_ids=x, use_cache=True, **{keyword: cache}).logits[0, -1].float(), -1)
                          for x, cache in zip(inputs, caches)]  # each cache grows in place
-                contrast = reads[2] if against is not None else reads[0]
-                logits = reads[0] + scale * (reads[1] - contrast)
+                logits = reads[0] + scale * (reads[1] - reads[-1 if placebo else 0])
                 token = int(torch.multinomial(torch.softmax(logits, -1), 1, generator=generator))
                 if token in stops:
                     break
