@@ -511,6 +511,17 @@ class LearnerSettings(BaseSettings):
             own samples' policy by a KL of 0.03-0.09 after four passes. Afresh, every update's
             first step has the length of a new user's first (Adam's bias-corrected first step is
             `lr` per weight, the sign of the gradient), and the KL limit still holds each update.
+        lr_warmup_steps: the learning rate rises linearly over a scope's first this many
+            optimizer steps (lr · t / N; 0: none). Adam's first steps have no second moment to
+            divide by — the first is `lr` times the sign of each weight's gradient, however small
+            or noisy — so a fresh adapter's first update is its longest and least directed: on
+            SmolLM2 the first pass of a scope's first update moved its batch by a KL of 0.61
+            (median of 34 bench runs) where later updates' first passes moved 0.07, and it ended
+            after that one pass. The need for warmup with Adam is Liu et al. 2020 ("On the
+            variance of the adaptive learning rate and beyond"). Counted in the optimizer's own
+            steps, so it is kept across restarts and undone with an undone update; with
+            fresh_optimizer every update warms up again. Off until measured on the bench
+            (BENCHMARKS.md, "A fresh adapter's first update").
         max_advantage: per-token advantages are clipped to ± this when training, so no sample
             (an outcome standardised over a tiny spread, a bug upstream) dominates an update.
         replay_coef: each optimizer step also pulls the policy's reading of two passages of
@@ -718,6 +729,9 @@ class LearnerSettings(BaseSettings):
     )
     fresh_optimizer: bool = Field(
         False, description="Each update starts AdamW's moments afresh instead of carrying them from earlier updates."
+    )
+    lr_warmup_steps: int = Field(
+        0, ge=0, description="The learning rate rises linearly over a scope's first this many optimizer steps; 0: none."
     )
     lora_r: int = Field(16, ge=1)
     lora_alpha: int = Field(32, ge=1)

@@ -44,3 +44,9 @@ def resolve_learning_rate(setting: float | str, model_config: Any) -> float:
         return float(setting)
     config = getattr(model_config, "text_config", None) or model_config  # multimodal configs nest it
     return auto_learning_rate(int(config.hidden_size), str(getattr(config, "model_type", "")))
+
+
+def warmed_up(lr: float, steps_taken: int, warmup_steps: int) -> float:
+    """The rate for an optimizer's next step after `steps_taken`: rising linearly to `lr` over
+    its first `warmup_steps` (NEXTSTATE_LR_WARMUP_STEPS; core/settings.py says why)."""
+    return lr if warmup_steps <= 0 else lr * min(1.0, (steps_taken + 1) / warmup_steps)

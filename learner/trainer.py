@@ -33,7 +33,7 @@ from nextstate.core.settings import LearnerSettings
 from nextstate.core.types import Sample
 from nextstate.learner.distillation import shifted_target, teacher_topk, topk_reverse_kl, with_tail
 from nextstate.learner.gate import GATE_SAMPLED_REPLIES, REPETITION_WORDS, GateFigures, Replies, mean, repetition, surprise
-from nextstate.learner.learning_rate import resolve_learning_rate
+from nextstate.learner.learning_rate import resolve_learning_rate, warmed_up
 from nextstate.learner.held_out import HintMove, VersionFigures, figures as held_out_figures, probe_passages, shipped_lines
 from nextstate.learner.host_memory import release_freed_memory
 from nextstate.learner.memory_budget import MemoryBudget, Refusal
@@ -125,6 +125,12 @@ def learner_dtype(setting: str, device: str) -> torch.dtype:
     if setting == "auto":
         return torch.bfloat16 if str(device).startswith("cuda") else torch.float32
     return getattr(torch, setting)
+
+
+def steps_taken(optimizer: torch.optim.Optimizer) -> int:
+    """Optimizer steps this scope's optimizer has taken, from its own state (kept with the
+    adapter, restored with an undone update, emptied by fresh_optimizer)."""
+    return max((int(state["step"]) for state in optimizer.state.values() if "step" in state), default=0)
 
 
 def adapter_name(scope: str) -> str:
@@ -935,6 +941,8 @@ class LoraTrainer:
                         skipped = "non-finite loss or gradient"
                         break
                     totals["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(params, GRAD_CLIP))
+                    for group in optimizer.param_groups:
+                        group["lr"] = warmed_up(self.lr, steps_taken(optimizer), c.lr_warmup_steps)
                     optimizer.step()
                     steps += 1
                 if skipped:

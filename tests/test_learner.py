@@ -16,7 +16,8 @@ import torch
 from nextstate.engine.base import SamplingParams
 from nextstate.learner.ppo import k3_kl, ppo_token_losses
 from nextstate.core.settings import LearnerSettings
-from nextstate.learner.trainer import LoraTrainer, adapter_name
+from nextstate.learner.learning_rate import warmed_up
+from nextstate.learner.trainer import LoraTrainer, adapter_name, steps_taken
 from nextstate.core.policy import PolicyRef
 from nextstate.core.types import Sample
 from tests.tiny_model import TINY_PPO_EPOCHS
@@ -290,6 +291,36 @@ async def test_a_fresh_optimizer_starts_each_update_without_earlier_moments(tiny
     restored = fresh._optimizers["shared"].state_dict()["state"]
     assert restored.keys() == after_first["state"].keys()
     assert all(torch.equal(restored[k]["exp_avg"], after_first["state"][k]["exp_avg"]) for k in restored)
+
+
+async def test_a_warmup_shortens_a_fresh_scopes_first_steps_and_counts_across_updates(tiny_model_dir, engine):
+    """NEXTSTATE_LR_WARMUP_STEPS: Adam's first step moves every weight with a gradient by lr, so
+    with a warmup of 4 the first of a new scope's steps moves each by lr/4 at most; the count is
+    the optimizer's own, so a later update goes on from where the first stopped, and an undone
+    update's steps are not counted."""
+    samples = [make_sample(toks, advantage=1.0) for toks in await generate(engine, 2)]
+    lr = 1e-3
+
+    def trainer(warmup: int) -> LoraTrainer:
+        torch.manual_seed(0)
+        return LoraTrainer(tiny_model_dir, LearnerSettings(lr=lr, lora_r=4, lora_alpha=8, max_kl=1e9, ppo_epochs=1,
+                                                           minibatch_size=2, lr_warmup_steps=warmup))
+
+    def first_move(t: LoraTrainer) -> float:
+        before = [p.detach().clone() for p in t._params(t.ensure_scope("shared"))]
+        assert t.step("shared", samples).skipped is None
+        return max((p.detach() - b).abs().max().item() for p, b in zip(t._params(adapter_name("shared")), before))
+
+    plain, warmed = trainer(0), trainer(4)
+    assert first_move(plain) == pytest.approx(lr, rel=0.05), "Adam's first step: lr times the gradient's sign"
+    assert first_move(warmed) == pytest.approx(lr / 4, rel=0.05)
+    assert [g["lr"] for g in warmed._optimizers["shared"].param_groups] == [pytest.approx(lr / 4)]
+    warmed.undo("shared")
+    assert steps_taken(warmed._optimizers["shared"]) == 0, "an undone update's steps are not counted"
+    first_move(warmed), first_move(warmed)
+    assert steps_taken(warmed._optimizers["shared"]) == 2
+    assert [g["lr"] for g in warmed._optimizers["shared"].param_groups] == [pytest.approx(lr / 2)]
+    assert warmed_up(lr, 3, 4) == lr == warmed_up(lr, 10, 4) == warmed_up(lr, 0, 0)
 
 
 @pytest.mark.parametrize("minibatch", [0, 1])
