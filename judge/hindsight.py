@@ -26,7 +26,9 @@ what the sentence says stays — so a next state of one word ("Thanks!", "No.") 
 placebo and teaches nothing here; a rating teaches it. Sampled from the compounded shift (bench/hindsight_echo.py),
 replies that echo the reaction went 0.75-1.00 → 0.00-0.17 and read as the base model's own;
 trained on next states alone over three seeds, the length wish ended at 0.62 ± 0.09 with 0.01-
-0.05 of replies echoing, against 0.50-0.55 and 0.73-1.00 measured against the prompt.
+0.05 of replies echoing, against 0.50-0.55 and 0.73-1.00 measured against the prompt (the
+defaults of 2026-11-28; at those of 2026-12-02, 0.56 ± 0.11 of held-out replies after 30-42
+next states, nearly all of them sensible).
 """
 
 from __future__ import annotations
