@@ -97,9 +97,7 @@ class Database:
 
             conn = connect()
             db = cls(conn, "postgres", connect)
-            with db.transaction():
-                # several processes may create the schema at once: one at a time
-                conn.execute(f"SELECT pg_advisory_xact_lock({SCHEMA_LOCK})")
+            with db.schema_change():
                 for statement in schema.format(**_TYPES["postgres"]).split(";"):
                     if statement.strip():
                         conn.execute(statement)
@@ -199,6 +197,19 @@ class Database:
             raise
         self._conn.execute("COMMIT")
 
+    @contextlib.contextmanager
+    def schema_change(self) -> Iterator[None]:
+        """A transaction in which one process at a time changes the schema. The proxies, judges
+        and learners of a deployment open one database together, and PostgreSQL's `CREATE ...
+        IF NOT EXISTS` is not safe against the same statement running at once elsewhere: both
+        see the index missing and one fails on pg_class's unique key (the distributed test's
+        judge did, now and then). PostgreSQL: the schema's advisory lock, held to the commit;
+        SQLite: BEGIN IMMEDIATE already holds its write lock from the first read on."""
+        with self.transaction():
+            if self.dialect == "postgres":
+                self._conn.execute(f"SELECT pg_advisory_xact_lock({SCHEMA_LOCK})")
+            yield
+
     @property
     def skip_locked(self) -> str:
         """What ends a `SELECT` whose rows a transaction takes for itself: PostgreSQL locks them
@@ -215,10 +226,9 @@ class Database:
         """Add the columns (types as in a schema: `{float}`) that `table` lacks — columns added
         since it was first made, so an older database opens with them; returns those added."""
         columns = {column: kind.format(**_TYPES[self.dialect]) for column, kind in columns.items()}
-        with self.transaction():  # processes opening one database at once: one adds, the others see it added
-            if self.dialect == "sqlite":  # BEGIN IMMEDIATE holds the write lock from the read on
+        with self.schema_change():  # processes opening one database at once: one adds, the others see it added
+            if self.dialect == "sqlite":
                 return add_missing_columns(self._conn, table, columns)
-            self._conn.execute(f"SELECT pg_advisory_xact_lock({SCHEMA_LOCK})")
             rows = self._conn.execute("SELECT column_name FROM information_schema.columns WHERE table_name = %s", (table,))
             present = {row[0] for row in rows.fetchall()}
             added = [column for column in columns if column.strip('"') not in present]

@@ -150,12 +150,13 @@ class SampleStore(Store):
         # Since 0.6: a sample built from a reply accepted after a correction names that reply's turn.
         self._db.add_missing_columns("samples", {"response_id": "TEXT", "tries": "INTEGER NOT NULL DEFAULT 0",
                                                  "accepted_from": "INTEGER"})
-        # One such sample per corrected turn, whichever worker judged which of the two turns first.
-        self._db.execute('CREATE UNIQUE INDEX IF NOT EXISTS samples_accepted ON samples ("user", session_id, turn_index) '
-                         "WHERE accepted_from IS NOT NULL")
-        self._db.execute("CREATE UNIQUE INDEX IF NOT EXISTS transitions_turn ON transitions (turn_key)")
-        self._db.execute("CREATE INDEX IF NOT EXISTS transitions_response ON transitions (response_id)")
-        self._db.execute("CREATE INDEX IF NOT EXISTS samples_response ON samples (response_id)")
+        with self._db.schema_change():  # processes starting together: one creates, the others find them
+            # One such sample per corrected turn, whichever worker judged which of the two turns first.
+            self._db.execute('CREATE UNIQUE INDEX IF NOT EXISTS samples_accepted ON samples ("user", session_id, turn_index) '
+                             "WHERE accepted_from IS NOT NULL")
+            self._db.execute("CREATE UNIQUE INDEX IF NOT EXISTS transitions_turn ON transitions (turn_key)")
+            self._db.execute("CREATE INDEX IF NOT EXISTS transitions_response ON transitions (response_id)")
+            self._db.execute("CREATE INDEX IF NOT EXISTS samples_response ON samples (response_id)")
         if '"user"' in added:  # once, for the transitions an older version wrote
             self._db.execute(f'UPDATE transitions SET "user" = {self._db.json_text("data", "turn", "user")}')
 
