@@ -191,10 +191,14 @@ def test_replicas_judges_and_a_learner_of_their_own_learn_from_one_conversation_
         wait_for(lambda: client(proxy, keys["user0"]).chat.completions.with_raw_response.create(
             model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=2).headers["x-policy-version"]
             == str(version), timeout=30)
-    for i, user in enumerate(USERS):
-        headers = client(d.proxies[i % 2], keys[user]).chat.completions.with_raw_response.create(
-            model="tiny", messages=[{"role": "user", "content": f"hello from {user}"}], max_tokens=2).headers
-        assert headers["x-policy-version"] == str(version)
+    def hello(i: int) -> str:
+        return client(d.proxies[i % 2], keys[USERS[i]]).chat.completions.with_raw_response.create(
+            model="tiny", messages=[{"role": "user", "content": f"hello from {USERS[i]}"}], max_tokens=2,
+        ).headers["x-policy-version"]
+
+    # at once, as the newcomers below: one at a time, min_load's ties may put every user on one worker
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        assert list(pool.map(hello, range(len(USERS)))) == [str(version)] * len(USERS)
     for worker in d.workers:
         assert adapter in worker.served(), f"{worker.name} served no request on the new version"
 
