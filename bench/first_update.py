@@ -39,6 +39,7 @@ import statistics
 import httpx
 import torch
 
+from bench.hint_shift import reply_logprobs
 from bench.models import bench_model, bench_server
 from bench.personalization import HELD_OUT_TASKS, TASKS, Preference, instruction_for
 from bench.report import pyplot, save
@@ -70,23 +71,22 @@ def rated_samples(model_dir, seed: int, preference: Preference) -> tuple[list, f
     return [s for s in samples if s.status == "ready"], statistics.fmean(fits)
 
 
-@torch.no_grad()
 def wish_logprob(trainer, scope: str | None, word_ids: list[int]) -> float:
-    """Mean log-probability over the held-out questions that the reply begins with the word."""
+    """Mean log-probability over the held-out questions that the reply begins with the word,
+    read by the base model (`scope` None) or the scope's adapter."""
     renderer = trainer._chat()
-    total = []
-    for question in HELD_OUT_TASKS:
-        prompt = renderer.render([{"role": "user", "content": question}]).ids
-        ids = torch.tensor([prompt + word_ids])
-        if scope is None:
-            with trainer.model.disable_adapter():
-                logits = trainer.model(input_ids=ids).logits[0]
-        else:
-            trainer._activate(scope)
-            logits = trainer.model(input_ids=ids).logits[0]
-        logprobs = torch.log_softmax(logits.float(), -1)
-        total.append(sum(float(logprobs[len(prompt) - 1 + k, t]) for k, t in enumerate(word_ids)))
-    return statistics.fmean(total)
+    prompts = [renderer.render([{"role": "user", "content": question}]).ids for question in HELD_OUT_TASKS]
+    word = torch.tensor(word_ids)[:, None]
+
+    def mean_read() -> float:
+        return statistics.fmean(float(reply_logprobs(trainer.model, prompt, word_ids).gather(-1, word).sum())
+                                for prompt in prompts)
+
+    if scope is None:
+        with trainer.model.disable_adapter():
+            return mean_read()
+    trainer._activate(scope)
+    return mean_read()
 
 
 def one_update(model_dir, samples, optimizer: str, warmup: int) -> dict:
