@@ -11,6 +11,7 @@ copied into a model built from the same config and saved as a plain HF folder in
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import importlib.util
 import logging
 import shutil
@@ -57,23 +58,43 @@ def ensure_default_model(models_dir: Path) -> Path:
 def ensure_converted(gguf: Path, target: Path) -> Path:
     """`gguf` as a Hugging Face model folder at `target`, converted once (the default model's
     path and any GGUF a person brings, NEXTSTATE_MODEL=….gguf or ollama:NAME). The
-    architecture is checked first: one transformers cannot read is refused before any work."""
+    architecture is checked first: one transformers cannot read is refused before any work.
+
+    Processes starting at once on a fresh data dir (a bench's seeds, a deployment's serve and
+    learn) convert one at a time under a lock on a file beside `target`: the second finds the
+    model done and uses it. Two converting at once, the later one's rename replaced the folder
+    the earlier one's server was already reading its tokenizer from, and that server died."""
     if (target / _DONE_MARKER).exists():
         return target
     check_architecture(gguf)
-    log.info("Converting %s into %s (once; about a minute on two cores for a 135M model, more for larger ones)…",
-             gguf.name, target)
-    started = time.monotonic()
     target.parent.mkdir(parents=True, exist_ok=True)
-    # Convert into a sibling temp dir and rename, so a crash mid-way never leaves a half model.
-    with tempfile.TemporaryDirectory(dir=target.parent, prefix=".converting-") as tmp, _ticking(gguf.name, started):
-        _convert(gguf, Path(tmp) / "model")
-        (Path(tmp) / "model" / _DONE_MARKER).write_text(gguf.name + "\n")
-        if target.exists():
-            shutil.rmtree(target)
-        (Path(tmp) / "model").rename(target)
-    log.info("Converted %s in %.1f s.", gguf.name, time.monotonic() - started)
+    with _converting_alone(target):
+        if (target / _DONE_MARKER).exists():
+            return target
+        log.info("Converting %s into %s (once; about a minute on two cores for a 135M model, more for larger ones)…",
+                 gguf.name, target)
+        started = time.monotonic()
+        # Convert into a sibling temp dir and rename, so a crash mid-way never leaves a half model.
+        with tempfile.TemporaryDirectory(dir=target.parent, prefix=".converting-") as tmp, _ticking(gguf.name, started):
+            _convert(gguf, Path(tmp) / "model")
+            (Path(tmp) / "model" / _DONE_MARKER).write_text(gguf.name + "\n")
+            if target.exists():
+                shutil.rmtree(target)  # a half model an older release left; never a done one
+            (Path(tmp) / "model").rename(target)
+        log.info("Converted %s in %.1f s.", gguf.name, time.monotonic() - started)
     return target
+
+
+@contextlib.contextmanager
+def _converting_alone(target: Path) -> Iterator[None]:
+    """An exclusive lock on `.<name>.lock` beside `target`, waited for (a conversion takes a
+    minute); the kernel drops it when the holder dies, so a crashed conversion blocks no one."""
+    with (target.parent / f".{target.name}.lock").open("a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def gguf_architecture(gguf: Path) -> str:

@@ -117,3 +117,35 @@ def test_a_gguf_and_an_ollama_model_made_here_serve_the_numbers_of_the_model_the
         server.stop()
         converted = [p.name for p in server.settings.models_dir.iterdir() if not p.name.startswith(".")]
         assert len(converted) == 1 and converted[0].startswith(folder), converted
+
+
+def test_processes_starting_at_once_on_a_fresh_data_dir_convert_once_and_none_loses_its_model(tmp_path, monkeypatch):
+    """Three bench seeds started together: the later conversion's rename used to replace the
+    folder the first server was reading its tokenizer from, and that server failed to start."""
+    import threading
+    import time
+
+    from nextstate.engine import default_model
+
+    calls: list[Path] = []
+
+    def slow_convert(gguf: Path, out: Path) -> None:
+        calls.append(out)
+        time.sleep(0.3)
+        out.mkdir(parents=True)
+        (out / "tokenizer.json").write_text("{}")
+
+    monkeypatch.setattr(default_model, "check_architecture", lambda gguf: None)
+    monkeypatch.setattr(default_model, "_convert", slow_convert)
+    gguf = tmp_path / "model.gguf"
+    gguf.write_bytes(b"GGUF")
+    target = tmp_path / "models" / "model"
+    results: list[Path] = []
+    threads = [threading.Thread(target=lambda: results.append(default_model.ensure_converted(gguf, target))) for _ in range(3)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert results == [target] * 3
+    assert len(calls) == 1
+    assert (target / "tokenizer.json").exists()
