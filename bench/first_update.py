@@ -25,7 +25,11 @@ update with the learner at every default from a fresh adapter, once per optimize
 
 For each: the passes taken and the batch's policy KL after each, the KL the update was kept at
 (the line search's), and on the 24 held-out questions the log-probability that the reply begins
-with the wish's word, before and after — the wish gained per unit of KL spent.
+with the wish's word, before and after — the wish gained per unit of KL spent — and the share
+of sampled replies to them that fit the wish (`--samples` each, the same seeds before and after).
+`--kind length` rates by the length wish instead (at most 12 words): it has no one word to read,
+so only the sampled share says what it gained — the kind the warmup cost on the bench
+(BENCHMARKS.md, "The warmup on the bench").
 
 Writes bench/results/first_update-<model>.json.
 """
@@ -41,7 +45,7 @@ import torch
 
 from bench.hint_shift import reply_logprobs
 from bench.models import bench_model, bench_server
-from bench.personalization import HELD_OUT_TASKS, TASKS, Preference, instruction_for
+from bench.personalization import HELD_OUT_TASKS, KINDS, TASKS, Preference, instruction_for
 from bench.report import pyplot, save
 
 WORD = "The"
@@ -89,7 +93,40 @@ def wish_logprob(trainer, scope: str | None, word_ids: list[int]) -> float:
     return mean_read()
 
 
-def one_update(model_dir, samples, optimizer: str, warmup: int) -> dict:
+def wish_share(trainer, scope: str | None, preference: Preference, n: int, seed: int = 0) -> float:
+    """The share of `n` sampled replies to each held-out question (temperature 1, MAX_TOKENS)
+    that fit the wish, from the base model (`scope` None) or the scope's adapter; the same
+    sampling seed for every reading, so before and after differ by the weights alone."""
+    if n <= 0:
+        return float("nan")
+    renderer = trainer._chat()
+    tokenizer = renderer.tokenizer
+    prompts = [renderer.render([{"role": "user", "content": question}]).ids for question in HELD_OUT_TASKS]
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else renderer.stop_token_ids[0]
+    width = max(map(len, prompts))
+    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=trainer.device)
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=trainer.device)
+
+    def sample() -> float:
+        torch.manual_seed(seed)
+        with torch.no_grad():
+            out = trainer.model.generate(input_ids=ids, attention_mask=mask, do_sample=True, temperature=1.0,
+                                         top_k=0, top_p=1.0, max_new_tokens=MAX_TOKENS, num_return_sequences=n,
+                                         eos_token_id=list(renderer.stop_token_ids), pad_token_id=pad)
+        fits = []
+        for row in out[:, width:].tolist():
+            cut = next((i for i, t in enumerate(row) if t in renderer.stop_token_ids), len(row))
+            fits.append(preference.fits(tokenizer.decode(row[:cut], skip_special_tokens=True)))
+        return statistics.fmean(fits)
+
+    if scope is None:
+        with trainer.model.disable_adapter():
+            return sample()
+    trainer._activate(scope)
+    return sample()
+
+
+def one_update(model_dir, samples, optimizer: str, warmup: int, preference: Preference, n: int) -> dict:
     from nextstate.core.settings import Settings
     from nextstate.learner.trainer import BETAS, WEIGHT_DECAY, LoraTrainer
 
@@ -100,35 +137,47 @@ def one_update(model_dir, samples, optimizer: str, warmup: int) -> dict:
         trainer._optimizers[scope] = torch.optim.RAdam(trainer._params(name), lr=trainer.lr, weight_decay=WEIGHT_DECAY,
                                                        betas=BETAS, decoupled_weight_decay=True)
     word_ids = trainer._chat().tokenizer.encode(WORD, add_special_tokens=False)
-    before = wish_logprob(trainer, None, word_ids)
+    opening = preference.rule.startswith("marker:")
+    before = wish_logprob(trainer, None, word_ids) if opening else float("nan")
+    share_before = wish_share(trainer, None, preference, n)
     result = trainer.step(scope, samples)
-    after = wish_logprob(trainer, scope, word_ids)
+    after = wish_logprob(trainer, scope, word_ids) if opening else float("nan")
+    share_after = wish_share(trainer, scope, preference, n)
     kl = result.policy_kl
     return {"optimizer": optimizer if optimizer != "warmup" else f"warmup {warmup}", "epochs": result.epochs,
             "epoch_kls": result.epoch_kls, "kl_tries": result.kl_tries, "policy_kl": kl, "kept": result.step_scale,
             "skipped": result.skipped, "wish_logprob_before": before, "wish_logprob_after": after,
             "wish_gain": after - before, "gain_per_kl": (after - before) / kl if kl and math.isfinite(kl) else None,
+            "share_before": share_before, "share_after": share_after,
             "seconds": round(result.seconds, 1)}
 
 
 def headline(result: dict) -> str:
     parts = []
+    opening = result.get("kind", "opening") == "opening"
     for optimizer in dict.fromkeys(r["optimizer"] for r in result["runs"]):
         rows = [r for r in result["runs"] if r["optimizer"] == optimizer]
-        parts.append(f"{optimizer}: first-pass KL {statistics.fmean(r['epoch_kls'][0] if r['epoch_kls'] else r['policy_kl'] for r in rows):.2f}, "
-                     f"passes {statistics.fmean(r['epochs'] for r in rows):.1f}, kept at KL {statistics.fmean(r['policy_kl'] for r in rows):.2f}, "
-                     f"held-out log P('{result['word']}' first) {statistics.fmean(r['wish_gain'] for r in rows):+.2f}")
-    return "; ".join(parts) + f" (a fresh adapter's first update on {result['replies']} rated replies, means over seeds)"
+        part = (f"{optimizer}: first-pass KL {statistics.fmean(r['epoch_kls'][0] if r['epoch_kls'] else r['policy_kl'] for r in rows):.2f}, "
+                f"passes {statistics.fmean(r['epochs'] for r in rows):.1f}, kept at KL {statistics.fmean(r['policy_kl'] for r in rows):.2f}")
+        if opening:
+            part += f", held-out log P('{result['word']}' first) {statistics.fmean(r['wish_gain'] for r in rows):+.2f}"
+        if all(r.get("share_after") is not None and math.isfinite(r["share_after"]) for r in rows):
+            part += f", held-out replies fitting {statistics.fmean(r['share_after'] - r['share_before'] for r in rows):+.2f}"
+        parts.append(part)
+    return "; ".join(parts) + (f" ({result.get('kind', 'opening')} wish; a fresh adapter's first update on "
+                               f"{result['replies']} rated replies, means over seeds)")
 
 
 def plot(result: dict):
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(5, 3.5))
+    opening = result.get("kind", "opening") == "opening"
     for i, optimizer in enumerate(dict.fromkeys(r["optimizer"] for r in result["runs"])):
         rows = [r for r in result["runs"] if r["optimizer"] == optimizer]
-        ax.scatter([r["policy_kl"] for r in rows], [r["wish_gain"] for r in rows], label=optimizer, color=f"C{i}")
+        gains = [r["wish_gain"] if opening else r["share_after"] - r["share_before"] for r in rows]
+        ax.scatter([r["policy_kl"] for r in rows], gains, label=optimizer, color=f"C{i}")
     ax.set_xlabel("the update's policy KL (kept)")
-    ax.set_ylabel(f"held-out log P('{result['word']}' first), gain")
+    ax.set_ylabel(f"held-out log P('{result['word']}' first), gain" if opening else "held-out replies fitting, gain")
     ax.axhline(0, color="grey", linewidth=0.5)
     ax.legend(fontsize=7)
     return fig
@@ -138,26 +187,33 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--policy", help="any local HF model dir (default: a tiny model)")
     parser.add_argument("--smol", action="store_true", help="the embedded SmolLM2")
+    parser.add_argument("--kind", choices=("opening", "length"), default="opening",
+                        help=f"the wish the replies are rated by: opening with '{WORD}', or at most 12 words")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--warmup", type=int, nargs="+", default=[4, 8], help="warmup lengths, in optimizer steps")
     parser.add_argument("--radam", action="store_true", help="also torch's RAdam")
+    parser.add_argument("--samples", type=int, default=4, help="sampled replies per held-out question (0: none)")
     args = parser.parse_args()
     model_dir = bench_model(args.policy, args.smol)
-    preference = Preference(instruction_for(f"marker:{WORD}"), f"marker:{WORD}")
+    rule = f"marker:{WORD}" if args.kind == "opening" else KINDS[args.kind]
+    preference = Preference(instruction_for(rule), rule)
     runs = []
     for seed in args.seeds:
         samples, fit = rated_samples(model_dir, seed, preference)
         print(f"seed {seed}: {len(samples)} samples, {fit:.2f} of the replies fit", flush=True)
         variants = [("adamw", 0)] + [("warmup", k) for k in args.warmup] + ([("radam", 0)] if args.radam else [])
         for optimizer, warmup in variants:
-            row = {"seed": seed, "samples": len(samples), "fit": fit} | one_update(model_dir, samples, optimizer, warmup)
+            row = {"seed": seed, "samples": len(samples), "fit": fit} | one_update(
+                model_dir, samples, optimizer, warmup, preference, args.samples)
             runs.append(row)
             print(f"  {row['optimizer']:>9}: passes {row['epochs']} (KL after each {row['epoch_kls']}), kept "
                   f"{row['kept']:.3g} at KL {row['policy_kl']:.3f}; held-out log P('{WORD}' first) "
                   f"{row['wish_logprob_before']:.2f} -> {row['wish_logprob_after']:.2f} "
-                  f"({row['wish_gain']:+.2f}, {row['gain_per_kl'] or 0:+.2f} a nat of KL), {row['seconds']} s", flush=True)
+                  f"({row['wish_gain']:+.2f}, {row['gain_per_kl'] or 0:+.2f} a nat of KL); held-out replies fitting "
+                  f"{row['share_before']:.2f} -> {row['share_after']:.2f}; {row['seconds']} s", flush=True)
     name = "SmolLM2-135M-Instruct" if args.smol else model_dir.name
-    save({"benchmark": "first_update", "model": name, "word": WORD, "replies": REPLIES, "runs": runs})
+    save({"benchmark": "first_update", "model": name, "variant": None if args.kind == "opening" else args.kind,
+          "kind": args.kind, "word": WORD, "replies": REPLIES, "samples_per_question": args.samples, "runs": runs})
 
 
 if __name__ == "__main__":

@@ -423,3 +423,18 @@ def test_each_candidate_topic_s_rule_spots_it_and_leaves_the_rest():
         assert len(topic.questions) >= 16 and len(set(topic.questions)) == len(topic.questions), key
     result = {"topics": [{"topic": "dogs", "mention_rate": 0.21}, {"topic": "food", "mention_rate": 0.1}]}
     assert headline(result) == "brought up unasked: dogs 0.21, food 0.10"
+
+
+def test_the_first_update_bench_reads_the_wish_share_on_the_same_seeds_before_and_after(tiny_model_dir):
+    from bench.first_update import wish_share
+    from nextstate.core.settings import Settings
+    from nextstate.learner.trainer import LoraTrainer
+
+    trainer = LoraTrainer(tiny_model_dir, Settings().learner)
+    trainer.ensure_scope("bench")
+    anything = Preference("Say anything.", "nolist")  # the tiny model's replies: some fit, some do not
+    base = wish_share(trainer, None, anything, 2)
+    assert 0.0 <= base <= 1.0
+    assert wish_share(trainer, None, anything, 2) == base, "the same sampling seeds, the same reading"
+    assert wish_share(trainer, "bench", anything, 2) == base, "a fresh adapter is the base model: nothing to tell apart"
+    assert wish_share(trainer, None, anything, 0) != wish_share(trainer, None, anything, 0), "no samples: NaN"
