@@ -80,6 +80,7 @@ from pathlib import Path
 
 from openai import OpenAI
 
+from bench import base_cache
 from bench.models import bench_model, bench_server
 from bench.reply_surprise import REFERENCE_REPLIES, SENSIBLE_SURPRISE, of_reply, reading, surprise
 from bench.report import pyplot, render, save
@@ -526,21 +527,17 @@ def run_mode(mode: str, policy: Path, tasks: list[str], args, judge: dict, user,
         **tuned, **judge, **engine_settings(args),
     ) as server:
         client = OpenAI(base_url=server.base_url, api_key=server.key("simulated-user"), max_retries=0, timeout=600)
-        base_prose = held_out_nll(server, None)
-        reference = reference_readings(server, args.max_tokens, args.temperature, questions_of(args).asked)
         wants_answers = getattr(args, "sensible_user", False)
         held_out_samples = getattr(args, "held_out_samples", 0) if learning else 0
+        base = base_model_readings(server, policy, args, held_out_samples, tuned)
+        base_prose, reference = base["prose"], base["reference"]
         run.prose_forgetting[0] = 0.0
         ratings = 0  # reactions the person gave so far: each reply's next state is one
         if held_out_samples:
-            # the base model's reference and its own reading share their seeds: one sampling serves both
-            held_out = questions_of(args).held_out
-            base = sampled_texts(server, None, held_out, max(held_out_samples, REFERENCE_REPLIES), args.max_tokens,
-                                 args.temperature)
-            held_reference = reference_readings(server, args.max_tokens, args.temperature, held_out,
-                                                [t[:REFERENCE_REPLIES] for t in base])
+            held_reference = base["held_reference"]
             run.held_out[0] = {"ratings": ratings} | without_samples(held_out_reading(
-                server, None, held_out_samples, args, scorer, held_reference, [t[:held_out_samples] for t in base]))
+                server, None, held_out_samples, args, scorer, held_reference,
+                [t[:held_out_samples] for t in base["held_texts"]]))
         for i, task in enumerate(tasks):
             started = time.perf_counter()
             messages = [{"role": "user", "content": task}]
@@ -607,6 +604,38 @@ def run_mode(mode: str, policy: Path, tasks: list[str], args, judge: dict, user,
                   f"(± {run.final['score_stderr']}), repeated words {run.final['repetition']} over "
                   f"{run.final['replies']} sampled replies", flush=True)
     return run
+
+
+def base_model_readings(server, policy: Path, args, held_out_samples: int, tuned: dict) -> dict:
+    """What every run on this model starts from — the base model's prose perplexity, its replies
+    to the questions and its readings of them — from bench/base_cache.py's cache when it holds
+    them for these inputs (they took 5 of a run's 25 minutes alone, 31 beside three others)."""
+    from nextstate.core.settings import EngineSettings
+
+    questions = questions_of(args)
+    parameters = {"max_tokens": args.max_tokens, "temperature": args.temperature,
+                  "questions": getattr(args, "questions", None) or "everyday", "held_out_samples": held_out_samples,
+                  "reference_replies": REFERENCE_REPLIES, "engine": engine_settings(args),
+                  "engine_settings": {k: v for k, v in tuned.items() if k in EngineSettings.model_fields},
+                  "asked": questions.asked, "held_out": questions.held_out, "prose": GENERAL_TEXT}
+
+    def compute() -> dict:
+        readings = {"prose": held_out_nll(server, None),
+                    "reference": reference_readings(server, args.max_tokens, args.temperature, questions.asked)}
+        if held_out_samples:
+            # the base model's reference and its own reading share their seeds: one sampling serves both
+            texts = sampled_texts(server, None, questions.held_out, max(held_out_samples, REFERENCE_REPLIES),
+                                  args.max_tokens, args.temperature)
+            readings |= {"held_texts": texts, "held_reference": reference_readings(
+                server, args.max_tokens, args.temperature, questions.held_out, [t[:REFERENCE_REPLIES] for t in texts])}
+        return readings
+
+    code = (base_model_readings, held_out_nll, reference_readings, sampled_texts, _sampled_for_each, _sampled_replies)
+    readings, hit = base_cache.cached("personalization-base", policy, parameters, compute, code,
+                                      fresh=getattr(args, "fresh_base", False))
+    print(f"base model's readings: {'from the cache' if hit else 'read and kept'} ({base_cache.cache_dir()})",
+          flush=True)
+    return readings
 
 
 @contextlib.contextmanager
@@ -1159,6 +1188,9 @@ def main() -> None:
                         help="NEXTSTATE_JUDGE_FALLBACK (default: the setting's default)")
     parser.add_argument("--accepted-after-correction", choices=("on", "off"), default=None,
                         help="NEXTSTATE_ACCEPTED_AFTER_CORRECTION (default: the server's, on): the ablation's switch")
+    parser.add_argument("--fresh-base", action="store_true",
+                        help="read the base model again instead of taking its readings from the cache "
+                             "(bench/base_cache.py: kept by model, engine, parameters and source)")
     parser.add_argument("--wait-for-learner", action="store_true",
                         help="after each task, wait until the learner trained every full batch: updates per task "
                              "fixed by the batch size, not by the machine's speed")

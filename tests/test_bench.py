@@ -25,6 +25,13 @@ from tests.tiny_model import TINY_PPO_EPOCHS
 ONE_PASS = [f"ppo_epochs={TINY_PPO_EPOCHS}"]  # as the suite's servers (tests/tiny_model.py)
 
 
+@pytest.fixture(autouse=True)
+def bench_cache_of_its_own(tmp_path, monkeypatch):
+    """The base model's readings are cached under $XDG_CACHE_HOME (bench/base_cache.py): a
+    test's go in its own, never in the home directory's."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+
+
 def test_results_log_rows_are_replaced_by_file_and_stay_in_their_table(tmp_path):
     path = tmp_path / "BENCHMARKS.md"
     path.write_text("# Benchmarks\n\nSome prose.\n")
@@ -438,3 +445,26 @@ def test_the_first_update_bench_reads_the_wish_share_on_the_same_seeds_before_an
     assert wish_share(trainer, None, anything, 2) == base, "the same sampling seeds, the same reading"
     assert wish_share(trainer, "bench", anything, 2) == base, "a fresh adapter is the base model: nothing to tell apart"
     assert wish_share(trainer, None, anything, 0) != wish_share(trainer, None, anything, 0), "no samples: NaN"
+
+
+def test_the_base_models_readings_are_kept_and_read_back_as_they_were_read(tiny_model_dir, tmp_path, capsys):
+    from bench import base_cache
+    from bench.personalization import base_model_readings
+
+    args = argparse.Namespace(max_tokens=4, temperature=1.0, sglang_url=None)
+    longer = argparse.Namespace(**vars(args) | {"max_tokens": 5})
+    with bench_server(tiny_model_dir, "policy", learn=False, judge_enabled=False) as server:
+        first = base_model_readings(server, tiny_model_dir, args, 1, {})
+        again = base_model_readings(server, tiny_model_dir, args, 1, {})
+        fresh = base_model_readings(server, tiny_model_dir, argparse.Namespace(**vars(args), fresh_base=True), 1, {})
+        other = base_model_readings(server, tiny_model_dir, longer, 1, {})
+        kept = sorted(base_cache.cache_dir().glob("personalization-base-*.json"), key=lambda p: p.stat().st_mtime)
+        kept[0].write_text("{not json")  # a file cut short by a crash is read again, not trusted
+        mended = base_model_readings(server, tiny_model_dir, args, 1, {})
+    said = capsys.readouterr().out
+    assert said.count("read and kept") == 4 and said.count("from the cache") == 1, said
+    assert len(kept) == 2 and kept[0].is_relative_to(tmp_path), "one file per set of inputs, in the test's own cache"
+    assert set(first) == {"prose", "reference", "held_texts", "held_reference"}
+    assert again == fresh == mended == json.loads(json.dumps(first)), "read back as read (JSON's lists for tuples)"
+    assert len(first["held_texts"]) == len(HELD_OUT_TASKS) and set(first["reference"]) == set(TASKS)
+    assert other["held_texts"] != first["held_texts"], "a longer reply is another reading"
