@@ -520,10 +520,12 @@ class LearnerSettings(BaseSettings):
             after that one pass. The need for warmup with Adam is Liu et al. 2020 ("On the
             variance of the adaptive learning rate and beyond"). Counted in the optimizer's own
             steps, so it is kept across restarts and undone with an undone update; with
-            fresh_optimizer every update warms up again. Off: at 8, on three seeds each, the
-            opening word showed on 0.72 of held-out replies after ~15 ratings against 0.25, but
-            the length wish on 0.25 against 0.52 — the first update's sign step was its head
-            start (BENCHMARKS.md, "The warmup on the bench").
+            fresh_optimizer every update warms up again. 8 by default (the first update's two
+            steps a pass make it four passes): after ~15 ratings the opening word showed on 0.72
+            of held-out replies against 0.25 without it (three seeds), the length wish on 0.40
+            against 0.61 (five seeds) — the worst kind from 0.25 to 0.40. The length wish's
+            cost comes after the first update, which teaches it as far at the same KL with the
+            warmup as without (BENCHMARKS.md, "The warmup's cost on the length wish"). 0: none.
         max_advantage: per-token advantages are clipped to ± this when training, so no sample
             (an outcome standardised over a tiny spread, a bug upstream) dominates an update.
         replay_coef: each optimizer step also pulls the policy's reading of two passages of
@@ -733,7 +735,7 @@ class LearnerSettings(BaseSettings):
         False, description="Each update starts AdamW's moments afresh instead of carrying them from earlier updates."
     )
     lr_warmup_steps: int = Field(
-        0, ge=0, description="The learning rate rises linearly over a scope's first this many optimizer steps; 0: none."
+        8, ge=0, description="The learning rate rises linearly over a scope's first this many optimizer steps; 0: none."
     )
     lora_r: int = Field(16, ge=1)
     lora_alpha: int = Field(32, ge=1)

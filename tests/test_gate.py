@@ -137,7 +137,9 @@ def test_with_gate_user_figure_wish_the_hinted_turns_decide_and_the_gain_where_t
 
 
 def test_a_version_that_unlearns_what_users_liked_does_not_serve(server_factory):
-    server = learning_server(server_factory, publish_gate=True, lr=2e-2, max_kl=1e9, gate_backtracks=0)
+    # the second update must move as far as lr says: within a warmup its rate would be a fraction of it
+    server = learning_server(server_factory, publish_gate=True, lr=2e-2, max_kl=1e9, gate_backtracks=0,
+                             lr_warmup_steps=0)
     liked = served_samples(server, 4, advantage=1.0)
     feed(server, liked)
     wait_for(lambda: server.app.state.services.policies.current("alice").version == 1)
