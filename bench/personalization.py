@@ -631,8 +631,9 @@ def base_model_readings(server, policy: Path, args, held_out_samples: int, tuned
         return readings
 
     code = (base_model_readings, held_out_nll, reference_readings, sampled_texts, _sampled_for_each, _sampled_replies)
-    readings, hit = base_cache.cached("personalization-base", policy, parameters, compute, code,
-                                      fresh=getattr(args, "fresh_base", False))
+    # an SGLang server is known here by its URL alone, not by the model and version behind it: read afresh
+    fresh = getattr(args, "fresh_base", False) or bool(engine_settings(args))
+    readings, hit = base_cache.cached("personalization-base", policy, parameters, compute, code, fresh=fresh)
     print(f"base model's readings: {'from the cache' if hit else 'read and kept'} ({base_cache.cache_dir()})",
           flush=True)
     return readings
