@@ -193,6 +193,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, nargs="+", default=[4, 8], help="warmup lengths, in optimizer steps")
     parser.add_argument("--radam", action="store_true", help="also torch's RAdam")
     parser.add_argument("--samples", type=int, default=4, help="sampled replies per held-out question (0: none)")
+    parser.add_argument("--variant", help="the results file's suffix (default: the kind, none for the opening word)")
     args = parser.parse_args()
     model_dir = bench_model(args.policy, args.smol)
     rule = f"marker:{WORD}" if args.kind == "opening" else KINDS[args.kind]
@@ -212,7 +213,7 @@ def main() -> None:
                   f"({row['wish_gain']:+.2f}, {row['gain_per_kl'] or 0:+.2f} a nat of KL); held-out replies fitting "
                   f"{row['share_before']:.2f} -> {row['share_after']:.2f}; {row['seconds']} s", flush=True)
     name = "SmolLM2-135M-Instruct" if args.smol else model_dir.name
-    save({"benchmark": "first_update", "model": name, "variant": None if args.kind == "opening" else args.kind,
+    save({"benchmark": "first_update", "model": name, "variant": args.variant or (None if args.kind == "opening" else args.kind),
           "kind": args.kind, "word": WORD, "replies": REPLIES, "samples_per_question": args.samples, "runs": runs})
 
 
