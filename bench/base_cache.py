@@ -9,8 +9,9 @@ with three runs and a fourth process on two cores (2026-12-02). So they are comp
 kept under `~/.cache/nextstate/bench/` (or `$XDG_CACHE_HOME`), keyed by a hash of what could
 change them: the model's files, the engine settings, the sampling and reading parameters and
 texts, the source of the code that samples and reads (the engine, model I/O, the bench's own
-functions that sample and read, by their source), and the torch and transformers versions. A change to any of them is a new key, so a
-stale reading is never used; `--fresh-base` ignores the cache.
+functions that sample and read, by their source), and the torch and transformers versions. A
+change to any of them is a new key, so a stale reading is never used; `--fresh-base` ignores
+the cache.
 """
 
 from __future__ import annotations

@@ -521,11 +521,12 @@ class LearnerSettings(BaseSettings):
             variance of the adaptive learning rate and beyond"). Counted in the optimizer's own
             steps, so it is kept across restarts and undone with an undone update; with
             fresh_optimizer every update warms up again. 8 by default (a first update's four
-            passes at two optimizer steps each on a batch of 8): after ~15 ratings the opening word showed on 0.72
-            of held-out replies against 0.25 without it (three seeds), the length wish on 0.40
-            against 0.61 (five seeds) — the worst kind from 0.25 to 0.40. The length wish's
-            cost comes after the first update, which teaches it as far at the same KL with the
-            warmup as without (BENCHMARKS.md, "The warmup's cost on the length wish"). 0: none.
+            passes at two optimizer steps each on a batch of 8): after ~15 ratings the opening
+            word showed on 0.72 of held-out replies against 0.25 without it (three seeds), the
+            length wish on 0.40 against 0.61 (five seeds) — the worst kind from 0.25 to 0.40.
+            The length wish's cost comes after the first update, which teaches it as far at the
+            same KL with the warmup as without (BENCHMARKS.md, "The warmup's cost on the length
+            wish"). 0: none.
         max_advantage: per-token advantages are clipped to ± this when training, so no sample
             (an outcome standardised over a tiny spread, a bug upstream) dominates an update.
         replay_coef: each optimizer step also pulls the policy's reading of two passages of
