@@ -615,8 +615,7 @@ def base_model_readings(server, policy: Path, args, held_out_samples: int, tuned
     questions = questions_of(args)
     parameters = {"max_tokens": args.max_tokens, "temperature": args.temperature,
                   "questions": getattr(args, "questions", None) or "everyday", "held_out_samples": held_out_samples,
-                  "reference_replies": REFERENCE_REPLIES, "engine": engine_settings(args),
-                  "engine_settings": {k: v for k, v in tuned.items() if k in EngineSettings.model_fields},
+                  "reference_replies": REFERENCE_REPLIES, "engine_settings": {k: v for k, v in tuned.items() if k in EngineSettings.model_fields},
                   "asked": questions.asked, "held_out": questions.held_out, "prose": GENERAL_TEXT}
 
     def compute() -> dict:
