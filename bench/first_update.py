@@ -93,31 +93,20 @@ def wish_logprob(trainer, scope: str | None, word_ids: list[int]) -> float:
     return mean_read()
 
 
-def wish_share(trainer, scope: str | None, preference: Preference, n: int, seed: int = 0) -> float:
+def wish_share(trainer, scope: str | None, preference: Preference, n: int) -> float:
     """The share of `n` sampled replies to each held-out question (temperature 1, MAX_TOKENS)
-    that fit the wish, from the base model (`scope` None) or the scope's adapter; the same
-    sampling seed for every reading, so before and after differ by the weights alone."""
+    that fit the wish, from the base model (`scope` None) or the scope's adapter, drawn by the
+    gate's sampler (`LoraTrainer.sampled`: each reply's random stream seeded by its prompt and
+    index), so before and after differ by the weights alone."""
     if n <= 0:
         return float("nan")
     renderer = trainer._chat()
-    tokenizer = renderer.tokenizer
     prompts = [renderer.render([{"role": "user", "content": question}]).ids for question in HELD_OUT_TASKS]
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else renderer.stop_token_ids[0]
-    width = max(map(len, prompts))
-    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=trainer.device)
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=trainer.device)
 
     def sample() -> float:
-        torch.manual_seed(seed)
-        with torch.no_grad():
-            out = trainer.model.generate(input_ids=ids, attention_mask=mask, do_sample=True, temperature=1.0,
-                                         top_k=0, top_p=1.0, max_new_tokens=MAX_TOKENS, num_return_sequences=n,
-                                         eos_token_id=list(renderer.stop_token_ids), pad_token_id=pad)
-        fits = []
-        for row in out[:, width:].tolist():
-            cut = next((i for i, t in enumerate(row) if t in renderer.stop_token_ids), len(row))
-            fits.append(preference.fits(tokenizer.decode(row[:cut], skip_special_tokens=True)))
-        return statistics.fmean(fits)
+        replies = trainer.sampled(prompts, MAX_TOKENS, n).ids
+        return statistics.fmean(preference.fits(renderer.tokenizer.decode(r, skip_special_tokens=True))
+                                for r in replies)
 
     if scope is None:
         with trainer.model.disable_adapter():
