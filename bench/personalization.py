@@ -974,12 +974,25 @@ def held_out_column(runs: list[tuple[int, dict, dict]]) -> str:
     RATINGS ratings (the ratings it had, per seed) and the final version ("—" for runs saved
     before the bench asked them)."""
     base = [s["held_out_by_version"][0]["score"] for _, _, s in runs if s.get("held_out_by_version")]
-    after = [row for _, _, s in runs if (row := s.get("held_out_after_ratings"))]
+    after = [(row, run) for _, run, s in runs if (row := s.get("held_out_after_ratings"))]
     final = [f["held_out"]["score"] for _, _, s in runs if (f := s.get("final")) and f.get("held_out")]
     if not (base or after or final):
         return "—"
-    counts = ", ".join(str(row["ratings"]) for row in after)
-    return f"{spread(base)} → {spread([row['score'] for row in after])} ({counts or 'never'}) → {spread(final)}"
+    counts = ", ".join(f"{row['ratings']}{updates_before(run, row['version'])}" for row, run in after)
+    return f"{spread(base)} → {spread([row['score'] for row, _ in after])} ({counts or 'never'}) → {spread(final)}"
+
+
+def updates_before(run: dict, version: int) -> str:
+    """The published updates that made `version`, with the samples of each (" in 2 updates:
+    8+6"; nothing for a run saved without its steps):
+    an update moves the policy about as far whatever its batch (the KL brake and target set
+    its length), so the ratings a reading follows say less than how many updates they made —
+    and on this bench that depends on the machine's pace, partial batches training after
+    NEXTSTATE_BATCH_WAIT_S."""
+    if not run.get("steps"):
+        return ""
+    sizes = [str(s.get("samples", "?")) for s in run["steps"] if s.get("published") and s.get("version", 0) <= version]
+    return f" in {len(sizes)} update{'s' if len(sizes) != 1 else ''}: {'+'.join(sizes) or '—'}"
 
 
 def _places(value: float | None, places: int = 3) -> str:

@@ -326,7 +326,7 @@ def test_the_seeds_report_groups_runs_by_setting_across_seeds(tmp_path, capsys):
     a setting (variants differing by their -seedN suffix) summarised together."""
     from bench.personalization import seeds_report
 
-    def result(variant: str, seed: int, scores: list[float], final: float) -> str:
+    def result(variant: str, seed: int, scores: list[float], final: float, steps: list[dict] | None = None) -> str:
         tasks = [{"score": s, "version": i // 4, "first_reply": "a b c d", "surprise": 2.5 if i % 2 else 0.1}
                  for i, s in enumerate(scores)]
         summary = {"mode": "combined", "final": {"version": 3, "score": final, "repetition": 0.1, "perplexity_ratio": 1.0,
@@ -335,17 +335,19 @@ def test_the_seeds_report_groups_runs_by_setting_across_seeds(tmp_path, capsys):
                    "held_out_after_ratings": {"version": 1, "ratings": 16 + seed, "score": 0.5}}
         path = tmp_path / f"{variant}.json"
         path.write_text(json.dumps({"variant": variant, "preference": {"instruction": "Be brief."}, "settings": {"seed": seed},
-                                    "runs": [{"tasks": tasks}], "summary": [summary]}))
+                                    "runs": [{"tasks": tasks, "steps": steps or []}], "summary": [summary]}))
         return str(path)
 
-    paths = [result("on-seed0", 0, [0.0] * 16 + [1.0] * 16, 0.6), result("on-seed1", 1, [0.0] * 32, 0.4),
+    made = [{"version": 1, "published": True, "samples": 8}, {"version": 2, "published": False, "samples": 4}]
+    paths = [result("on-seed0", 0, [0.0] * 16 + [1.0] * 16, 0.6, made), result("on-seed1", 1, [0.0] * 32, 0.4),
              result("off-seed0", 0, [0.0] * 32, 0.2)]
     seeds_report(paths)
     rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| Be brief.")]
     assert len(rows) == 2
     on = next(r for r in rows if "| on |" in r)
     assert "| 0.00 ± 0.00 · 0.50 ± 0.71 | 0.00 ± 0.00 · 0.25 ± 0.35 |" in on, "half the replies read as nonsense"
-    assert "| 0.00 ± 0.00 → 0.50 ± 0.00 (16, 17) → 0.25 ± 0.07 | 0.12 ± 0.04 |" in on, "the held-out questions"
+    # the held-out questions, and the updates that made the version read after ~15 ratings
+    assert "| 0.00 ± 0.00 → 0.50 ± 0.00 (16 in 1 update: 8, 17) → 0.25 ± 0.07 | 0.12 ± 0.04 |" in on, on
     assert "| 0, 1 |" in on and "0.00 ± 0.00 · 0.50 ± 0.71" in on and "0.50 ± 0.14" in on and "| 7, never |" in on, on  # the window of tasks 13-28 reaches 0.81: task 28 was served by v7
 
 
