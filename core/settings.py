@@ -469,17 +469,20 @@ class LearnerSettings(BaseSettings):
     """Samples → PPO-clipped LoRA updates → hot-swapped adapter versions (§4.4, appendix A).
 
     Parameters:
-        batch_size: ready samples per update. 8, half the paper's 16: on SmolLM2 a person's
-            length wish showed on questions they never asked after 15 ratings (0.67 of replies,
-            the base model's 0.17) where 16 showed 0.29 after 21, and its replies kept their sense
-            (0.71 of them at the end against 0.37; BENCHMARKS.md, "Half the batch"). An update
-            on 8 samples moves the policy about as far as one on 16, so each rating counts
-            twice as much, and a version's mistakes are read and corrected after half as many
-            replies — both ways: the hard seed reached the wish sooner and then lost it. The
-            cost is a publish-gate check per 8 samples instead of per 16.
+        batch_size: ready samples per update. 4, a quarter of the paper's 16: an update moves
+            the policy about as far whatever its batch — the KL brake and the passes' KL target
+            set its length, not the number of samples — so how soon a person's wish shows
+            follows the updates their ratings make more than the ratings. On SmolLM2 over the
+            same three seeds at every other default, after 15-21 ratings, the length wish showed
+            on 0.63 of held-out questions at 4 (three or four updates) against 0.25 at 8 (two),
+            the opening word on 0.81 against 0.69 (BENCHMARKS.md, "A batch of four"); halving 16
+            to 8 had shown the same (0.46 against 0.18, "Half the batch"). The cost is an
+            update's fixed work (the KL line search's measures, a publish-gate check) per 4
+            samples, and each update's KL read on fewer samples.
         min_batch_size, batch_wait_s: a scope whose oldest ready sample has waited
             `batch_wait_s` trains on what it has, if that is at least `min_batch_size`: a
-            person who rates a few replies sees a new version in minutes, not after a full batch.
+            person who rates a few replies sees a new version in minutes, not after a full batch
+            (with a batch of 4, the default, only once `batch_size` is raised past it).
         lr: AdamW learning rate, or "auto": a rate fitted to the model's hidden size and family
             by the rule of "LoRA Without Regret" (learner/learning_rate.py): 1.3e-3 for
             SmolLM2-135M, ~5e-4 for Qwen3-4B to 32B. A number wins (the paper's is 1e-5).
@@ -494,7 +497,7 @@ class LearnerSettings(BaseSettings):
             policy KL may reach before further passes stop. Implementations of PPO stop their
             epochs early once the policy moved past a KL target (Spinning Up, Stable-Baselines3's
             `target_kl`); read the other way, the target also says how far an update should go:
-            at batch 8 with two optimizer steps an update moved SmolLM2's policy by a KL of 0.01-0.6
+            at batch 8 with two optimizer steps (the default then) an update moved SmolLM2's policy by a KL of 0.01-0.6
             against a limit of 1, so most updates spent a small part of what they were allowed.
             Each pass after the first costs a training pass and the KL measure a forward pass,
             so an update takes up to four times one pass's time (first updates mostly stop
@@ -520,8 +523,9 @@ class LearnerSettings(BaseSettings):
             after that one pass. The need for warmup with Adam is Liu et al. 2020 ("On the
             variance of the adaptive learning rate and beyond"). Counted in the optimizer's own
             steps, so it is kept across restarts and undone with an undone update; with
-            fresh_optimizer every update warms up again. 8 by default (a first update's four
-            passes at two optimizer steps each on a batch of 8): after ~15 ratings the opening
+            fresh_optimizer every update warms up again. 8 by default (chosen with batches of 8,
+            a first update's four passes at two optimizer steps each; with batches of 4 it spans
+            the first two updates' passes): after ~15 ratings the opening
             word showed on 0.72 of held-out replies against 0.25 without it (three seeds), the
             length wish on 0.40 against 0.61 (five seeds) — the worst kind from 0.25 to 0.40.
             The length wish's cost comes after the first update, which teaches it as far at the
@@ -693,7 +697,7 @@ class LearnerSettings(BaseSettings):
 
     learn: bool = Field(True, description="Run the co-located learner.")
     adapter_scope: Literal["shared", "user"] = Field("user", description="One adapter per user (each their own model), or one for all.")
-    batch_size: int = Field(8, ge=1, description="Ready samples per update (the paper's 16 learnt half as much per rating).")
+    batch_size: int = Field(4, ge=1, description="Ready samples per update (an update moves as far on 4 as on 16: more per rating).")
     min_batch_size: int = Field(4, ge=1, description="Smallest partial batch trained after batch_wait_s.")
     batch_wait_s: float = Field(
         120.0, ge=0, description="A partial batch trains once its oldest sample waited this long; 0 = never."
@@ -730,7 +734,7 @@ class LearnerSettings(BaseSettings):
         0.5, ge=0, le=1, description="Further passes over a batch stop once its policy KL reaches this share of max_kl; 0 = all."
     )
     minibatch_size: int = Field(
-        4, ge=0, description="Samples per optimizer step (4: two steps per update of 8); 0 = the whole batch."
+        4, ge=0, description="Samples per optimizer step (4: one step a pass over a batch of 4); 0 = the whole batch."
     )
     fresh_optimizer: bool = Field(
         False, description="Each update starts AdamW's moments afresh instead of carrying them from earlier updates."

@@ -183,9 +183,10 @@ def test_the_readmes_openai_sdk_call_works(server_factory):
 
 
 def test_a_few_ratings_publish_a_version_without_filling_a_batch(server_factory):
-    """Default batch (8), learning rate and LoRA; only the wait for a partial batch is short
-    here (it is 120 s by default): four ratings make a version."""
-    server = server_factory(judge_enabled=False, batch_wait_s=1.0)
+    """A batch of 8 (the default is 4, which four ratings fill), the default learning rate and
+    LoRA; the wait for a partial batch is short here (it is 120 s by default): four ratings
+    make a version."""
+    server = server_factory(judge_enabled=False, batch_wait_s=1.0, batch_size=8)
     alice = server.key("alice")
     client = server.client(alice)
     for i in range(4):
@@ -202,7 +203,8 @@ def test_a_lone_user_beside_an_admin_key_trains_from_four_ratings_of_any_api(ser
     """A person makes their own key and an admin key for the dashboard (as the README says),
     talks through all three APIs with their SDKs, and rates four replies by the ids those
     SDKs returned: a version is published. Everything at its default but the partial batch's
-    wait (120 s by default); `user` is the default scope."""
+    wait (120 s by default; the default batch of 4 is filled by the four ratings); `user` is
+    the default scope."""
     server = server_factory(judge_enabled=False, batch_wait_s=1.0, adapter_scope=scope)
     alice = server.key("alice")
     server.key("root", admin=True)
@@ -219,7 +221,7 @@ def test_a_lone_user_beside_an_admin_key_trains_from_four_ratings_of_any_api(ser
         answer = rate(server, alice, response_id, 1 if i % 2 else -1)
         assert answer.status_code == 200 and answer.json()["status"] == "accepted", answer.text
         assert sample_of(server, response_id).feedback["rating"] == (1 if i % 2 else -1)
-    assert server.settings.learner.max_user_share == 0.5 and server.settings.learner.batch_size == 8
+    assert server.settings.learner.max_user_share == 0.5 and server.settings.learner.batch_size == 4
     wait_for(lambda: server.app.state.services.policies.current("alice").version == 1, timeout=90)
     step = server.app.state.services.learner.steps[-1]
     assert step["published"] and step["samples"] == 4 and step["scope"] == ("alice" if scope == "user" else "shared")
