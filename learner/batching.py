@@ -81,8 +81,11 @@ def choose_batch(
                   "arrive. A personal model per user: NEXTSTATE_ADAPTER_SCOPE=user; no cap: NEXTSTATE_MAX_USER_SHARE=1.")
         return Waiting(scope, "user_share", detail, len(ready))
     if len(batch) < settings.min_batch_size:
-        detail = (f"{len(batch)} sample(s) ready; an update needs {size}, or at least {settings.min_batch_size} "
-                  f"once the oldest has waited {settings.batch_wait_s:g} s (NEXTSTATE_MIN_BATCH_SIZE)")
+        if settings.min_batch_size >= size:  # no partial batch is smaller than a full one (the defaults: 4 and 4)
+            detail = f"{len(batch)} sample(s) ready; an update needs {size} (NEXTSTATE_BATCH_SIZE)"
+        else:
+            detail = (f"{len(batch)} sample(s) ready; an update needs {size}, or at least {settings.min_batch_size} "
+                      f"once the oldest has waited {settings.batch_wait_s:g} s (NEXTSTATE_MIN_BATCH_SIZE)")
         return Waiting(scope, "min_batch", detail, len(ready))
     if settings.batch_wait_s <= 0:
         detail = f"{len(batch)} of {size} samples ready; partial batches are off (NEXTSTATE_BATCH_WAIT_S=0)"

@@ -66,7 +66,10 @@ def test_a_partial_batch_waits_for_its_time_and_says_how_long():
     assert waiting.reason == "batch_wait" and "in 90 s" in waiting.detail
     assert choose_batch("alice", ready, settings(), set(), now=NOW + 90) == ready
     few = choose_batch("alice", ready[:3], settings(), set(), now=NOW + 1000)
-    assert few.reason == "min_batch" and "3 sample(s) ready" in few.detail
+    assert few.reason == "min_batch" and "3 sample(s) ready" in few.detail and "or at least 4" in few.detail
+    # at the defaults a partial batch is never smaller than a full one: the detail names only the batch
+    default = choose_batch("alice", ready[:3], LearnerSettings(), set(), now=NOW + 1000)
+    assert default.reason == "min_batch" and default.detail.endswith("an update needs 4 (NEXTSTATE_BATCH_SIZE)")
     off = choose_batch("alice", ready, settings(batch_wait_s=0), set(), now=NOW + 1000)
     assert off.reason == "partial_off"
     assert choose_batch("alice", [], settings(), set(), now=NOW) is None
