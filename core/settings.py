@@ -472,10 +472,10 @@ class LearnerSettings(BaseSettings):
         batch_size: ready samples per update. 4, a quarter of the paper's 16: an update moves
             the policy about as far whatever its batch — the KL brake and the passes' KL target
             set its length, not the number of samples — so how soon a person's wish shows
-            follows the updates their ratings make more than the ratings. On SmolLM2 over the
-            same three seeds at every other default, after 15-21 ratings, the length wish showed
-            on 0.63 of held-out questions at 4 (three or four updates) against 0.25 at 8 (two),
-            the opening word on 0.81 against 0.69 (BENCHMARKS.md, "A batch of four"); halving 16
+            follows the updates their ratings make more than the ratings. On SmolLM2 at every
+            other default, after 15-26 ratings, the length wish showed on 0.66 of held-out
+            questions at 4 (three to five updates) against 0.40 at 8 (two or three; five seeds),
+            the opening word on 0.81 against 0.69 (three; BENCHMARKS.md, "A batch of four"); halving 16
             to 8 had shown the same (0.46 against 0.18, "Half the batch"). The cost is an
             update's fixed work (the KL line search's measures, a publish-gate check) per 4
             samples, and each update's KL read on fewer samples.
