@@ -498,8 +498,9 @@ class LearnerSettings(BaseSettings):
             policy KL may reach before further passes stop. Implementations of PPO stop their
             epochs early once the policy moved past a KL target (Spinning Up, Stable-Baselines3's
             `target_kl`); read the other way, the target also says how far an update should go:
-            at batch 8 with two optimizer steps (the default then) an update moved SmolLM2's policy by a KL of 0.01-0.6
-            against a limit of 1, so most updates spent a small part of what they were allowed.
+            at batch 8 with two optimizer steps (the default then) an update moved SmolLM2's
+            policy by a KL of 0.01-0.6 against a limit of 1, so most updates spent a small part
+            of what they were allowed.
             Each pass after the first costs a training pass and the KL measure a forward pass,
             so an update takes up to four times one pass's time (first updates mostly stop
             after one). 4 and 0.5 by default: the opening word showed on 0.85 of held-out
@@ -526,9 +527,9 @@ class LearnerSettings(BaseSettings):
             steps, so it is kept across restarts and undone with an undone update; with
             fresh_optimizer every update warms up again. 8 by default (chosen with batches of 8,
             a first update's four passes at two optimizer steps each; with batches of 4 it spans
-            the first two updates' passes): after ~15 ratings the opening
-            word showed on 0.72 of held-out replies against 0.25 without it (three seeds), the
-            length wish on 0.40 against 0.61 (five seeds) — the worst kind from 0.25 to 0.40.
+            the first two updates' passes): after ~15 ratings the opening word showed on 0.72
+            of held-out replies against 0.25 without it (three seeds), the length wish on 0.40
+            against 0.61 (five seeds) — the worst kind from 0.25 to 0.40.
             The length wish's cost comes after the first update, which teaches it as far at the
             same KL with the warmup as without (BENCHMARKS.md, "The warmup's cost on the length
             wish"). 0: none.
@@ -698,7 +699,7 @@ class LearnerSettings(BaseSettings):
 
     learn: bool = Field(True, description="Run the co-located learner.")
     adapter_scope: Literal["shared", "user"] = Field("user", description="One adapter per user (each their own model), or one for all.")
-    batch_size: int = Field(4, ge=1, description="Ready samples per update (an update moves as far on 4 as on 16: more per rating).")
+    batch_size: int = Field(4, ge=1, description="Ready samples per update (an update moves about as far on 4 as on 8: more per rating).")
     min_batch_size: int = Field(4, ge=1, description="Smallest partial batch trained after batch_wait_s.")
     batch_wait_s: float = Field(
         120.0, ge=0, description="A partial batch trains once its oldest sample waited this long; 0 = never."
