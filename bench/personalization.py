@@ -951,6 +951,9 @@ def seeds_report(paths: list[str]) -> None:
               f"{spread([f.get('perplexity_ratio') for f in finals])} | {spread([f.get('surprise') for f in finals])} | "
               f"{spread([f.get('score_sensible') for f in finals])} | {held_out_column(runs)} "
               f"| {spread([(f.get('held_out') or {}).get('score_sensible') for f in finals])} |")
+    for (instruction, mode, setting), runs in groups.items():
+        if (line := held_out_by_then(runs)) is not None:
+            print(f"held-out questions, {setting or mode}: {line}")
     for figure in ("gain", "accepted", "rejected", "wish"):
         if (r := gain_correlation(pooled, figure)) is not None:
             versions = sum(1 for row in pooled if row.get(figure) is not None)
@@ -980,6 +983,21 @@ def held_out_column(runs: list[tuple[int, dict, dict]]) -> str:
         return "—"
     counts = ", ".join(f"{row['ratings']}{updates_before(run, row['version'])}" for row, run in after)
     return f"{spread(base)} → {spread([row['score'] for row, _ in after])} ({counts or 'never'}) → {spread(final)}"
+
+
+def held_out_by_then(runs: list[tuple[int, dict, dict]], ratings: int | None = None) -> str | None:
+    """The stricter reading of "after about fifteen ratings": per seed the last version read
+    after at most `ratings` ratings. The summary's first version after RATINGS can come
+    ten ratings later on a seed whose updates fell just short of it, and flatter it; this one
+    can stand for a version read after nine. Both are quoted (`ratings`: RATINGS + 2 unless
+    given; None: no run read one)."""
+    ratings = RATINGS + 2 if ratings is None else ratings
+    read = [(seed, row) for seed, _, s in runs if (row := next(
+        (r for r in reversed(s.get("held_out_by_version") or []) if 0 < r["version"] and r["ratings"] <= ratings), None))]
+    if not read:
+        return None
+    per_seed = ", ".join(f"{row['score']:.2f} (seed {seed}, v{row['version']}@{row['ratings']})" for seed, row in read)
+    return f"the last version read after at most {ratings} ratings {spread([row['score'] for _, row in read])}: {per_seed}"
 
 
 def updates_before(run: dict, version: int) -> str:

@@ -331,7 +331,9 @@ def test_the_seeds_report_groups_runs_by_setting_across_seeds(tmp_path, capsys):
                  for i, s in enumerate(scores)]
         summary = {"mode": "combined", "final": {"version": 3, "score": final, "repetition": 0.1, "perplexity_ratio": 1.0,
                                                  "held_out": {"score": final / 2, "score_sensible": final / 4}},
-                   "held_out_by_version": [{"version": 0, "ratings": 0, "score": 0.0}],
+                   "held_out_by_version": [{"version": 0, "ratings": 0, "score": 0.0},
+                                           {"version": 1, "ratings": 9 + seed, "score": 0.25 + 0.25 * seed},
+                                           {"version": 2, "ratings": 18, "score": 0.75}],
                    "held_out_after_ratings": {"version": 1, "ratings": 16 + seed, "score": 0.5}}
         path = tmp_path / f"{variant}.json"
         path.write_text(json.dumps({"variant": variant, "preference": {"instruction": "Be brief."}, "settings": {"seed": seed},
@@ -342,12 +344,16 @@ def test_the_seeds_report_groups_runs_by_setting_across_seeds(tmp_path, capsys):
     paths = [result("on-seed0", 0, [0.0] * 16 + [1.0] * 16, 0.6, made), result("on-seed1", 1, [0.0] * 32, 0.4),
              result("off-seed0", 0, [0.0] * 32, 0.2)]
     seeds_report(paths)
-    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| Be brief.")]
+    out = capsys.readouterr().out
+    rows = [line for line in out.splitlines() if line.startswith("| Be brief.")]
     assert len(rows) == 2
     on = next(r for r in rows if "| on |" in r)
     assert "| 0.00 ± 0.00 · 0.50 ± 0.71 | 0.00 ± 0.00 · 0.25 ± 0.35 |" in on, "half the replies read as nonsense"
     # the held-out questions, and the updates that made the version read after ~15 ratings
     assert "| 0.00 ± 0.00 → 0.50 ± 0.00 (16 in 1 update: 8, 17) → 0.25 ± 0.07 | 0.12 ± 0.04 |" in on, on
+    # the stricter rule: the last version read by 17 ratings, v1 on each seed (v2 came after 18)
+    assert ("held-out questions, on: the last version read after at most 17 ratings 0.38 ± 0.18: "
+            "0.25 (seed 0, v1@9), 0.50 (seed 1, v1@10)") in out, out
     assert "| 0, 1 |" in on and "0.00 ± 0.00 · 0.50 ± 0.71" in on and "0.50 ± 0.14" in on and "| 7, never |" in on, on  # the window of tasks 13-28 reaches 0.81: task 28 was served by v7
 
 
