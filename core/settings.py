@@ -475,8 +475,10 @@ class LearnerSettings(BaseSettings):
             follows the updates their ratings make more than the ratings. On SmolLM2 at every
             other default, after 15-26 ratings, the length wish showed on 0.66 of held-out
             questions at 4 (three to five updates) against 0.40 at 8 (two or three; five seeds),
-            the opening word on 0.81 against 0.69 (three), and from next states alone the
-            length wish on 0.49 against 0.30 (BENCHMARKS.md, "A batch of four"); halving 16 to 8
+            the opening word on 0.81 against 0.69 (three; 0.68 over five at 4), from next
+            states alone the length wish on 0.49 against 0.30 (BENCHMARKS.md, "A batch of
+            four"); a batch of 2 showed the length wish on 0.88 (three seeds; "A batch of
+            two", not the default while the opening word is unmeasured there); halving 16 to 8
             had shown the same (0.46 against 0.18, "Half the batch"). The cost is an
             update's fixed work (the KL line search's measures, a publish-gate check) per 4
             samples, and each update's KL read on fewer samples.
