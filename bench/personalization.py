@@ -951,7 +951,7 @@ def seeds_report(paths: list[str]) -> None:
               f"{spread([f.get('perplexity_ratio') for f in finals])} | {spread([f.get('surprise') for f in finals])} | "
               f"{spread([f.get('score_sensible') for f in finals])} | {held_out_column(runs)} "
               f"| {spread([(f.get('held_out') or {}).get('score_sensible') for f in finals])} |")
-    for (instruction, mode, setting), runs in groups.items():
+    for (_, mode, setting), runs in groups.items():
         if (line := held_out_by_then(runs)) is not None:
             print(f"held-out questions, {setting or mode}: {line}")
     for figure in ("gain", "accepted", "rejected", "wish"):
@@ -992,8 +992,7 @@ def held_out_by_then(runs: list[tuple[int, dict, dict]], ratings: int | None = N
     can stand for a version read after nine. Both are quoted (`ratings`: RATINGS + 2 unless
     given; None: no run read one)."""
     ratings = RATINGS + 2 if ratings is None else ratings
-    read = [(seed, row) for seed, _, s in runs if (row := next(
-        (r for r in reversed(s.get("held_out_by_version") or []) if 0 < r["version"] and r["ratings"] <= ratings), None))]
+    read = [(seed, row) for seed, _, s in runs if (row := held_out_by(s.get("held_out_by_version") or [], ratings))]
     if not read:
         return None
     per_seed = ", ".join(f"{row['score']:.2f} (seed {seed}, v{row['version']}@{row['ratings']})" for seed, row in read)
@@ -1081,6 +1080,12 @@ def held_out_after(rows: list[dict], ratings: int = RATINGS) -> dict | None:
     """The first version that began serving after at least `ratings` ratings, as read on the
     held-out questions (`rows`: held_out_by_version); None if the run never got that far."""
     return next((r for r in rows if r["ratings"] >= ratings and r["version"] > 0), None)
+
+
+def held_out_by(rows: list[dict], ratings: int) -> dict | None:
+    """The last version read after at most `ratings` ratings (held_out_after's stricter twin);
+    None if none was read by then."""
+    return next((r for r in reversed(rows) if r["version"] > 0 and r["ratings"] <= ratings), None)
 
 
 def without_samples(final: dict) -> dict:
