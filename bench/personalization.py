@@ -390,8 +390,25 @@ class ModelScorer:
         return min(1.0, float(found[-1])) if found else 0.0
 
 
+# What the judge's hint says of a reply turned down as nonsense, before the wish
+# (PreferenceJudge's nonsense_hint="answer").
+ANSWER_HINT = "Give a real answer to my question."
+
+
 class PreferenceJudge(ScriptedJudge):
-    """The rule judge, with the hint taken from the user's correction: its instruction sentence."""
+    """The rule judge, with the hint taken from the user's correction: its instruction sentence.
+
+    `nonsense_hint`: what the hint says when the sensible user turned a reply down as nonsense
+    (NOT_AN_ANSWER): "wish", the wish's sentence alone, as for a missed wish; "answer",
+    ANSWER_HINT before it, as a judge that reads the whole reaction would also extract. With the
+    wish alone, a short reply of nonsense is distilled towards what the hint makes likelier —
+    shorter still — though the person said it answered nothing."""
+
+    def __init__(self, serve: bool = True, nonsense_hint: str = "wish") -> None:
+        if nonsense_hint not in ("wish", "answer"):
+            raise ValueError(f"nonsense_hint must be 'wish' or 'answer', not {nonsense_hint!r}")
+        self.nonsense_hint = nonsense_hint
+        super().__init__(serve=serve)
 
     def hint(self, next_state: str) -> str:
         """The correction less its opener ("No, that's not how I like it.") and its "Please try
@@ -400,7 +417,10 @@ class PreferenceJudge(ScriptedJudge):
         topic wishes the teacher read the whole reaction, the task asked again included
         (BENCHMARKS.md, issue 38's twenty-third pass)."""
         body = next_state.split(" Please try again:")[0]
-        return " ".join(re.split(r"(?<=[.!?])\s+", body)[1:]) or next_state
+        wish = " ".join(re.split(r"(?<=[.!?])\s+", body)[1:]) or next_state
+        if self.nonsense_hint == "answer" and body.startswith(NOT_AN_ANSWER):
+            return f"{ANSWER_HINT} {wish}"
+        return wish
 
 
 @dataclass
@@ -1201,6 +1221,9 @@ def main() -> None:
     parser.add_argument("--sensible-user", action="store_true",
                         help="the user also turns down a reply the base model reads as nonsense (surprise over "
                              f"{SENSIBLE_SURPRISE:g} nats/token, bench/reply_surprise.py): \"{NOT_AN_ANSWER} ...\"")
+    parser.add_argument("--nonsense-hint", choices=("wish", "answer"), default="wish",
+                        help="the rule judge's hint for a reply turned down as nonsense: the wish's sentence alone "
+                             f"(wish), or \"{ANSWER_HINT}\" before it (answer)")
     parser.add_argument("--max-attempts", type=int, default=2, help="replies per task before the user moves on")
     parser.add_argument("--max-tokens", type=int, default=None)
     parser.add_argument("--temperature", type=float, default=1.0)
@@ -1310,7 +1333,7 @@ def main() -> None:
     elif args.feedback or args.served_judge:
         judge = {}  # the default: the served model judges, and must pass its calibration first
     else:
-        rule_judge = PreferenceJudge()
+        rule_judge = PreferenceJudge(nonsense_hint=args.nonsense_hint)
         judge = {"judge_base_url": rule_judge.base_url, "judge_model": "rules"}
 
     tasks = task_list(args.seed, args.tasks, questions_of(args).asked)
@@ -1340,7 +1363,7 @@ def main() -> None:
         "scorer": args.scorer_url and f"{args.scorer_model} at {args.scorer_url}" or "rules",
         "settings": {k: getattr(args, k) for k in ("tasks", "seed", "max_attempts", "max_tokens", "temperature", "think_s",
                                                     "batch", "lr", "lora_r", "kl_coef", "votes", "final_samples",
-                                                    "wait_for_learner", "sensible_user", "held_out_samples")},
+                                                    "wait_for_learner", "sensible_user", "held_out_samples", "nonsense_hint")},
         "summary": [],
         "runs": [],
     }

@@ -12,7 +12,7 @@ import signal
 import pytest
 
 from bench.personalization import (
-    HELD_OUT_TASKS, INSTRUCTIONS, NOT_AN_ANSWER, THANKS, ChatModel, ModelScorer, ModelUser, Preference, PreferenceJudge,
+    ANSWER_HINT, HELD_OUT_TASKS, INSTRUCTIONS, NOT_AN_ANSWER, THANKS, ChatModel, ModelScorer, ModelUser, Preference, PreferenceJudge,
     RuleScorer, RuleUser, TASKS, final_evaluation, final_seeds, headline, held_out_nll, mean_repetition, missed,
     not_an_answer, react, report, run_mode, summarise,
 )
@@ -153,6 +153,13 @@ def test_rule_judge_reads_the_user_from_the_real_judge_prompts():
         wish = instruction.format("The")
         for reaction in (missed(wish, "Give me a tip."), not_an_answer(wish, "Give me a tip.")):
             assert parse_hint(ask("opd_hint", reaction)) == wish, reaction
+    # --nonsense-hint answer: a reply turned down as nonsense is hinted to answer, then the wish
+    judge = PreferenceJudge(serve=False, nonsense_hint="answer")
+    wish = INSTRUCTIONS["short"]
+    assert parse_hint(ask("opd_hint", not_an_answer(wish, "Give me a tip."))) == f"{ANSWER_HINT} {wish}"
+    assert parse_hint(ask("opd_hint", missed(wish, "Give me a tip."))) == wish
+    with pytest.raises(ValueError, match="nonsense_hint"):
+        PreferenceJudge(serve=False, nonsense_hint="both")
 
 
 def test_personalization_loop_runs_over_http_and_trains(tiny_model_dir):
