@@ -597,7 +597,7 @@ def run_mode(mode: str, policy: Path, tasks: list[str], args, judge: dict, user,
                       f"{statistics.fmean(recent):.2f}", flush=True)
             time.sleep(args.think_s)  # the user reads the reply; background judging and learning run
             if learning and getattr(args, "wait_for_learner", False):
-                wait_for_learner(server, "simulated-user")
+                wait_for_learner(server, "simulated-user", getattr(args, "learner_wait_s", 1800.0))
             if learning and (policy := server.app.state.services.turns.policies.current("simulated-user")).version \
                     not in run.prose_forgetting:  # a new version serves: read it before the next replaces it
                 with version_held(server, "simulated-user", policy.version) as adapter:
@@ -674,11 +674,14 @@ def version_held(server, user: str, version: int):
         server.call(services.engine.unload_adapter(name))
 
 
-def wait_for_learner(server, user: str, timeout_s: float = 600.0) -> None:
+def wait_for_learner(server, user: str, timeout_s: float = 1800.0) -> None:
     """Hold the simulated user until the learner has trained every full batch it has: so many
     updates per task whatever the machine's speed (on two CPU cores an update takes a minute,
     and a run that does not wait gets as many updates as the cores allow, the same settings
-    giving 1 or 4 by how busy the machine was)."""
+    giving 1 or 4 by how busy the machine was). `timeout_s` only keeps a stuck learner from
+    holding the run for ever: at a batch of 2 one task's samples can make two updates in a row,
+    each an update and a gate check of 5-6 minutes on cores shared by four runs, and the 600 s
+    of before 2026-12-03 then let the next task be served by the version before."""
     services = server.app.state.services
     batch = services.settings.learner.batch_size
     deadline = time.monotonic() + timeout_s
@@ -1253,6 +1256,8 @@ def main() -> None:
     parser.add_argument("--wait-for-learner", action="store_true",
                         help="after each task, wait until the learner trained every full batch: updates per task "
                              "fixed by the batch size, not by the machine's speed")
+    parser.add_argument("--learner-wait-s", type=float, default=1800.0,
+                        help="--wait-for-learner gives up after this many seconds (a stuck learner)")
     parser.add_argument("--set", action="append", metavar="NAME=VALUE",
                         help="any server setting by name, e.g. --set minibatch_size=4 (repeatable)")
     parser.add_argument("--no-gate", action="store_true", help="NEXTSTATE_PUBLISH_GATE=false: every update serves")
