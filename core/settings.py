@@ -477,11 +477,13 @@ class LearnerSettings(BaseSettings):
             questions at 4 (three to five updates) against 0.40 at 8 (two or three; five seeds),
             the opening word on 0.81 against 0.69 (three; 0.68 over five at 4), from next
             states alone the length wish on 0.49 against 0.30 (BENCHMARKS.md, "A batch of
-            four"); a batch of 2 showed the length wish on 0.88 (three seeds; "A batch of
-            two", not the default while the opening word is unmeasured there); halving 16 to 8
-            had shown the same (0.46 against 0.18, "Half the batch"). The cost is an
-            update's fixed work (the KL line search's measures, a publish-gate check) per 4
-            samples, and each update's KL read on fewer samples.
+            four"); halving 16 to 8 had shown the same (0.46 against 0.18, "Half the batch").
+            The cost is an update's fixed work (the KL line search's measures, a publish-gate
+            check) per 4 samples, and each update's KL read on fewer samples. A batch of 2
+            showed the length wish on 0.88 (three seeds; "A batch of two") but the opening word
+            no sooner and with less sense (0.60 by the first version after 15 ratings, 0.72 by
+            the last by 17, against 0.81 and 0.65 at 4; "The opening word at a batch of two"):
+            on its hard seed five updates of two left it at 0.12-0.27, so 4 stays.
         min_batch_size, batch_wait_s: a scope whose oldest ready sample has waited
             `batch_wait_s` trains on what it has, if that is at least `min_batch_size`: a
             person who rates a few replies sees a new version in minutes, not after a full batch
