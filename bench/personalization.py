@@ -402,7 +402,9 @@ class PreferenceJudge(ScriptedJudge):
     (NOT_AN_ANSWER): "wish", the wish's sentence alone, as for a missed wish; "answer",
     ANSWER_HINT before it, as a judge that reads the whole reaction would also extract. With the
     wish alone, a short reply of nonsense is distilled towards what the hint makes likelier —
-    shorter still — though the person said it answered nothing."""
+    shorter still — though the person said it answered nothing; but on the length wish's five
+    seeds the answer hint left sense level (0.42 of held-out replies either way; BENCHMARKS.md,
+    issue 38's twenty-ninth pass), so "wish" stays, and earlier runs compare."""
 
     def __init__(self, serve: bool = True, nonsense_hint: str = "wish") -> None:
         if nonsense_hint not in ("wish", "answer"):
