@@ -393,6 +393,7 @@ class ModelScorer:
 # What the judge's hint says of a reply turned down as nonsense, before the wish
 # (PreferenceJudge's nonsense_hint="answer").
 ANSWER_HINT = "Give a real answer to my question."
+NONSENSE_HINTS = ("wish", "answer")  # PreferenceJudge's nonsense_hint, --nonsense-hint
 
 
 class PreferenceJudge(ScriptedJudge):
@@ -407,8 +408,8 @@ class PreferenceJudge(ScriptedJudge):
     issue 38's twenty-ninth pass), so "wish" stays, and earlier runs compare."""
 
     def __init__(self, serve: bool = True, nonsense_hint: str = "wish") -> None:
-        if nonsense_hint not in ("wish", "answer"):
-            raise ValueError(f"nonsense_hint must be 'wish' or 'answer', not {nonsense_hint!r}")
+        if nonsense_hint not in NONSENSE_HINTS:
+            raise ValueError(f"nonsense_hint must be one of {NONSENSE_HINTS}, not {nonsense_hint!r}")
         self.nonsense_hint = nonsense_hint
         super().__init__(serve=serve)
 
@@ -599,7 +600,7 @@ def run_mode(mode: str, policy: Path, tasks: list[str], args, judge: dict, user,
                       f"{statistics.fmean(recent):.2f}", flush=True)
             time.sleep(args.think_s)  # the user reads the reply; background judging and learning run
             if learning and getattr(args, "wait_for_learner", False):
-                wait_for_learner(server, "simulated-user", getattr(args, "learner_wait_s", 1800.0))
+                wait_for_learner(server, "simulated-user", getattr(args, "learner_wait_s", LEARNER_WAIT_S))
             if learning and (policy := server.app.state.services.turns.policies.current("simulated-user")).version \
                     not in run.prose_forgetting:  # a new version serves: read it before the next replaces it
                 with version_held(server, "simulated-user", policy.version) as adapter:
@@ -676,7 +677,10 @@ def version_held(server, user: str, version: int):
         server.call(services.engine.unload_adapter(name))
 
 
-def wait_for_learner(server, user: str, timeout_s: float = 1800.0) -> None:
+LEARNER_WAIT_S = 1800.0  # wait_for_learner's give-up, --learner-wait-s
+
+
+def wait_for_learner(server, user: str, timeout_s: float = LEARNER_WAIT_S) -> None:
     """Hold the simulated user until the learner has trained every full batch it has: so many
     updates per task whatever the machine's speed (on two CPU cores an update takes a minute,
     and a run that does not wait gets as many updates as the cores allow, the same settings
@@ -1226,7 +1230,7 @@ def main() -> None:
     parser.add_argument("--sensible-user", action="store_true",
                         help="the user also turns down a reply the base model reads as nonsense (surprise over "
                              f"{SENSIBLE_SURPRISE:g} nats/token, bench/reply_surprise.py): \"{NOT_AN_ANSWER} ...\"")
-    parser.add_argument("--nonsense-hint", choices=("wish", "answer"), default="wish",
+    parser.add_argument("--nonsense-hint", choices=NONSENSE_HINTS, default="wish",
                         help="the rule judge's hint for a reply turned down as nonsense: the wish's sentence alone "
                              f"(wish), or \"{ANSWER_HINT}\" before it (answer)")
     parser.add_argument("--max-attempts", type=int, default=2, help="replies per task before the user moves on")
@@ -1258,7 +1262,7 @@ def main() -> None:
     parser.add_argument("--wait-for-learner", action="store_true",
                         help="after each task, wait until the learner trained every full batch: updates per task "
                              "fixed by the batch size, not by the machine's speed")
-    parser.add_argument("--learner-wait-s", type=float, default=1800.0,
+    parser.add_argument("--learner-wait-s", type=float, default=LEARNER_WAIT_S,
                         help="--wait-for-learner gives up after this many seconds (a stuck learner)")
     parser.add_argument("--set", action="append", metavar="NAME=VALUE",
                         help="any server setting by name, e.g. --set minibatch_size=4 (repeatable)")
