@@ -23,6 +23,10 @@ reaction (they speak of an answer, a response, a reply, the user, a question or 
 0-4% of the time), their words, and their surprise to the base model (bench/reply_surprise.py's
 figure, against its own replies to the question) with the share read as sense (≤ 2 nats/token).
 
+With `--judge-hint` the hint is instead what a judge extracts from a miss or a nonsense reaction,
+the wish's sentence (bench.personalization's PreferenceJudge), and the placebo that sentence's
+words shuffled: NEXTSTATE_HINT_CONTRAST's two choices, one row per contrast and α.
+
 Writes bench/results/hindsight_echo-<model>.json.
 """
 
@@ -41,7 +45,7 @@ from bench.personalization import TASKS, THANKS, Preference, instruction_for, mi
 from bench.reply_surprise import SENSIBLE_SURPRISE
 from bench.report import pyplot, save
 from nextstate.core.types import NextState
-from nextstate.judge.hindsight import hindsight_hint, hindsight_placebo
+from nextstate.judge.hindsight import hindsight_hint, hindsight_placebo, scrambled
 from nextstate.judge.teacher import enhanced_messages
 from nextstate.learner.gate import surprise
 from nextstate.modelio.chat_template import ChatRenderer
@@ -94,11 +98,16 @@ class Sampler:
 
 def prompts_for(sampler: Sampler, task: str, said: str, contrast: str) -> tuple[list[int], list[int], list[int]]:
     """(asked, hinted, contrast) prompts for one reaction, as the judge builds its teacher's."""
-    asked = [{"role": "user", "content": task}]
     state = NextState(messages=[{"role": "user", "content": said}])
-    hinted = enhanced_messages(asked, hindsight_hint(state, MAX_HINT_CHARS) or "")
-    against = enhanced_messages(asked, hindsight_placebo(state, MAX_HINT_CHARS) or "") if contrast == "placebo" else asked
-    return sampler.ids(asked), sampler.ids(hinted), sampler.ids(against)
+    return hint_prompts(sampler, task, hindsight_hint(state, MAX_HINT_CHARS) or "",
+                        hindsight_placebo(state, MAX_HINT_CHARS) or "", contrast)
+
+
+def hint_prompts(sampler: Sampler, task: str, hint: str, placebo: str, contrast: str) -> tuple[list[int], list[int], list[int]]:
+    """(asked, hinted, contrast) prompts for one hint and its placebo."""
+    asked = [{"role": "user", "content": task}]
+    against = enhanced_messages(asked, placebo) if contrast == "placebo" else asked
+    return sampler.ids(asked), sampler.ids(enhanced_messages(asked, hint)), sampler.ids(against)
 
 
 def figures(replies: list[dict], preference: Preference) -> dict:
@@ -122,6 +131,8 @@ def main() -> None:
     parser.add_argument("--alphas", type=float, nargs="+", default=[1.0, 2.0])
     parser.add_argument("--contrasts", nargs="+", choices=("prompt", "placebo"), default=["prompt", "placebo"])
     parser.add_argument("--max-tokens", type=int, default=48)
+    parser.add_argument("--judge-hint", action="store_true",
+                        help="the hint a judge extracts (the wish's sentence) and its words shuffled, not the next state")
     parser.add_argument("--variant", help="a name for this run: its results get their own file")
     args = parser.parse_args()
 
@@ -145,16 +156,22 @@ def main() -> None:
     rows = [{"contrast": "none", "alpha": 0.0, "reaction": "base model", **figures(base, preference),
              "examples": [r["reply"][:120] for r in base[:4]]}]
     print(f"base model        {_line(rows[0])}", flush=True)
+    reactions = {"judge hint": None} if args.judge_hint else REACTIONS
     for contrast in args.contrasts:
         for alpha in args.alphas:
-            for reaction, said in REACTIONS.items():
-                replies = replies_of(lambda task: (list(prompts_for(sampler, task, said(preference.instruction, task), contrast)),
-                                                   [1.0, alpha, -alpha]))
+            for reaction, said in reactions.items():
+                def prompts(task: str) -> list[list[int]]:
+                    if said is None:
+                        return list(hint_prompts(sampler, task, preference.instruction, scrambled(preference.instruction), contrast))
+                    return list(prompts_for(sampler, task, said(preference.instruction, task), contrast))
+
+                replies = replies_of(lambda task: (prompts(task), [1.0, alpha, -alpha]))
                 row = {"contrast": contrast, "alpha": alpha, "reaction": reaction, **figures(replies, preference),
                        "examples": [r["reply"][:120] for r in replies[:4]]}
                 rows.append(row)
                 print(f"{contrast:8} α={alpha:g} {reaction:8} {_line(row)}", flush=True)
     save({"benchmark": "hindsight_echo", "model": path.name, "variant": args.variant, "tasks": len(tasks),
+          "hint": "judge" if args.judge_hint else "next state",
           "max_tokens": args.max_tokens, "instruction": preference.instruction, "rows": rows})
 
 

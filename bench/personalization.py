@@ -1361,6 +1361,7 @@ def main() -> None:
             "the default (the served model itself)" if args.feedback or args.served_judge else "rules (PreferenceJudge)"),
         "judge_fallback": args.judge_fallback or JudgeSettings().judge_fallback,
         "hindsight_contrast": overrides(args.set).get("hindsight_contrast", JudgeSettings().hindsight_contrast),
+        "hint_contrast": overrides(args.set).get("hint_contrast", JudgeSettings().hint_contrast),
         "accepted_after_correction": (args.accepted_after_correction == "on" if args.accepted_after_correction
                                       else JudgeSettings().accepted_after_correction),
         "overrides": overrides(args.set),

@@ -355,6 +355,14 @@ class JudgeSettings(BaseSettings):
             cancels and what their sentence says stays (judge/hindsight.py; BENCHMARKS.md,
             "Next states alone: the placebo"). `prompt`: the turn's own prompt, as a judge's
             hint and a correction are measured.
+        hint_contrast: what a judge's extracted hint, or a person's correction, is measured
+            against in the base model. `prompt` (default): the turn's own prompt, as the paper
+            does. `placebo`: the same hint with its words shuffled, as a next state's is above.
+            On SmolLM2 the shift against the prompt, compounded update after update, moves a
+            reply's first token to the hint block's own "[" and words ("[user's hint /
+            instruction] Answer in one short sentence…", half the replies sampled from two
+            updates' worth; bench/hindsight_echo.py `--judge-hint`); the placebo cancels that,
+            and much of the wish with it (BENCHMARKS.md, "The judge's hint against its placebo").
         reward_baseline: `batch` centres each personal sample's reward on the mean reward of the
             other samples with a verdict in its batch (leave-one-out, RLOO's baseline; the batch
             is one scope's), so that a step raises what was better than the rest instead of
@@ -395,6 +403,9 @@ class JudgeSettings(BaseSettings):
     )
     hindsight_contrast: Literal["placebo", "prompt"] = Field(
         "placebo", description="A next state's hint is measured against its words shuffled (placebo) or the turn's own prompt."
+    )
+    hint_contrast: Literal["prompt", "placebo"] = Field(
+        "prompt", description="A judge's hint or a correction is measured against the turn's own prompt (prompt) or its words shuffled (placebo)."
     )
     judge_base_url: str | None = Field(
         None, description="OpenAI-compatible judge endpoint; unset = the served base model, in-process."

@@ -34,7 +34,7 @@ from nextstate.judge.advantages import step_reward, token_advantages, with_outco
 from nextstate.judge.client import JudgeClient
 from nextstate.judge.calibration import Calibration
 from nextstate.judge.context import FENCE_NOTE, Unwrap, prompt_values
-from nextstate.judge.hindsight import hindsight_hint, hindsight_placebo
+from nextstate.judge.hindsight import hindsight_hint, hindsight_placebo, scrambled
 from nextstate.judge.parsing import majority_vote, parse_hint, parse_score, select_hint
 from nextstate.judge.prompts import PromptLibrary
 from nextstate.judge.stats import JudgeStats, Vote
@@ -239,7 +239,15 @@ class Judge:
         many ratings come at once) in a quiet moment."""
         await self.quiet()
         async with self.calls:
-            return await self.teacher(turn, correction)
+            return await self.hinted_teacher(turn, correction)
+
+    async def hinted_teacher(self, turn: Turn, hint: str, detail: dict[str, Any] | None = None) -> TeacherSignal:
+        """The teacher of a judge's hint or a person's correction, measured against the hint's
+        placebo where NEXTSTATE_HINT_CONTRAST says (as a next state's is: judge/hindsight.py)."""
+        teacher = await self.teacher(turn, hint, detail)
+        if self.settings.hint_contrast == "placebo":
+            teacher = teacher.against(await self.teacher(turn, scrambled(hint), detail))
+        return teacher
 
     async def learn_from_accepted(self, verdict: Sample) -> list[Sample]:
         """A stored verdict may complete a corrected-then-accepted pair (judge/accepted.py)."""
@@ -286,7 +294,7 @@ class Judge:
         teacher = delta = None
         if hint is not None:
             await self.quiet()  # each step of a judgement yields to users anew
-            teacher = await self.teacher(turn, hint, detail)
+            teacher = await self.hinted_teacher(turn, hint, detail)
             delta = teacher.delta(turn.response_logprobs, cfg.opd_clip)
 
         common: dict[str, Any] = {"votes": scores, "hint": hint}

@@ -420,13 +420,16 @@ def test_the_hint_shift_reads_each_kind_s_tokens_where_its_choice_is_live():
 def test_the_echo_bench_samples_the_compounded_shift_and_a_placebo_that_reads_as_the_hint_cancels(tiny_model_dir):
     """bench/hindsight_echo.py: a contrast equal to the hinted prompt leaves the question's own
     distribution (the same reply on the same seed); the echo figure reads the reaction's words."""
-    from bench.hindsight_echo import ECHO, Sampler, prompts_for
+    from bench.hindsight_echo import ECHO, Sampler, hint_prompts, prompts_for
+    from nextstate.judge.hindsight import scrambled
 
     sampler = Sampler(tiny_model_dir)
     task = "Name a colour."
     asked, hinted, placebo = prompts_for(sampler, task, "No, that doesn't answer my question.", "placebo")
     assert len(placebo) == len(hinted) != len(asked) and placebo != hinted
     assert prompts_for(sampler, task, "Thanks.", "prompt")[2] == asked
+    judged = hint_prompts(sampler, task, "Answer in one word.", scrambled("Answer in one word."), "placebo")
+    assert judged[0] == asked and judged[2] not in (judged[1], asked), "--judge-hint: the wish shuffled, in the hint block"
     alone = sampler.sample([asked], [1.0], 8, seed=3)
     assert sampler.sample([asked, hinted, hinted], [1.0, 2.0, -2.0], 8, seed=3) == alone
     assert len(sampler.reading(task, alone or "blue")) >= 1
