@@ -110,6 +110,10 @@ def hint_prompts(sampler: Sampler, task: str, hint: str, placebo: str, contrast:
     return sampler.ids(asked), sampler.ids(enhanced_messages(asked, hint)), sampler.ids(against)
 
 
+def sensible(reply: dict) -> bool:
+    return reply["surprise"] is not None and reply["surprise"] <= SENSIBLE_SURPRISE
+
+
 def figures(replies: list[dict], preference: Preference) -> dict:
     read = [r["surprise"] for r in replies if r["surprise"] is not None]
     return {
@@ -117,8 +121,8 @@ def figures(replies: list[dict], preference: Preference) -> dict:
         "echo": round(statistics.fmean(bool(ECHO.search(r["reply"])) for r in replies), 3),
         "words": round(statistics.fmean(len(r["reply"].split()) for r in replies), 1),
         "surprise": round(statistics.fmean(read), 3) if read else None,
-        "sensible": round(statistics.fmean(r["surprise"] is not None and r["surprise"] <= SENSIBLE_SURPRISE
-                                           for r in replies), 3),
+        "sensible": round(statistics.fmean(sensible(r) for r in replies), 3),
+        "fit_sensible": round(statistics.fmean(preference.fits(r["reply"]) and sensible(r) for r in replies), 3),
         "replies": len(replies),
     }
 
@@ -178,7 +182,7 @@ def main() -> None:
 def _line(row: dict) -> str:
     return (f"fit {row['fit']:.2f}  echo {row['echo']:.2f}  words {row['words']:5.1f}  "
             f"surprise {row['surprise'] if row['surprise'] is None else format(row['surprise'], '.2f')}  "
-            f"sensible {row['sensible']:.2f}")
+            f"sensible {row['sensible']:.2f}  fit and sensible {row.get('fit_sensible', float('nan')):.2f}")
 
 
 def headline(result: dict) -> str:
