@@ -358,11 +358,12 @@ class JudgeSettings(BaseSettings):
         hint_contrast: what a judge's extracted hint, or a person's correction, is measured
             against in the base model. `prompt` (default): the turn's own prompt, as the paper
             does. `placebo`: the same hint with its words shuffled, as a next state's is above.
-            On SmolLM2 the shift against the prompt, compounded update after update, moves a
-            reply's first token to the hint block's own "[" and words ("[user's hint /
-            instruction] Answer in one short sentence…", half the replies sampled from two
-            updates' worth; bench/hindsight_echo.py `--judge-hint`); the placebo cancels that,
-            and much of the wish with it (BENCHMARKS.md, "The judge's hint against its placebo").
+            On SmolLM2 the shift against the prompt, compounded update after update, writes the
+            hint block back ("[user's hint / instruction] Answer in one short sentence…";
+            bench/hindsight_echo.py `--judge-hint`); the placebo cancels that, and most of the
+            wish with it: the length wish on 0.28 ± 0.02 of held-out replies after ~15 ratings
+            against 0.63 ± 0.12, three seeds, with sense 0.26 against 0.43 (BENCHMARKS.md, "The
+            judge's hint against its placebo"). Hence off by default.
         reward_baseline: `batch` centres each personal sample's reward on the mean reward of the
             other samples with a verdict in its batch (leave-one-out, RLOO's baseline; the batch
             is one scope's), so that a step raises what was better than the rest instead of
