@@ -98,9 +98,13 @@ class Sampler:
 
 def prompts_for(sampler: Sampler, task: str, said: str, contrast: str) -> tuple[list[int], list[int], list[int]]:
     """(asked, hinted, contrast) prompts for one reaction, as the judge builds its teacher's."""
+    return hint_prompts(sampler, task, *reaction_hint(said), contrast)
+
+
+def reaction_hint(said: str) -> tuple[str, str]:
+    """A next state's hint and its placebo, as judge/hindsight.py builds them."""
     state = NextState(messages=[{"role": "user", "content": said}])
-    return hint_prompts(sampler, task, hindsight_hint(state, MAX_HINT_CHARS) or "",
-                        hindsight_placebo(state, MAX_HINT_CHARS) or "", contrast)
+    return hindsight_hint(state, MAX_HINT_CHARS) or "", hindsight_placebo(state, MAX_HINT_CHARS) or ""
 
 
 def hint_prompts(sampler: Sampler, task: str, hint: str, placebo: str, contrast: str) -> tuple[list[int], list[int], list[int]]:
@@ -160,16 +164,15 @@ def main() -> None:
     rows = [{"contrast": "none", "alpha": 0.0, "reaction": "base model", **figures(base, preference),
              "examples": [r["reply"][:120] for r in base[:4]]}]
     print(f"base model        {_line(rows[0])}", flush=True)
-    reactions = {"judge hint": None} if args.judge_hint else REACTIONS
+    # per row: each task's (hint, placebo)
+    hints = ({"judge hint": lambda task: (preference.instruction, scrambled(preference.instruction))} if args.judge_hint
+             else {reaction: (lambda task, said=said: reaction_hint(said(preference.instruction, task)))
+                   for reaction, said in REACTIONS.items()})
     for contrast in args.contrasts:
         for alpha in args.alphas:
-            for reaction, said in reactions.items():
-                def prompts(task: str) -> list[list[int]]:
-                    if said is None:
-                        return list(hint_prompts(sampler, task, preference.instruction, scrambled(preference.instruction), contrast))
-                    return list(prompts_for(sampler, task, said(preference.instruction, task), contrast))
-
-                replies = replies_of(lambda task: (prompts(task), [1.0, alpha, -alpha]))
+            for reaction, hint_of in hints.items():
+                replies = replies_of(lambda task: (list(hint_prompts(sampler, task, *hint_of(task), contrast)),
+                                                   [1.0, alpha, -alpha]))
                 row = {"contrast": contrast, "alpha": alpha, "reaction": reaction, **figures(replies, preference),
                        "examples": [r["reply"][:120] for r in replies[:4]]}
                 rows.append(row)
@@ -182,7 +185,7 @@ def main() -> None:
 def _line(row: dict) -> str:
     return (f"fit {row['fit']:.2f}  echo {row['echo']:.2f}  words {row['words']:5.1f}  "
             f"surprise {row['surprise'] if row['surprise'] is None else format(row['surprise'], '.2f')}  "
-            f"sensible {row['sensible']:.2f}  fit and sensible {row.get('fit_sensible', float('nan')):.2f}")
+            f"sensible {row['sensible']:.2f}  fit and sensible {row['fit_sensible']:.2f}")
 
 
 def headline(result: dict) -> str:

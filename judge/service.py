@@ -244,10 +244,15 @@ class Judge:
     async def hinted_teacher(self, turn: Turn, hint: str, detail: dict[str, Any] | None = None) -> TeacherSignal:
         """The teacher of a judge's hint or a person's correction, measured against the hint's
         placebo where NEXTSTATE_HINT_CONTRAST says (as a next state's is: judge/hindsight.py)."""
+        placebo = scrambled(hint) if self.settings.hint_contrast == "placebo" else None
+        return await self.contrasted_teacher(turn, hint, placebo, detail)
+
+    async def contrasted_teacher(self, turn: Turn, hint: str, placebo: str | None,
+                                 detail: dict[str, Any] | None = None) -> TeacherSignal:
+        """The teacher of `hint`, measured against the same teacher reading `placebo` (None:
+        against the turn's own prompt): what copying the hint's words adds cancels."""
         teacher = await self.teacher(turn, hint, detail)
-        if self.settings.hint_contrast == "placebo":
-            teacher = teacher.against(await self.teacher(turn, scrambled(hint), detail))
-        return teacher
+        return teacher.against(await self.teacher(turn, placebo, detail)) if placebo is not None else teacher
 
     async def learn_from_accepted(self, verdict: Sample) -> list[Sample]:
         """A stored verdict may complete a corrected-then-accepted pair (judge/accepted.py)."""
@@ -342,10 +347,10 @@ class Judge:
         if hint is None:
             return self.sample(turn, "dropped", "hindsight: the next state has no words to learn from")
         await self.quiet()
-        teacher = await self.teacher(turn, hint, detail)
+        placebo = None
         if cfg.hindsight_contrast == "placebo":  # what copying the words adds cancels (judge/hindsight.py)
-            placebo = hindsight_placebo(transition.next_state, MAX_HINT_CHARS, self._unwrap)
-            teacher = teacher.against(await self.teacher(turn, placebo or hint, detail))
+            placebo = hindsight_placebo(transition.next_state, MAX_HINT_CHARS, self._unwrap) or hint
+        teacher = await self.contrasted_teacher(turn, hint, placebo, detail)
         w_opd = 1.0 if cfg.mode == "opd" else cfg.w_opd
         self.guarantee.accepted((turn.user, turn.session_id))
         return self.sample(turn, "ready", "hindsight: the next state as the hint (the judge is benched)", 0.0,
