@@ -153,7 +153,7 @@ def run_llama_cpp(gguf: Path, long_ids, short, repeats: int, threads: int) -> di
     params.n_seq_max = BATCH
     params.kv_unified = True  # one cache for every sequence: the long prompt may use it all
     params.n_threads = params.n_threads_batch = threads
-    params.flash_attn_type = 0
+    params.flash_attn_type = ll.LLAMA_FLASH_ATTN_TYPE_ENABLED  # faster here than auto or off (measured)
 
     ctx = ll.llama_init_from_model(model, params)
     memory = ll.llama_get_memory(ctx)
