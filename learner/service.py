@@ -253,7 +253,9 @@ class Learner:
             return self._not_started(record, StepResult.not_started(scope, batch, plan), current.version)
         if self.gate:  # minutes on a CPU when the prompts are an agent's: say so, not "preparing"
             self._phase(scope, len(batch), "scoring the serving version for the gate")
+        mark = time.monotonic()
         held = await asyncio.to_thread(self.gate.hold_out, scope, batch) if self.gate else None
+        phase_seconds = record["phase_seconds"] = {"gate_serving": round(time.monotonic() - mark, 2)}
         self._phase(scope, len(batch), "training")
         result = await asyncio.to_thread(self.trainer.step, scope, batch, self._passes)
         if result.refused:
@@ -263,11 +265,14 @@ class Learner:
         if result.dropped:
             await asyncio.to_thread(self.store.mark_dropped, result.dropped, "loss not finite: dropped by the learner")
         record.update({**result.to_dict(), "sample_ids": ids, "dropped": record["dropped"] + result.dropped})
+        phase_seconds["training"] = round(result.seconds, 2)
         scale = trained = result.step_scale  # the gate may shorten it further
         figures: VersionFigures | None = None
         if not result.skipped and held:
             self._phase(scope, len(batch), "gate")
+            mark = time.monotonic()
             verdict = await asyncio.to_thread(self.gate.review, scope, held, step_index)
+            phase_seconds["gate"] = round(time.monotonic() - mark, 2)
             record["gate"] = verdict.to_dict()
             scale *= verdict.step_scale
             figures = verdict.candidate.version if verdict.candidate else None

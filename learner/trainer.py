@@ -11,6 +11,7 @@ chosen), and undone only when it still does not fit at the floor. Calls are bloc
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import hashlib
 import json
@@ -19,7 +20,7 @@ import math
 import time
 import warnings
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NamedTuple
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -31,13 +32,15 @@ from transformers import LogitsProcessorList
 
 from nextstate.core.settings import LearnerSettings
 from nextstate.core.types import Sample
+from nextstate.engine import kv_cache
+from nextstate.engine.prefix_cache import PrefixCache
 from nextstate.learner.distillation import shifted_target, teacher_topk, topk_reverse_kl, with_tail
 from nextstate.learner.gate import GATE_SAMPLED_REPLIES, REPETITION_WORDS, GateFigures, Replies, mean, repetition, surprise
 from nextstate.learner.learning_rate import resolve_learning_rate, warmed_up
 from nextstate.learner.held_out import HintMove, VersionFigures, figures as held_out_figures, probe_passages, shipped_lines
 from nextstate.learner.host_memory import release_freed_memory
 from nextstate.learner.memory_budget import MemoryBudget, Refusal
-from nextstate.learner.micro_batches import micro_batches
+from nextstate.learner.micro_batches import micro_batches, padded_tokens, prefix_hosts
 from nextstate.learner.ppo import k3_kl, ppo_token_losses
 from nextstate.learner.seeded_sampling import SeededGumbel, row_seed
 from nextstate.learner.step_sizes import KlTry, StepSizes
@@ -93,6 +96,9 @@ class StepResult:
     distill_kl: float = 0.0  # mean KL(π_θ ‖ π_teacher) over distilled tokens in training (NEXTSTATE_OPD_LOSS=topk)
     guarded: int = 0  # sample passes whose empty-reply chance was over NEXTSTATE_EMPTY_GUARD, and pushed down
     replay_kl: float = 0.0  # KL(base ‖ policy) per token on the replay prose before each optimizer step, mean (NEXTSTATE_REPLAY_COEF)
+    # where its seconds went: the teacher's targets, the training passes, the KL checks between
+    # passes, the KL line search (a profile per update, in the step's record)
+    timings: dict[str, float] = field(default_factory=dict)
 
     @classmethod
     def not_started(cls, scope: str, samples: list[Sample], refusal: Refusal) -> StepResult:
@@ -114,6 +120,9 @@ LOGITS_CHUNK_BYTES = 64 << 20
 BASE_REPLIES_KEPT = 256
 # Base-model logprobs of held-out turns kept (NEXTSTATE_HELD_OUT_MAX per user, several users).
 BASE_HELD_OUT_KEPT = 4096
+# The base model's keys and values kept of the prompts it read (LoraTrainer._base_hidden): an
+# agent's conversation, about 4.5k tokens of SmolLM2 at 46 KB each in fp32, twice over.
+BASE_KV_BYTES = 512 << 20
 
 
 def logit_rows(vocab_size: int) -> int:
@@ -187,6 +196,10 @@ class LoraTrainer:
         self._replay: list[list[int]] | None = None  # the replay passages, tokenised once
         self._replay_next = 0  # which passage the next optimizer step reads
         self._renderer: ChatRenderer | None = None
+        # the base model's keys and values of prompts it read (`_base_hidden`), and whether the
+        # passes running now read the base model (`_base_model`)
+        self._base_kv = PrefixCache(BASE_KV_BYTES)
+        self._reading_base = False
 
     # ---------------------------------------------------------------- scopes
 
@@ -216,6 +229,7 @@ class LoraTrainer:
     def drop_scope(self, scope: str) -> None:
         """Forget a scope's adapter and optimizer state (its user asked to be forgotten)."""
         name = adapter_name(scope)
+        self._base_kv.drop(None)  # what the base model read of their prompts goes with them (entries name no user)
         self._optimizers.pop(scope, None)
         self._before.pop(scope, None)
         self.step_sizes.forget(scope)
@@ -284,13 +298,16 @@ class LoraTrainer:
         room = max(1, self.settings.max_train_tokens - len(sample.response_ids))
         return sample.prompt_ids[-room:] + sample.response_ids
 
-    def _row_length(self, sample: Sample) -> int:
-        """Tokens a sample takes in a forward pass: its training ids but the last (nothing is
+    def _row(self, sample: Sample) -> list[int]:
+        """What a sample feeds a forward pass: its training ids but the last (nothing is
         predicted after it)."""
+        return self._train_ids(sample)[:-1]
+
+    def _row_length(self, sample: Sample) -> int:
         return len(self._train_ids(sample)) - 1
 
     def _micro_batches(self, samples: list[Sample]) -> list[list[int]]:
-        return micro_batches([self._row_length(s) for s in samples], self._pass_tokens)
+        return micro_batches([self._row(s) for s in samples], self._pass_tokens)
 
     def _logprobs_each(self, samples: list[Sample]) -> list[torch.Tensor]:
         """`_logprobs_many` over all `samples`, a micro-batch at a time, in their order (no grad)."""
@@ -315,7 +332,7 @@ class LoraTrainer:
         ([response tokens, K], the teacher's top K), the logprobs of those ids too; with
         `first_stop`, the log of the chance (at temperature 1) that the reply ends at its first
         token, the chance the gate calls an empty reply."""
-        rows = [self._train_ids(s)[:-1] for s in samples]  # nothing is predicted after the last token
+        rows = [self._row(s) for s in samples]
         targets = [torch.tensor(s.response_ids, device=self.device) for s in samples]
         stops = self._stop_ids(self.model if self.model is not None else self._base) if first_stop else []
 
@@ -343,26 +360,37 @@ class LoraTrainer:
         Only response positions go through the LM head, `logit_rows` of them at a time, each
         chunk recomputed in the backward pass: a [tokens × vocab] logits tensor is 4.9 GB in
         fp32 for an 8k-token response on a 152k vocabulary, a chunk 64 MiB."""
-        width = max(map(len, rows))
-        ids = torch.tensor([r + [0] * (width - len(r)) for r in rows], device=self.device)
+        # a row that begins another is read off that one (learner/micro_batches.py)
+        hosts = prefix_hosts(rows)
+        computed = sorted(set(hosts))
+        slot = [computed.index(h) for h in hosts]
+        width = max(len(rows[h]) for h in computed)
+        ids = torch.tensor([rows[h] + [0] * (width - len(rows[h])) for h in computed], device=self.device)
         # right padding: causal attention keeps real tokens from seeing it, positions stay 0..len-1
-        mask = None if all(len(r) == width for r in rows) else torch.tensor(
-            [[1] * len(r) + [0] * (width - len(r)) for r in rows], device=self.device)
+        mask = None if all(len(rows[h]) == width for h in computed) else torch.tensor(
+            [[1] * len(rows[h]) + [0] * (width - len(rows[h])) for h in computed], device=self.device)
         spans = [(len(r) - n, len(r)) for r, n in zip(rows, response_lengths)]
         model = self.model if self.model is not None else self._base
         parts = self._backbone_and_head()
         if parts is None:  # a model whose head does more than a linear map (soft-capping, scaling)
             first = min(a for a, _ in spans)
             logits = model(input_ids=ids, attention_mask=mask, logits_to_keep=width - first).logits
-            return [[at(logits[i, a - first : b - first], i, slice(0, b - a))] for i, (a, b) in enumerate(spans)]
+            return [[at(logits[slot[i], a - first : b - first], i, slice(0, b - a))] for i, (a, b) in enumerate(spans)]
         backbone, head = parts
-        hidden = backbone(input_ids=ids, attention_mask=mask).last_hidden_state
+        if self._reading_base and not torch.is_grad_enabled() and self._base_kv.budget > 0:
+            # row by row, each from the longest prefix the base model already read
+            starts = [min(a for (a, _), host in zip(spans, hosts) if host == h) for h in computed]
+            rows_hidden = [self._base_hidden(backbone, rows[h], start) for h, start in zip(computed, starts)]
+            offset = [starts[k] for k in slot]
+        else:
+            hidden = backbone(input_ids=ids, attention_mask=mask).last_hidden_state
+            rows_hidden, offset = list(hidden), [0] * len(rows)
         out = []
         for i, (a, b) in enumerate(spans):
             pieces = []
             for start in range(a, b, self.logit_rows):
                 part = slice(start - a, min(b, start + self.logit_rows) - a)
-                h = hidden[i, start : min(b, start + self.logit_rows)]
+                h = rows_hidden[slot[i]][start - offset[i] : min(b, start + self.logit_rows) - offset[i]]
                 if torch.is_grad_enabled():
                     pieces.append(torch.utils.checkpoint.checkpoint(
                         lambda h, i=i, part=part: at(head(h), i, part), h, use_reentrant=False))
@@ -415,7 +443,7 @@ class LoraTrainer:
         ids = {i: top for i, (_, top) in hinted.items()}
         against = [s.model_copy(update={"prompt_ids": s.contrast_prompt_ids}) if s.contrast_prompt_ids else s
                    for s in samples]
-        with self.model.disable_adapter():
+        with self._base_model():
             unhinted = self._gathered(against, todo, ids)
         return {i: (ids[i], hinted[i][0], unhinted[i]) for i in todo}
 
@@ -425,9 +453,9 @@ class LoraTrainer:
         (log-probabilities, ids), each [response tokens, K]. No gradients."""
         k = self.settings.opd_topk
         hinted: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        lengths = [len(self._teacher_ids(samples[i])) - 1 for i in todo]
-        with torch.no_grad(), self.model.disable_adapter():
-            for group in micro_batches(lengths, self._pass_tokens):
+        teacher_rows = [self._teacher_ids(samples[i])[:-1] for i in todo]
+        with torch.no_grad(), self._base_model():
+            for group in micro_batches(teacher_rows, self._pass_tokens):
                 group_samples = [samples[todo[j]] for j in group]
                 temperatures = [s.logprob_temperature for s in group_samples]
                 rows = [self._teacher_ids(s)[:-1] for s in group_samples]
@@ -451,12 +479,38 @@ class LoraTrainer:
         micro-batch at a time, no gradients."""
         out: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
         with torch.no_grad():
-            for group in micro_batches([self._row_length(samples[i]) for i in todo], self._pass_tokens):
+            for group in micro_batches([self._row(samples[i]) for i in todo], self._pass_tokens):
                 members = [todo[j] for j in group]
                 for i, answer in zip(members, self._response_logprobs([samples[i] for i in members],
                                                                       [ids.get(i) for i in members])):
                     out[i] = (answer.token, answer.gathered)
         return out
+
+    @contextlib.contextmanager
+    def _base_model(self) -> Iterator[None]:
+        """The base model (adapter off) for the passes inside, whose prompts' keys and values
+        may then come from `_base_kv`: the base never changes, so what it computed for an
+        agent's system prompt and conversation serves every later read of them."""
+        with self.model.disable_adapter():
+            self._reading_base = True
+            try:
+                yield
+            finally:
+                self._reading_base = False
+
+    def _base_hidden(self, backbone: torch.nn.Module, row: list[int], start: int) -> torch.Tensor:
+        """The base model's last hidden states of `row` from position `start` on, no gradients:
+        the longest cached prefix of row[:start] is not computed again, and row[:start] is kept
+        for the next read (learner/micro_batches.py names the other half of this: rows that
+        begin other rows)."""
+        hit = self._base_kv.longest(None, None, row, start)
+        done = hit.length if hit is not None else 0
+        cache = kv_cache.to_cache(hit.kv) if hit is not None else kv_cache.new_cache()
+        ids = torch.tensor([row[done:]], device=self.device)
+        hidden = backbone(input_ids=ids, use_cache=True, **{kv_cache.cache_argument(backbone): cache}).last_hidden_state
+        if start > done and kv_cache.reusable(cache):
+            self._base_kv.put(None, None, row[:start], kv_cache.tokens(kv_cache.tensors(cache), 0, start, copy=True))
+        return hidden[0, start - done:]
 
     def _backbone_and_head(self) -> tuple[torch.nn.Module, torch.nn.Module] | None:
         model = self.model.get_base_model() if self.model is not None else self._base
@@ -482,7 +536,7 @@ class LoraTrainer:
             base: list[torch.Tensor | None] = [self._base_held_out.get(s.id) if s.id is not None else None for s in held_out]
             missing = [i for i, b in enumerate(base) if b is None]
             if missing or (probe and self._base_probe_nll is None):
-                with self.model.disable_adapter():
+                with self._base_model():
                     for i, lp in zip(missing, self._logprobs_each([held_out[i] for i in missing]) if missing else []):
                         base[i] = lp
                         if held_out[i].id is not None:
@@ -574,7 +628,7 @@ class LoraTrainer:
         if self._probe is None:
             self._probe = self._encoded(probe_passages())
         total, tokens = 0.0, 0
-        for group in micro_batches([len(ids) - 1 for ids in self._probe], self._pass_tokens):
+        for group in micro_batches([ids[:-1] for ids in self._probe], self._pass_tokens):
             rows = [self._probe[i] for i in group]
 
             def at(logits: torch.Tensor, i: int, part: slice) -> torch.Tensor:
@@ -719,8 +773,8 @@ class LoraTrainer:
         rows = [p[-self.settings.max_train_tokens:] + b for p, b in zip(prompts, bodies)]
         todo = [i for i, b in enumerate(bodies) if b]
         out: list[list[float]] = [[] for _ in replies]
-        with torch.no_grad(), self.model.disable_adapter():
-            for group in micro_batches([len(rows[i]) - 1 for i in todo], self._pass_tokens):
+        with torch.no_grad(), self._base_model():
+            for group in micro_batches([rows[i][:-1] for i in todo], self._pass_tokens):
                 members = [todo[j] for j in group]
 
                 def at(logits: torch.Tensor, k: int, part: slice) -> torch.Tensor:
@@ -872,7 +926,10 @@ class LoraTrainer:
         # forward passes give it for free; samples it does not see need a pass of their own
         before: list[torch.Tensor | None] = [None] * len(samples)
         self.model.eval()
+        timings = dict.fromkeys(("teacher", "passes", "epoch_kl", "kl_fit"), 0.0)
+        mark = time.monotonic()
         teacher, reference = self._teacher_targets(samples, range(c.minibatch, len(samples)))
+        timings["teacher"] = time.monotonic() - mark
         for i, lp in reference.items():
             before[i] = lp
         self.model.train()
@@ -892,7 +949,7 @@ class LoraTrainer:
                             logprobs_of = [answer.token for answer in outputs]
                             base_of: list[torch.Tensor | None] = [None] * len(members)
                             if c.kl_coef > 0:
-                                with torch.no_grad(), self.model.disable_adapter():
+                                with torch.no_grad(), self._base_model():
                                     base_of = self._logprobs_many([samples[i] for i in members])
                             losses = []
                             for i, logprobs, base, answer in zip(members, logprobs_of, base_of, outputs):
@@ -927,7 +984,7 @@ class LoraTrainer:
                                 totals["clipped"] += float((clipped * mask).sum())
                             if losses:
                                 torch.stack(losses).sum().backward()
-                        padded = len(members) * max(self._row_length(samples[i]) for i in members)
+                        padded = padded_tokens([self._row(samples[i]) for i in members])
                         self.memory.record(padded, meter.added)
                         peak_added = max(peak_added, meter.added)
                         done += 1
@@ -950,7 +1007,9 @@ class LoraTrainer:
                 epochs += 1
                 if epochs < c.ppo_epochs and c.epoch_kl_share > 0:  # PPO's early stop on KL, as a target
                     self.model.eval()
+                    mark = time.monotonic()
                     epoch_kls.append(self._policy_kl(*self._kept(samples, dropped, before)))
+                    timings["epoch_kl"] += time.monotonic() - mark
                     self.model.train()
                     if epoch_kls[-1] >= c.epoch_kl_share * self.step_sizes.max_kl:
                         break
@@ -961,7 +1020,9 @@ class LoraTrainer:
             kl_tries: list[KlTry] = []
             if not skipped:
                 at_full = epoch_kls[-1] if len(epoch_kls) == epochs else None  # measured after the last pass
+                mark = time.monotonic()
                 policy_kl, kl_tries = self._fit_kl(scope, *self._kept(samples, dropped, before), at_full)
+                timings["kl_fit"] = time.monotonic() - mark
                 if not math.isfinite(policy_kl):
                     skipped = "policy KL not finite"
                 elif policy_kl > self.step_sizes.max_kl:
@@ -973,6 +1034,7 @@ class LoraTrainer:
         if skipped:
             self._restore(scope, *self._before.pop(scope))
         denom = max(tokens * max(1, epochs), 1)
+        timings["passes"] = time.monotonic() - started - sum(timings.values())  # training, replay included
         return StepResult(
             scope=scope,
             samples=len(samples),
@@ -994,6 +1056,7 @@ class LoraTrainer:
             replay_kl=totals["replay"] / max(steps, 1),
             grad_norm=totals["grad_norm"],
             seconds=time.monotonic() - started,
+            timings={k: round(v, 2) for k, v in timings.items()},
             skipped=skipped,
             dropped=[samples[i].id for i in sorted(dropped) if samples[i].id is not None],
             pass_tokens=plan,

@@ -785,11 +785,63 @@ def test_micro_batches_keep_to_the_token_budget():
     from nextstate.learner.micro_batches import micro_batches
 
     lengths = [300, 40, 50, 2000, 60, 45]
-    groups = micro_batches(lengths, budget=200)
+    rows = [[i] * n for i, n in enumerate(lengths)]  # no row begins another
+    groups = micro_batches(rows, budget=200)
     assert sorted(i for g in groups for i in g) == list(range(len(lengths)))
     assert all(len(g) == 1 or len(g) * max(lengths[i] for i in g) <= 200 for g in groups)
     assert [3] in groups and [0] in groups, "a sample over the budget goes alone"
-    assert micro_batches(lengths, budget=10**6) == [[1, 5, 2, 4, 0, 3]], "one pass, shortest first"
+    assert micro_batches(rows, budget=10**6) == [[0, 1, 2, 3, 4, 5]], "one pass"
+
+
+def test_a_row_that_begins_another_rides_in_its_pass_for_free():
+    from nextstate.learner.micro_batches import micro_batches, padded_tokens, prefix_hosts
+
+    turn = [list(range(100)), list(range(150)), list(range(220))]  # one conversation's turns
+    other = [7] * 120
+    rows = [turn[1], other, turn[0], turn[2], list(range(100))]
+    assert prefix_hosts(rows) == [3, 1, 3, 3, 3], "each turn, and a duplicate, read off the longest"
+    assert padded_tokens(rows) == 2 * 220
+    assert micro_batches(rows, budget=220) == [[1], [0, 2, 3, 4]], "guests cost nothing: a host alone fits"
+    assert prefix_hosts([[1, 2, 3], [1, 2, 4]]) == [0, 1], "a shared start is not enough: the whole row"
+
+
+async def test_turns_of_one_conversation_train_in_one_pass_as_in_one_pass_each(tiny_model_dir, engine, monkeypatch):
+    """Rated turns whose prompts nest (each turn's prompt and reply begin the next's) step the
+    weights exactly as when every turn is computed in a pass of its own."""
+    from nextstate.learner import trainer as trainer_module
+
+    prompt, samples = list(PROMPT[:12]), []
+    for i in range(3):
+        [tokens] = await generate(engine, 1, seed0=i, max_new=5)
+        samples.append(make_sample(tokens, prompt=prompt, advantage=(-1.0) ** i))
+        prompt = prompt + [t.token_id for t in tokens] + PROMPT[12 + i : 15 + i]
+
+    def run(shared: bool):
+        if not shared:
+            monkeypatch.setattr(trainer_module, "prefix_hosts", lambda rows: list(range(len(rows))))
+        torch.manual_seed(0)
+        trainer = LoraTrainer(tiny_model_dir, LearnerSettings(lr=5e-3, lora_r=4, lora_alpha=8, micro_batch_tokens=1,
+                                                              ppo_epochs=1, replay_coef=0))
+        _, params = trainer._activate("shared")
+        with torch.no_grad():
+            for p in params:
+                p.normal_(0, 0.02)
+        passes, grads = [], []
+        backbone, _ = trainer._backbone_and_head()
+        backbone.register_forward_pre_hook(lambda m, args, kwargs: passes.append(kwargs["input_ids"].shape), with_kwargs=True)
+        trainer._optimizers["shared"].register_step_pre_hook(lambda *_: grads.extend(p.grad.clone() for p in params))
+        result = trainer.step("shared", samples)
+        monkeypatch.undo()
+        return result, grads, passes
+
+    apart, apart_grads, apart_passes = run(shared=False)
+    shared, shared_grads, shared_passes = run(shared=True)
+    assert apart.skipped is None and shared.skipped is None
+    assert [s[0] for s in apart_passes] == [3] * 2, "the step's pass and its policy-KL check, three rows each"
+    assert [s[0] for s in shared_passes] == [1] * 2, "... one row each: the last turn's"
+    assert shared.loss == pytest.approx(apart.loss, abs=1e-5) and shared.policy_kl == pytest.approx(apart.policy_kl, abs=1e-6)
+    assert len(shared_grads) == len(apart_grads) > 0 and any(g.abs().max() > 1e-4 for g in shared_grads)
+    assert all(torch.allclose(a, b, atol=1e-6, rtol=1e-4) for a, b in zip(apart_grads, shared_grads))
 
 
 async def test_packed_micro_batches_make_the_same_update_in_fewer_passes(tiny_model_dir, engine):
@@ -819,7 +871,8 @@ async def test_packed_micro_batches_make_the_same_update_in_fewer_passes(tiny_mo
     packed, packed_grads, packed_passes = run(10_000)
     assert alone.skipped is None and packed.skipped is None
     assert [s[0] for s in alone_passes] == [1] * 9, "3 samples: policy, base (KL) and the policy-KL check each"
-    assert [s[0] for s in packed_passes] == [3] * 3
+    # the base model (the KL term) reads row by row, each from what it read before (LoraTrainer._base_hidden)
+    assert [s[0] for s in packed_passes] == [3, 1, 1, 1, 3]
     assert packed.loss == pytest.approx(alone.loss, abs=1e-5) and packed.policy_kl == pytest.approx(alone.policy_kl, abs=1e-6)
     assert packed.kl_to_base == pytest.approx(alone.kl_to_base, abs=1e-6) and packed.kl_to_base > 0
     assert len(packed_grads) == len(alone_grads) > 0 and any(g.abs().max() > 1e-4 for g in packed_grads)
