@@ -21,8 +21,9 @@ runs after a warm-up. The llama.cpp side drives llama-cpp-python's low-level API
 only what a Python server would; nextstate's sides go through its engine as the proxy does
 (sampling, logprobs, the scheduler). Sides:
 
-* `local-float32`, `local-bfloat16`: the embedded transformers engine on the GGUF converted to
-  a Hugging Face folder (as `NEXTSTATE_MODEL=….gguf` does), at that dtype;
+* `local-llama.cpp`: the embedded engine at its default on a CPU, llama.cpp on a float16 GGUF
+  copy of the Hugging Face folder the GGUF is converted to (as `NEXTSTATE_MODEL=….gguf` does);
+* `local-float32`, `local-bfloat16`: the embedded engine on transformers, at that dtype;
 * `llama.cpp`: llama.cpp itself, on the GGUF as it is.
 
 Writes bench/results/serving_speed-<model>.json.
@@ -45,7 +46,8 @@ from bench.report import pyplot, save
 PROMPT_TOKENS = 4096
 DECODE_TOKENS = 128
 BATCH = 4
-SIDES = ("local-float32", "local-bfloat16", "llama.cpp")
+MISMATCH_TOKENS = 1500  # of the agent prompt, scored by the served model and the learner's
+SIDES = ("local-llama.cpp", "local-float32", "local-bfloat16", "llama.cpp")
 SHORT_PROMPTS = [
     "Write a short story about a lighthouse keeper.",
     "Explain how a bicycle works to a child.",
@@ -121,13 +123,23 @@ async def measure_engine(engine, long_ids: list[int], short: list[list[int]], re
             "runs": {"prefill": prefill, "decode_1": one, f"decode_{BATCH}": four}}
 
 
-def run_local(model_dir: Path, dtype: str, long_ids, short, repeats: int) -> dict:
+def run_local(model_dir: Path, runtime: str, long_ids, short, repeats: int) -> dict:
+    from nextstate.core.settings import Settings
     from nextstate.engine.local import LocalEngine
+    from nextstate.modelio.gguf_model import gguf_copy
 
     async def go() -> dict:
-        engine = await LocalEngine.open(model_dir, device="cpu", dtype=dtype, kv_cache_mb=0)
+        if runtime == "llama.cpp":  # the engine's default here: llama.cpp on the float16 copy
+            gguf = gguf_copy(model_dir, Settings().models_dir / "gguf")
+            engine = await LocalEngine.open(model_dir, gguf=gguf, kv_cache_mb=0)
+        else:
+            engine = await LocalEngine.open(model_dir, device="cpu", dtype=runtime, kv_cache_mb=0)
         try:
-            return await measure_engine(engine, long_ids, short, repeats)
+            figures = await measure_engine(engine, long_ids, short, repeats)
+            if runtime == "llama.cpp":
+                figures["mismatch"] = policy_mismatch(model_dir, long_ids[:MISMATCH_TOKENS],
+                                                      await engine.score(long_ids[:MISMATCH_TOKENS], 1))
+            return figures
         finally:
             await engine.close()
 
@@ -211,6 +223,21 @@ def run_llama_cpp(gguf: Path, long_ids, short, repeats: int, threads: int) -> di
 
 
 # ------------------------------------------------------------------------------- the comparison
+
+
+def policy_mismatch(model_dir: Path, ids: list[int], served: list[float]) -> dict:
+    """How far the served logprobs are from the learner's (transformers, float32) on `ids`:
+    the learner takes the served ones as PPO's old logprobs."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    with torch.inference_mode():
+        logits = model(torch.tensor([ids])).logits[0, :-1].double()
+    learner = torch.log_softmax(logits, -1).gather(1, torch.tensor(ids[1:])[:, None])[:, 0]
+    gap = (torch.tensor(served, dtype=torch.float64) - learner).abs()
+    return {"tokens": len(served), "mean": round(float(gap.mean()), 5), "p99": round(float(gap.quantile(0.99)), 5),
+            "max": round(float(gap.max()), 5)}
 
 
 def run_side(side: str, gguf: Path, repeats: int, threads: int) -> dict:

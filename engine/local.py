@@ -21,7 +21,6 @@ from typing import Any
 
 import torch
 
-from nextstate.engine.adapter_slots import AdapterFiles
 from nextstate.engine.base import EngineError, GeneratedToken, SamplingParams, UnknownAdapterError, check_request
 from nextstate.engine.model_runner import ModelRunner
 from nextstate.engine.sampling import make_generator
@@ -37,10 +36,17 @@ class LocalEngine:
 
     def __init__(
         self, model_dir: str | Path, *, device: str = "auto", dtype: str = "float32", max_active: int = 8,
-        kv_cache_mb: int = 2048, batching: bool = True,
+        kv_cache_mb: int = 2048, batching: bool = True, gguf: str | Path | None = None,
     ):
+        """`gguf`: serve on llama.cpp from this file (the float16 copy of `model_dir`,
+        `modelio.gguf_model`); None: on transformers, at `dtype` on `device`."""
         self.model_dir = Path(model_dir)
-        self.runner = ModelRunner(self.model_dir, device=device, dtype=dtype, kv_cache_mb=kv_cache_mb, batching=batching)
+        if gguf is not None:
+            from nextstate.engine.llama_cpp_runner import LlamaCppRunner
+
+            self.runner = LlamaCppRunner(self.model_dir, Path(gguf), kv_cache_mb=kv_cache_mb, batching=batching)
+        else:
+            self.runner = ModelRunner(self.model_dir, device=device, dtype=dtype, kv_cache_mb=kv_cache_mb, batching=batching)
         self.info = self.runner.info
         self.device = self.runner.device
         self._scheduler = Scheduler(max_active)
@@ -125,7 +131,7 @@ class LocalEngine:
         return item
 
     async def load_adapter(self, name: str, path: str) -> None:
-        files = await asyncio.to_thread(AdapterFiles.read, Path(path))  # disk I/O off the model thread
+        files = await asyncio.to_thread(self.runner.read_adapter, Path(path))  # disk I/O off the model thread
         await self._call(lambda: self.runner.load_adapter(name, str(path), files))
 
     async def unload_adapter(self, name: str) -> None:
@@ -141,6 +147,8 @@ class LocalEngine:
         self._stopping = True
         self._jobs.put(None)
         await asyncio.to_thread(self._thread.join, 30)
+        if not self._thread.is_alive():
+            self.runner.close()
 
     async def _call(self, fn: Callable[[], Any], waits_for_adapter: str | None = None) -> Any:
         loop = asyncio.get_running_loop()

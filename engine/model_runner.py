@@ -21,13 +21,13 @@ import torch
 
 from nextstate.engine import kv_cache
 from nextstate.engine.adapter_slots import AdapterFiles, AdapterSlots
-from nextstate.engine.base import EngineInfo, EngineRejected, GeneratedToken
+from nextstate.engine.base import EngineInfo, EngineRejected
 from nextstate.engine.constraints import ConstraintCompiler, ConstraintError
 from nextstate.engine.decode_batch import DecodeBatch
 from nextstate.engine.devices import DTYPES, resolve_device
 from nextstate.engine.prefix_cache import PrefixCache
-from nextstate.engine.sampling import sample_token
 from nextstate.engine.scheduler import Job
+from nextstate.engine.token_steps import take_scores, take_token
 from nextstate.modelio.logprobs import token_logprobs
 
 
@@ -99,10 +99,10 @@ class ModelRunner:
                 # Progress is shared at once: a vote on the same prompt continues from here.
                 self.prefix.put(job.adapter, job.sampling.cache_salt, job.input_ids[: job.fed], kv_cache.tensors(job.cache))
         if job.score_from is not None:
-            return self._collect_scores(job, out.logits[0], first)
+            return take_scores(job, out.logits[0], first)
         if job.fed < prompt_len:
             return False  # more of the prompt to feed before the first token
-        finished = self._sample(job, out.logits[0, -1])
+        finished = take_token(job, out.logits[0, -1], self.info.max_context)
         if not finished and self.batching and kv_cache.reusable(job.cache):
             batch = self._batches.get(job.background)
             if batch is None:
@@ -142,7 +142,7 @@ class ModelRunner:
         finished = []
         for i, job in enumerate(batch.rows):
             job.last_step = now
-            if self._sample(job, out.logits[i, -1]):
+            if take_token(job, out.logits[i, -1], self.info.max_context):
                 finished.append(job)
         return finished
 
@@ -168,40 +168,6 @@ class ModelRunner:
         if n <= len(ids) and all(keys.shape[2] == values.shape[2] == n for keys, values in kv):
             self.prefix.put(job.adapter, job.sampling.cache_salt, ids[:n], kv)
 
-    def _sample(self, job: Job, logits: torch.Tensor) -> bool:
-        try:
-            allowed = job.constraint.apply(logits) if job.constraint is not None else None
-            token, logprob, top = sample_token(logits, job.sampling, job.generator, allowed)
-            if job.constraint is not None and token not in job.sampling.stop_token_ids:
-                job.constraint.advance(token)
-        except ConstraintError as exc:
-            # the schema outgrew what the grammar engine serves: this request's failure (a 400),
-            # never its decode batch's — the other rows go on
-            job.deliver(EngineRejected(str(exc)))
-            return True
-        job.last_token = token
-        job.output_ids.append(token)
-        finish = None
-        produced = len(job.output_ids)
-        if token in job.sampling.stop_token_ids:
-            finish = "stop"
-        elif produced >= job.sampling.max_new_tokens or len(job.input_ids) + produced >= self.info.max_context:
-            finish = "length"
-        job.deliver(GeneratedToken(token, logprob, top, finish, job.cached if produced == 1 else None))
-        return finish is not None
-
-    def _collect_scores(self, job: Job, logits: torch.Tensor, first: int) -> bool:
-        """logits[i] is the prediction for input_ids[first + i + 1]; keep those from score_from on."""
-        ids = job.input_ids
-        lo, hi = max(first + 1, job.score_from), min(job.fed + 1, len(ids))
-        if lo < hi:
-            targets = torch.tensor(ids[lo:hi], device=logits.device)
-            job.scores += token_logprobs(logits[lo - 1 - first : hi - 1 - first], targets, job.score_temperature).tolist()
-        if job.fed >= len(ids):
-            job.deliver(job.scores)
-            return True
-        return False
-
     def score(self, ids: list[int], start: int, adapter: str | None, temperature: float) -> list[float]:
         """Logprobs of ids[start:] in one full forward pass (no cache kept)."""
         tensor = torch.tensor([ids], device=self.device)
@@ -210,6 +176,11 @@ class ModelRunner:
             logits = self.adapters.model(input_ids=tensor, use_cache=False, logits_to_keep=len(ids) - start + 1).logits[0]
         return token_logprobs(logits[:-1], tensor[0, start:], temperature).tolist()
 
+    @staticmethod
+    def read_adapter(path: Path) -> AdapterFiles:
+        """A published adapter's tensors (off the model thread)."""
+        return AdapterFiles.read(path)
+
     def load_adapter(self, name: str, path: str, files: AdapterFiles) -> None:
         self.prefix.drop(name)
         self.adapters.load(name, path, files)
@@ -217,3 +188,6 @@ class ModelRunner:
     def unload_adapter(self, name: str) -> None:
         self.adapters.unload(name)
         self.prefix.drop(name)
+
+    def close(self) -> None:
+        """Nothing to free by hand: the model is garbage once the engine lets go of it."""

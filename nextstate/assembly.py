@@ -6,6 +6,8 @@ part is made.
 
 from __future__ import annotations
 
+import asyncio
+
 import functools
 import logging
 import os
@@ -116,8 +118,38 @@ async def open_engine(model_dir: Path, settings: Settings) -> Engine:
     from nextstate.engine.local import LocalEngine
 
     return await LocalEngine.open(
-        model_dir, device=es.device, dtype=es.dtype, max_active=es.max_concurrent_generations, kv_cache_mb=es.kv_cache_mb
+        model_dir, device=es.device, dtype=es.dtype, max_active=es.max_concurrent_generations, kv_cache_mb=es.kv_cache_mb,
+        gguf=await asyncio.to_thread(llama_cpp_model, settings, model_dir),
     )
+
+
+def llama_cpp_model(settings: Settings, model_dir: Path) -> Path | None:
+    """The GGUF file the local engine serves on llama.cpp, or None for transformers
+    (NEXTSTATE_LOCAL_RUNTIME; `auto` falls back to transformers, saying why)."""
+    from nextstate.engine.devices import resolve_device
+    from nextstate.engine.llama_cpp_runner import available
+    from nextstate.modelio.gguf_lora import CannotExportGguf
+    from nextstate.modelio.gguf_model import gguf_copy
+
+    es = settings.engine
+    if es.local_runtime == "transformers":
+        return None
+    if es.local_runtime == "auto":
+        if resolve_device(es.device) != "cpu":
+            return None
+        if not available():
+            log.warning("serving on transformers: llama-cpp-python is not installed (pip install llama-cpp-python "
+                        "makes a CPU decode 5-7x faster)")
+            return None
+    elif not available():
+        raise RuntimeError("NEXTSTATE_LOCAL_RUNTIME=llama.cpp needs llama-cpp-python: pip install llama-cpp-python")
+    try:
+        return gguf_copy(model_dir, settings.models_dir / "gguf")
+    except CannotExportGguf as exc:
+        if es.local_runtime == "llama.cpp":
+            raise RuntimeError(f"NEXTSTATE_LOCAL_RUNTIME=llama.cpp: {exc}") from exc
+        log.warning("serving on transformers: %s", exc)
+        return None
 
 
 def make_judge_client(settings: Settings, engine: Engine, renderer: ChatRenderer, model_name: str) -> JudgeClient:

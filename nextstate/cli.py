@@ -216,7 +216,7 @@ def cmd_forget(args: argparse.Namespace) -> int:
 
 def cmd_export(args: argparse.Namespace) -> int:
     from nextstate.export import NothingToExport, build_export, write_export
-    from nextstate.export_gguf import CannotExportGguf
+    from nextstate.modelio.gguf_lora import CannotExportGguf
 
     settings = _settings()
     try:

@@ -6,7 +6,7 @@ writes it as any PEFT-reading server loads it — `adapter_config.json` and
 `adapter_model.safetensors` — with a README that names the base model, the version, what it
 gained for its user and what it forgot, and the commands that serve it with vLLM and SGLang.
 `--format gguf` (`?format=gguf`) writes it instead as the LoRA GGUF file llama.cpp and Ollama
-load (nextstate/export_gguf.py), with the commands for those. The learner's optimizer state
+load (modelio/gguf_lora.py), with the commands for those. The learner's optimizer state
 stays behind: it is nextstate's, not the adapter's.
 """
 
@@ -21,7 +21,7 @@ from typing import Literal
 
 from nextstate.core.policy import scope_of
 from nextstate.core.settings import Settings
-from nextstate.export_gguf import base_config_of, gguf_adapter
+from nextstate.modelio.gguf_lora import base_config_of, gguf_adapter
 from nextstate.learner.versions import AdapterVersions
 
 Format = Literal["peft", "gguf"]

@@ -19,7 +19,7 @@ from pydantic import BaseModel, Field
 from nextstate.core.settings import Settings
 from nextstate.core.stores.keys import ApiKey
 from nextstate.export import Format, NothingToExport, build_export, export_tar
-from nextstate.export_gguf import CannotExportGguf
+from nextstate.modelio.gguf_lora import CannotExportGguf
 from nextstate.learner.versions import AdapterVersions
 from nextstate.progress import version_figures
 from nextstate.proxy.auth import authenticate, authenticate_admin

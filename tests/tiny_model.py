@@ -20,6 +20,11 @@ from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 # the passes themselves).
 TINY_PPO_EPOCHS = 1
 
+# How far what the local engine serves may be from the learner's float32 numbers: llama.cpp,
+# its default runtime on a CPU, serves a float16 copy of the model (7.7e-4 at most measured on
+# the tiny models; tests/test_llama_cpp_engine.py).
+SERVED_TOLERANCE = 2e-3
+
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 # Qwen marks these as added but not special, so they survive skip_special_tokens decoding and
 # the proxy can see tool calls in the generated text.

@@ -1,4 +1,5 @@
-"""A user's adapter as a llama.cpp LoRA adapter: `nextstate export --format gguf`.
+"""A user's adapter as a llama.cpp LoRA adapter: `nextstate export --format gguf`, and the embedded
+llama.cpp engine's copy of every published version.
 
 llama.cpp (`llama-server --lora FILE`) and Ollama (`ADAPTER FILE` in a Modelfile) load LoRA
 adapters as GGUF files: `general.type` "adapter", `adapter.type` "lora", `adapter.lora.alpha`,

@@ -1,0 +1,119 @@
+"""The local engine on llama.cpp against the same engine on transformers, the learner's numbers.
+
+tests/test_engine.py runs the engine's own contract on both runtimes; here, what only llama.cpp
+needs checking: that its float16 GGUF copy serves the learner's policy (logprobs, greedy tokens,
+adapters) within the bound the SGLang and vLLM contract holds, that rows of several adapters
+decode together, that kept prefixes stay within their salt and adapter, and that a cache too
+small for what it keeps makes room instead of failing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+
+from nextstate.engine.base import SamplingParams
+from tests.test_engine import collect, open_engine
+from tests.test_engine_contract import ENUM_TOOL, write_adapters
+from tests.tiny_model import SERVED_TOLERANCE as TOLERANCE
+
+PROMPT = list(range(5, 40))
+
+
+@pytest.fixture
+async def pair(tiny_model_dir):
+    """(transformers, llama.cpp) on the same model."""
+    torch_engine = await open_engine(tiny_model_dir, "transformers")
+    llama = await open_engine(tiny_model_dir, "llama.cpp")
+    yield torch_engine, llama
+    await torch_engine.close()
+    await llama.close()
+
+
+@pytest.fixture
+def adapters(tiny_model_dir, tmp_path):
+    return write_adapters(tiny_model_dir, tmp_path)
+
+
+async def test_served_logprobs_are_the_learners_within_the_bound(pair, adapters):
+    torch_engine, llama = pair
+    for engine in pair:
+        await engine.load_adapter("a", str(adapters["a"]))
+    for adapter in (None, "a"):
+        for temperature in (0.0, 0.8):
+            params = SamplingParams(max_new_tokens=16, temperature=temperature, seed=4)
+            served = await collect(llama, params, adapter)
+            ids = [t.token_id for t in served]
+            learner = await torch_engine.score(PROMPT + ids, len(PROMPT), adapter, temperature=params.logprob_temperature)
+            assert [t.logprob for t in served] == pytest.approx(learner, abs=TOLERANCE)
+        greedy = SamplingParams(max_new_tokens=8, temperature=0.0)
+        assert [t.token_id for t in await collect(llama, greedy, adapter)] == [
+            t.token_id for t in await collect(torch_engine, greedy, adapter)]
+    adapted, base = await llama.score(PROMPT, 1, "a"), await llama.score(PROMPT, 1)
+    assert max(abs(x - y) for x, y in zip(adapted, base)) > 10 * TOLERANCE, "the adapter changes what is served"
+
+
+async def test_rows_of_several_adapters_decode_together_as_alone(pair, adapters):
+    _, llama = pair
+    await llama.load_adapter("a", str(adapters["a"]))
+    await llama.load_adapter("b", str(adapters["b"]))
+    plan = [(None, 1), ("a", 2), ("b", 3), ("a", 4)]
+
+    async def run(adapter, seed):
+        return [t.token_id for t in await collect(llama, SamplingParams(max_new_tokens=20, seed=seed), adapter)]
+
+    alone = [await run(a, s) for a, s in plan]
+    passes = llama.runner.stats.forward_passes
+    together = await asyncio.gather(*(run(a, s) for a, s in plan))
+    assert together == alone
+    assert llama.runner.stats.forward_passes - passes < sum(len(r) for r in alone), "rows shared passes"
+
+
+async def test_a_kept_prefix_serves_only_its_salt_and_adapter(tiny_model_dir, adapters):
+    llama = await open_engine(tiny_model_dir, "llama.cpp")
+    try:
+        await llama.load_adapter("a", str(adapters["a"]))
+        first = SamplingParams(max_new_tokens=4, temperature=0.0, cache_salt="alice")
+        turn = await collect(llama, first)
+        follow = PROMPT + [t.token_id for t in turn] + [7, 8, 9]
+        again = await collect(llama, first, prompt=follow)
+        assert again[0].cached_prompt_tokens == len(PROMPT) + len(turn) - 1, "her next turn reads only what is new"
+        other = await collect(llama, SamplingParams(max_new_tokens=4, temperature=0.0, cache_salt="bob"), prompt=follow)
+        assert other[0].cached_prompt_tokens == 0, "another user's salt shares nothing"
+        adapted = await collect(llama, first, "a", prompt=follow)
+        assert adapted[0].cached_prompt_tokens == 0, "keys and values of another policy are not reused"
+        assert [t.token_id for t in again] == [t.token_id for t in other]
+    finally:
+        await llama.close()
+
+
+async def test_a_full_cache_drops_old_prefixes_and_serves_on(tiny_model_dir):
+    # 1 MB: 4,096 cells of this model, three 1,100-token conversations
+    llama = await open_engine(tiny_model_dir, "llama.cpp", kv_cache_mb=1)
+    try:
+        assert llama.runner.info.max_context == 4096
+        prompts = [[5 + (i + j) % 400 for j in range(1100)] for i in range(4)]
+        params = SamplingParams(max_new_tokens=6, temperature=0.0)
+        first = [[t.token_id for t in await collect(llama, params, prompt=p)] for p in prompts]
+        again = [[t.token_id for t in await collect(llama, params, prompt=p)] for p in prompts]
+        assert again == first
+        too_long = [5] * 4100
+        with pytest.raises(Exception, match="does not fit"):
+            await collect(llama, params, prompt=too_long)
+        assert [t.token_id for t in await collect(llama, params, prompt=prompts[0])] == first[0], "serving goes on"
+    finally:
+        await llama.close()
+
+
+async def test_a_forced_tool_call_is_the_schemas_json(pair):
+    _, llama = pair
+    schema = json.dumps(ENUM_TOOL["function"]["parameters"])
+    eos = 2  # the tiny model's <|im_end|>
+    tokens = await collect(llama, SamplingParams(max_new_tokens=40, temperature=1.0, seed=1, json_schema=schema,
+                                                 stop_token_ids=(eos,)))
+    from transformers import AutoTokenizer
+
+    text = AutoTokenizer.from_pretrained(llama.model_dir).decode([t.token_id for t in tokens if t.token_id != eos])
+    assert json.loads(text)["n"] in ("x", "y")
