@@ -11,7 +11,8 @@ scheduler, streaming and adapters work as they do there:
 * **Sequences in one cache.** Every generation has a sequence of its own in llama.cpp's unified
   KV cache; a finished one stays as a prefix for the next request of the same adapter and
   salt (a conversation's next turn, the judge's pass over it), which takes it over by sharing
-  its cells (`llama_memory_seq_cp`), not copying them. The least recently used are dropped when
+  its cells (`llama_memory_seq_cp`), not copying them; a running one shares what it has read
+  so far the same way. The least recently used are dropped when
   the cache or the sequence ids run out.
 * **Adapters by group.** llama.cpp applies LoRA adapters to the whole context, so one decoding
   step makes one pass per adapter among its rows. A published version is written as a GGUF
@@ -135,6 +136,7 @@ class LlamaCppRunner:
         self._current: str | None | bool = False  # the adapter set on the context (False: unknown)
         self._free = list(range(MAX_SEQUENCES - 1, -1, -1))
         self._kept: list[_Kept] = []
+        self._live: dict[int, Job] = {}  # sequence → the job running in it
         self._batches: dict[bool, SequenceBatch] = {}
         self.constraints = ConstraintCompiler(model_dir)
         self.prefix = self  # what the prefix cache is asked (`drop`), as for the transformers runner
@@ -156,9 +158,10 @@ class LlamaCppRunner:
                 raise EngineRejected(str(exc)) from exc
         if job.cache is None:
             job.cache = self._take_sequence()
-            self._reuse_prefix(job)
+            self._live[job.cache] = job
         prompt_len = len(job.input_ids)
         if job.fed < prompt_len:
+            self._reuse_prefix(job)
             ids = job.input_ids[job.fed : job.fed + job.prefill_chunk]
             first = job.fed
             scored_from = job.score_from - 1 if job.score_from is not None else first + len(ids) - 1
@@ -184,27 +187,37 @@ class LlamaCppRunner:
         return finished
 
     def _reuse_prefix(self, job: Job) -> None:
-        """Take over the longest kept prefix of the prompt (same adapter, same salt). A scoring
-        job must still compute the logits it scores, from position score_from - 1 on."""
+        """Take over the longest prefix of the prompt that another sequence of the same adapter
+        and salt holds beyond what `job` has read: a kept one, or one still running (votes on
+        one judge prompt share their progress chunk by chunk, so it is read once, not m
+        times). A scoring job must still compute the logits it scores, from score_from - 1 on."""
         limit = len(job.input_ids) - 1 if job.score_from is None else job.score_from - 1
-        if limit <= 0 or not self._kept:
+        if limit <= job.fed:
             return
         ids = np.asarray(job.input_ids[:limit], dtype=np.int64)
-        best, length = None, 0
-        for kept in self._kept:
-            if kept.adapter != job.adapter or kept.salt != job.sampling.cache_salt:
+        best, length = None, job.fed
+        sources = [(k.seq, k.tokens, k) for k in self._kept if k.adapter == job.adapter and k.salt == job.sampling.cache_salt]
+        for other in self._live.values():
+            if other is not job and other.adapter == job.adapter and other.sampling.cache_salt == job.sampling.cache_salt:
+                held = int(self.ll.llama_memory_seq_pos_max(self.memory, other.cache)) + 1
+                sources.append((other.cache, np.asarray((other.input_ids + other.output_ids)[:held], dtype=np.int64), None))
+        for seq, tokens, kept in sources:
+            n = min(len(tokens), len(ids))
+            if n <= length:
                 continue
-            n = min(len(kept.tokens), len(ids))
-            differ = np.flatnonzero(kept.tokens[:n] != ids[:n])
+            differ = np.flatnonzero(tokens[:n] != ids[:n])
             common = int(differ[0]) if differ.size else n
             if common > length:
-                best, length = kept, common
+                best, length = (seq, kept), common
         if best is None:
             return
-        best.used = time.monotonic()
-        self.ll.llama_memory_seq_cp(self.memory, best.seq, job.cache, 0, length)
-        self.stats.prompt_tokens_reused += length
-        job.cached += length
+        seq, kept = best
+        if kept is not None:
+            kept.used = time.monotonic()
+        self.ll.llama_memory_seq_rm(self.memory, job.cache, -1, -1)
+        self.ll.llama_memory_seq_cp(self.memory, seq, job.cache, 0, length)
+        self.stats.prompt_tokens_reused += length - job.fed
+        job.cached += length - job.fed
         job.fed = length
 
     # ------------------------------------------------------------- decoding in batches
@@ -239,6 +252,7 @@ class LlamaCppRunner:
         seq, job.cache = job.cache, None
         if seq is None:
             return
+        self._live.pop(seq, None)
         length = int(self.ll.llama_memory_seq_pos_max(self.memory, seq)) + 1
         ids = job.input_ids + job.output_ids
         if (not keep or not self.keep_prefixes or length <= 0 or length > len(ids)

@@ -144,12 +144,14 @@ def llama_cpp_model(settings: Settings, model_dir: Path) -> Path | None:
     elif not available():
         raise RuntimeError("NEXTSTATE_LOCAL_RUNTIME=llama.cpp needs llama-cpp-python: pip install llama-cpp-python")
     try:
-        return gguf_copy(model_dir, settings.models_dir / "gguf")
+        gguf = gguf_copy(model_dir, settings.models_dir / "gguf")
     except CannotExportGguf as exc:
         if es.local_runtime == "llama.cpp":
             raise RuntimeError(f"NEXTSTATE_LOCAL_RUNTIME=llama.cpp: {exc}") from exc
         log.warning("serving on transformers: %s", exc)
         return None
+    log.info("the local engine serves on llama.cpp, from %s", gguf)
+    return gguf
 
 
 def make_judge_client(settings: Settings, engine: Engine, renderer: ChatRenderer, model_name: str) -> JudgeClient:

@@ -117,3 +117,42 @@ async def test_a_forced_tool_call_is_the_schemas_json(pair):
 
     text = AutoTokenizer.from_pretrained(llama.model_dir).decode([t.token_id for t in tokens if t.token_id != eos])
     assert json.loads(text)["n"] in ("x", "y")
+
+
+async def test_votes_on_one_prompt_read_it_once(pair):
+    """The judge's m votes on one prompt run side by side in the background, a chunk at a time:
+    each takes over what the others have read so far."""
+    _, llama = pair
+    prompt = [5 + j % 400 for j in range(320)]
+    params = SamplingParams(max_new_tokens=3, temperature=1.0, seed=2)
+    before = llama.runner.stats.prompt_tokens_computed
+
+    async def vote():
+        return [t async for t in llama.generate(prompt, params, background=True)]
+
+    votes = await asyncio.gather(*(vote() for _ in range(3)))
+    assert [[t.token_id for t in v] for v in votes] == [[t.token_id for t in votes[0]]] * 3
+    assert llama.runner.stats.prompt_tokens_computed - before < 1.5 * len(prompt)
+
+
+def test_the_runtime_follows_the_setting_and_falls_back_saying_why(tiny_model_dir, tmp_path, caplog):
+    import shutil
+
+    from nextstate.assembly import llama_cpp_model
+    from nextstate.core.settings import Settings
+
+    def settings(**overrides):
+        return Settings(data_dir=tmp_path / "data", model=str(tiny_model_dir), **overrides)
+
+    copy = llama_cpp_model(settings(), tiny_model_dir)
+    assert copy is not None and copy.is_relative_to(tmp_path / "data") and copy.suffix == ".gguf"
+    assert llama_cpp_model(settings(), tiny_model_dir) == copy, "written once"
+    assert llama_cpp_model(settings(local_runtime="transformers"), tiny_model_dir) is None
+    other = tmp_path / "other"
+    shutil.copytree(tiny_model_dir, other)
+    config = json.loads((other / "config.json").read_text())
+    (other / "config.json").write_text(json.dumps({**config, "model_type": "phi3"}))
+    assert llama_cpp_model(settings(), other) is None
+    assert "serving on transformers" in caplog.text and "phi3" in caplog.text
+    with pytest.raises(RuntimeError, match="phi3"):
+        llama_cpp_model(settings(local_runtime="llama.cpp"), other)
