@@ -25,7 +25,7 @@ from pathlib import Path
 
 import httpx
 
-from bench.agent_pace import CORRECTION, TURNS, turn
+from bench.agent_pace import CORRECTION, TURNS, parse_value, turn
 from bench.models import bench_model, bench_server
 from bench.prefix_reuse import openclaw_follow_up, openclaw_start
 from bench.report import pyplot, save
@@ -56,8 +56,9 @@ def capture(model_dir: Path, max_tokens: int) -> list[dict]:
     raise SystemExit("the ratings made no four samples in 10 minutes")
 
 
-def timed_update(model_dir: Path, samples, levers: bool) -> dict:
-    """One update at the defaults and the gate's reads, with the levers on or off."""
+def timed_update(model_dir: Path, samples, levers: bool, overrides: dict | None = None) -> dict:
+    """One update at the defaults (but `overrides`, Settings fields) and the gate's reads, with
+    the levers on or off."""
     import torch
 
     from nextstate.core.settings import Settings
@@ -70,7 +71,7 @@ def timed_update(model_dir: Path, samples, levers: bool) -> dict:
         trainer_module.prefix_hosts = lambda rows: list(range(len(rows)))
     try:
         torch.manual_seed(0)
-        trainer = LoraTrainer(model_dir, Settings().learner)
+        trainer = LoraTrainer(model_dir, Settings(**(overrides or {})).learner)
         if not levers:
             trainer._base_kv.budget = 0
         prompts = gate_prompts([s.prompt_ids for s in samples])
@@ -122,7 +123,11 @@ def main() -> None:
     parser.add_argument("--keep", type=Path, help="write the captured samples here")
     parser.add_argument("--max-tokens", type=int, default=256)
     parser.add_argument("--only", choices=["off", "on"], help="one run only")
+    parser.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
+                        help="a learner Settings field for the runs (e.g. learner_dtype=bfloat16)")
+    parser.add_argument("--variant", help="a name for this run's result file (with --set)")
     args = parser.parse_args()
+    overrides = {k: parse_value(v) for k, v in (s.split("=", 1) for s in args.set)}
 
     from nextstate.core.types import Sample
 
@@ -136,9 +141,9 @@ def main() -> None:
     for name in ("off", "on"):
         if args.only and name != args.only:
             continue
-        runs[name] = timed_update(model_dir, samples, levers=name == "on")
+        runs[name] = timed_update(model_dir, samples, levers=name == "on", overrides=overrides)
         print(name, json.dumps(runs[name]), flush=True)
-    result = {"benchmark": "update_speed", "model": model_dir.name, "variant": args.only,
+    result = {"benchmark": "update_speed", "model": model_dir.name, "variant": args.variant or args.only, "settings": overrides,
               "samples": [[len(s.prompt_ids), len(s.response_ids)] for s in samples], "runs": runs}
     print(headline(result))
     save(result)

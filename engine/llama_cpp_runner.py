@@ -139,7 +139,6 @@ class LlamaCppRunner:
         self._live: dict[int, Job] = {}  # sequence → the job running in it
         self._batches: dict[bool, SequenceBatch] = {}
         self.constraints = ConstraintCompiler(model_dir)
-        self.prefix = self  # what the prefix cache is asked (`drop`), as for the transformers runner
         self.stats = RunnerStats()
         self.info = EngineInfo(
             model_name=model_dir.name, max_context=min(window, cells), device="cpu", dtype="float16",

@@ -91,6 +91,7 @@ class Learner:
         self._refused: dict[str, tuple[float, str, str]] = {}  # per scope: retry time, waiting reason, why
         self.training: dict[str, Any] | None = None  # the update running now: scope, samples, since, phase, passes
         self._passes_written = 0.0
+        self._last_seconds: dict[str, float] = {}
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
         self._lock = asyncio.Lock()  # one update or rollback at a time
@@ -219,7 +220,9 @@ class Learner:
     def _phase(self, scope: str, samples: int, phase: str) -> None:
         """What the update does now, for the progress report (live, and `nextstate status`)."""
         since = self.training["since"] if self.training else time.time()
-        self.training = {"scope": scope, "samples": samples, "since": since, "phase": phase}
+        # the last update's seconds by phase: what the progress report estimates the rest from
+        self.training = {"scope": scope, "samples": samples, "since": since, "phase": phase,
+                         "phase_since": time.time(), "last_seconds": dict(self._last_seconds)}
         try:
             self.versions.write_training(self.training)  # a few hundred bytes, once per phase
         except OSError:
@@ -292,6 +295,7 @@ class Learner:
         else:
             self._phase(scope, len(batch), "publishing")
             await self._publish(scope, step_index, ids, result, record)
+        self._last_seconds = dict(phase_seconds)
         self._finish(record, record["version"] or current.version)
         return result
 

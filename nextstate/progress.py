@@ -121,13 +121,47 @@ def progress_report(
     }
 
 
-def describe_training(training: dict[str, Any]) -> str:
+def describe_training(training: dict[str, Any], now: float | None = None) -> str:
     """The update running now, in a line: "training now (alice): an update on 16 samples,
-    training (pass 5 of 16), started 312 s ago"."""
+    training (pass 5 of 16), started 312 s ago, about 4 min left"."""
+    now = time.time() if now is None else now
     passes = training.get("passes")
     phase = training["phase"] + (f" (pass {passes[0]} of {passes[1]})" if passes and training["phase"] == "training" else "")
+    left = time_left(training, now)
     return (f"training now ({training['scope']}): an update on {training['samples']} samples, {phase}, "
-            f"started {max(0, time.time() - training['since']):.0f} s ago")
+            f"started {max(0, now - training['since']):.0f} s ago" + (f", about {_duration(left)} left" if left else ""))
+
+
+# The update's phases in order, by their names in the progress report and in phase_seconds.
+_PHASES = (("scoring the serving version for the gate", "gate_serving"), ("training", "training"), ("gate", "gate"))
+
+
+def time_left(training: dict[str, Any], now: float) -> float | None:
+    """Seconds the running update still needs, roughly: the training passes at the pace of
+    those done, and each phase still ahead as long as it took the last update. None when
+    there is nothing to go by yet (a first update, before its first pass)."""
+    names = [name for name, _ in _PHASES]
+    if training["phase"] not in names:
+        return None
+    at = names.index(training["phase"])
+    last = training.get("last_seconds") or {}
+    in_phase = max(0.0, now - training.get("phase_since", now))
+    passes = training.get("passes")
+    if training["phase"] == "training" and passes and passes[0] > 0:
+        left = in_phase / passes[0] * (passes[1] - passes[0])
+    elif _PHASES[at][1] in last:
+        left = max(0.0, last[_PHASES[at][1]] - in_phase)
+    else:
+        return None
+    for _, key in _PHASES[at + 1:]:
+        if key not in last:
+            return left if left > 0 else None
+        left += last[key]
+    return left if left > 0 else None
+
+
+def _duration(seconds: float) -> str:
+    return f"{seconds:.0f} s" if seconds < 90 else f"{seconds / 60:.0f} min"
 
 
 def _scale(value: float) -> str:

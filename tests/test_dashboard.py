@@ -342,3 +342,18 @@ def test_behind_a_trusted_proxy_the_throttle_counts_the_forwarded_client(server_
     one = [httpx.post(f"{root}/dashboard/login", data={"key": "ns-guess"},
                       headers={"X-Forwarded-For": "203.0.113.99"}).status_code for _ in range(11)]
     assert one == [401] * 10 + [429]
+
+
+def test_a_running_update_says_about_how_long_it_has_left():
+    from nextstate.progress import describe_training
+
+    training = {"scope": "alice", "samples": 4, "since": 1000.0, "phase": "training", "phase_since": 1100.0,
+                "passes": [2, 8], "last_seconds": {"gate_serving": 90.0, "training": 600.0, "gate": 120.0}}
+    # two passes in 60 s: six more take 180 s, then the gate as long as the last one's (120 s)
+    assert describe_training(training, now=1160.0).endswith("started 160 s ago, about 5 min left")
+    first = {**training, "last_seconds": {}}  # a first update: the passes' pace alone
+    assert describe_training(first, now=1160.0).endswith("about 3 min left")
+    before = {**first, "passes": [0, 8]}
+    assert describe_training(before, now=1160.0).endswith("started 160 s ago"), "nothing to go by yet"
+    gate = {**training, "phase": "gate", "phase_since": 1700.0}
+    assert describe_training(gate, now=1740.0).endswith("about 80 s left")
