@@ -9,8 +9,9 @@ samples the ratings make are kept (`--keep FILE.json`). The learner then trains 
 them at every default, from a fresh adapter, as the learner service would, and then reads what
 the gate reads (the serving version's figures before, the candidate's after). Twice: with the
 update's levers off (every row computed in a pass of its own, the base model reading every
-prompt from its start) and on (learner/micro_batches.py's shared rows, the base model's kept
-prompts, `LoraTrainer._base_hidden`). Both start from the same seed; their losses and KLs
+prompt from its start, every training pass reading its rows whole) and on (learner/micro_batches.py's
+shared rows, the base model's kept prompts, `LoraTrainer._base_hidden`, the long prompts' starts
+read once per weights without gradients, learner/prompt_prefix.py). Both start from the same seed; their losses and KLs
 are printed side by side, so a lever that changed the update would show.
 
 Writes bench/results/update_speed-<model>.json: the seconds of each part, per run.
@@ -74,6 +75,7 @@ def timed_update(model_dir: Path, samples, levers: bool, overrides: dict | None 
         trainer = LoraTrainer(model_dir, Settings(**(overrides or {})).learner)
         if not levers:
             trainer._base_kv.budget = 0
+            trainer._prefixes.grad_tokens = None
         prompts = gate_prompts([s.prompt_ids for s in samples])
         prompts = gate_prompts(prompts + trainer.everyday_prompts(GATE_PROMPTS))
         out: dict = {}

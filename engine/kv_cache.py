@@ -18,7 +18,9 @@ be cut to an arbitrary prefix): `reusable` says whether a cache is one.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
+from collections.abc import Iterator
 
 import torch
 from transformers.cache_utils import DynamicCache, DynamicLayer
@@ -142,3 +144,55 @@ def stack_rows(a: KV, b: KV) -> KV:
 def select_rows(kv: KV, rows: list[int]) -> KV:
     index = torch.tensor(rows, device=kv[0][0].device)
     return tuple((keys.index_select(0, index), values.index_select(0, index)) for keys, values in kv)
+
+
+class ReadOnlyLayer(DynamicLayer):
+    """Keys and values computed before, which a forward pass reads but never extends: `update`
+    returns them with the new positions after them and keeps nothing. Activation checkpointing
+    runs each decoder layer twice (forward, and again in the backward pass); a layer that
+    appended would see its own positions twice on the second run."""
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        super().__init__()
+        self.lazy_initialization(keys, values)
+        self.keys, self.values = keys, values
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        return torch.cat([self.keys, key_states], dim=-2), torch.cat([self.values, value_states], dim=-2)
+
+
+def read_only_cache(kv: KV) -> DynamicCache:
+    """A cache that gives `kv` to every pass through it and keeps none of the new positions."""
+    cache = DynamicCache()
+    cache.layers = [ReadOnlyLayer(keys, values) for keys, values in kv]
+    return cache
+
+
+def _checkpointed_layer_class() -> type | None:
+    try:
+        from transformers.modeling_layers import GradientCheckpointingLayer
+    except ImportError:  # transformers before 4.52
+        return None
+    return GradientCheckpointingLayer if hasattr(GradientCheckpointingLayer, "_can_checkpoint_with_cache") else None
+
+
+def cache_survives_checkpointing() -> bool:
+    """Whether this transformers lets a layer under activation checkpointing read a cache (a
+    `read_only_cache`); the versions before it drop any cache there, as they must for one that
+    appends."""
+    return _checkpointed_layer_class() is not None
+
+
+@contextlib.contextmanager
+def cache_under_checkpointing(model: torch.nn.Module) -> Iterator[None]:
+    """Inside, `model`'s checkpointed decoder layers keep the cache they are given: only for a
+    `read_only_cache`, which a layer's second run reads exactly as its first."""
+    layer_class = _checkpointed_layer_class()
+    layers = [m for m in model.modules() if layer_class is not None and isinstance(m, layer_class)]
+    for layer in layers:
+        layer._can_checkpoint_with_cache = True
+    try:
+        yield
+    finally:
+        for layer in layers:
+            del layer._can_checkpoint_with_cache  # back to the class's own (False)

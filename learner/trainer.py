@@ -42,6 +42,7 @@ from nextstate.learner.host_memory import release_freed_memory
 from nextstate.learner.memory_budget import MemoryBudget, Refusal
 from nextstate.learner.micro_batches import micro_batches, padded_tokens, prefix_hosts
 from nextstate.learner.ppo import k3_kl, ppo_token_losses
+from nextstate.learner.prompt_prefix import PromptPrefixes
 from nextstate.learner.seeded_sampling import SeededGumbel, row_seed
 from nextstate.learner.step_sizes import KlTry, StepSizes
 from nextstate.modelio.chat_template import ChatRenderer
@@ -200,6 +201,8 @@ class LoraTrainer:
         # passes running now read the base model (`_base_model`)
         self._base_kv = PrefixCache(BASE_KV_BYTES)
         self._reading_base = False
+        # an update's long prompts read once per weights, without gradients (learner/prompt_prefix.py)
+        self._prefixes = PromptPrefixes()
 
     # ---------------------------------------------------------------- scopes
 
@@ -382,6 +385,8 @@ class LoraTrainer:
             starts = [min(a for (a, _), host in zip(spans, hosts) if host == h) for h in computed]
             rows_hidden = [self._base_hidden(backbone, rows[h], start) for h, start in zip(computed, starts)]
             offset = [starts[k] for k in slot]
+        elif not self._reading_base and (split := self._prefixes.split([a for a, _ in spans])):
+            rows_hidden, offset = list(self._prefixes.hidden(backbone, ids, mask, split)), [split] * len(rows)
         else:
             hidden = backbone(input_ids=ids, attention_mask=mask).last_hidden_state
             rows_hidden, offset = list(hidden), [0] * len(rows)
@@ -829,6 +834,7 @@ class LoraTrainer:
         with torch.no_grad():
             for p, before in zip(params, weights):
                 p.lerp_(before, 1 - factor)
+        self._prefixes.clear()
 
     def undo(self, scope: str) -> None:
         """Put the scope's weights and optimizer state back to before the last step (its
@@ -896,7 +902,11 @@ class LoraTrainer:
         """One PPO update on `samples`. A sample whose loss is not finite is left out (its id in
         `dropped`) and the others train; a step whose gradients or policy KL go wrong is undone.
         `progress(done, total)` hears of each training pass (a forward and backward over one
-        micro-batch): on two cores an update on agent-size samples takes many minutes."""
+        micro-batch): on two cores an update on agent-size samples takes minutes."""
+        with self._prefixes.during_update():
+            return self._step(scope, samples, progress)
+
+    def _step(self, scope: str, samples: list[Sample], progress: Callable[[int, int], None] | None) -> StepResult:
         started = time.monotonic()
         c = self.settings
         plan = self.memory_plan(samples)
@@ -1001,6 +1011,7 @@ class LoraTrainer:
                     for group in optimizer.param_groups:
                         group["lr"] = warmed_up(self.lr, steps_taken(optimizer), c.lr_warmup_steps)
                     optimizer.step()
+                    self._prefixes.clear()
                     steps += 1
                 if skipped:
                     break

@@ -844,6 +844,81 @@ async def test_turns_of_one_conversation_train_in_one_pass_as_in_one_pass_each(t
     assert all(torch.allclose(a, b, atol=1e-6, rtol=1e-4) for a, b in zip(apart_grads, shared_grads))
 
 
+def test_a_long_prompt_is_read_once_per_weights_and_trains_only_near_the_replies(tiny_model_dir, monkeypatch):
+    """learner/prompt_prefix.py: an agent-size prompt's start is read without gradients, once
+    for the rows that share it and once between two changes of the weights; the rest reads it
+    through a cache that activation checkpointing's second run sees unchanged. Losses are those
+    of one pass over each whole row; the gradient is the one with the prefix's keys and values
+    held fixed, computed here without checkpointing."""
+    from nextstate.engine import kv_cache
+    from nextstate.learner import prompt_prefix
+
+    monkeypatch.setattr(prompt_prefix, "MIN_PREFIX", 16)
+    setup = [(7 * i) % 300 + 5 for i in range(40)]  # an agent's setup, shared by both turns
+    samples = [Sample(user="alice", session_id=f"s{k}", turn_index=1, policy_version=0, adapter=None, mode="binary",
+                      status="ready", prompt_ids=setup + PROMPT[:6] + PROMPT[6 + k : 12 + k], response_ids=[40 + k, 41, 42 + k, 43],
+                      old_logprobs=[-5.0] * 4, logprob_temperature=1.0, advantages=[(-1.0) ** k] * 4, loss_mask=[1] * 4,
+                      reward=(-1.0) ** k, created_at=0.0) for k in range(2)]
+
+    def trainer_for(grad_tokens):
+        torch.manual_seed(0)
+        trainer = LoraTrainer(tiny_model_dir, LearnerSettings(lr=5e-3, lora_r=4, lora_alpha=8, ppo_epochs=2,
+                                                              replay_coef=0, epoch_kl_share=1.0))
+        trainer._prefixes.grad_tokens = grad_tokens
+        _, params = trainer._activate("shared")
+        with torch.no_grad():
+            for p in params:
+                p.normal_(0, 0.02)
+        return trainer, params
+
+    def step(grad_tokens):
+        trainer, params = trainer_for(grad_tokens)
+        backbone, _ = trainer._backbone_and_head()
+        lengths, grads = [], []
+        backbone.register_forward_pre_hook(lambda m, args, kwargs: lengths.append(tuple(kwargs["input_ids"].shape)), with_kwargs=True)
+        trainer._optimizers["shared"].register_step_pre_hook(lambda *_: grads.append([p.grad.clone() for p in params]))
+        return trainer.step("shared", samples), lengths, grads
+
+    whole, whole_lengths, _ = step(None)
+    split, split_lengths, split_grads = step(6)
+    assert whole.skipped is None and split.skipped is None
+    assert whole_lengths == [(2, 55)] * 4, "two passes, a KL check between them and one after"
+    # rows of 40 + 12 prompt tokens and 3 reply tokens: replies read from position 51, 6 before it train
+    assert split_lengths == [(1, 45), (2, 10), (1, 45), (2, 10), (2, 10), (1, 45), (2, 10)], \
+        "the prefix once per weights: the check after the first pass and the second pass share it"
+    assert split.mismatch == pytest.approx(whole.mismatch, abs=1e-6), "the first pass reads what a whole row reads"
+
+    trainer, params = trainer_for(6)
+    backbone, head = trainer._backbone_and_head()
+    rows = torch.tensor([trainer._row(s) for s in samples])
+    lengths = []
+    hook = backbone.register_forward_pre_hook(lambda m, args, kwargs: lengths.append(tuple(kwargs["input_ids"].shape)),
+                                              with_kwargs=True)
+    with torch.no_grad(), trainer._prefixes.during_update():
+        trainer._prefixes.hidden(backbone, rows[:1], None, 40)
+        trainer._prefixes.hidden(backbone, rows[:1], None, 45)
+    hook.remove()
+    assert lengths == [(1, 40), (1, 15), (1, 5), (1, 10)], "a longer prefix computes only what it adds to a kept one"
+
+    def loss_of(hidden):
+        logprobs = torch.log_softmax(head(hidden[:, -4:]).float(), -1)
+        targets = torch.tensor([s.response_ids for s in samples])
+        return (logprobs.gather(-1, targets[..., None]).squeeze(-1) * torch.tensor([[1.0], [-1.0]])).sum()
+
+    trainer.model.train()
+    with trainer._prefixes.during_update():
+        loss_of(trainer._prefixes.hidden(backbone, rows, None, 45)).backward()
+    checkpointed = [p.grad.clone() for p in params]
+    trainer.model.zero_grad()
+    trainer.model.eval()  # no checkpointing: a plain cache holds the prefix, computed without gradients
+    with torch.no_grad():
+        cache = kv_cache.new_cache()
+        backbone(input_ids=rows[:, :45], use_cache=True, **{kv_cache.cache_argument(backbone): cache})
+    loss_of(backbone(input_ids=rows[:, 45:], **{kv_cache.cache_argument(backbone): cache}).last_hidden_state).backward()
+    assert any(p.grad.abs().max() > 1e-4 for p in params)
+    assert all(torch.allclose(p.grad, g, atol=1e-6, rtol=1e-4) for p, g in zip(params, checkpointed))
+
+
 async def test_packed_micro_batches_make_the_same_update_in_fewer_passes(tiny_model_dir, engine):
     """Samples of different lengths, padded into one forward pass, step the weights exactly
     as one pass per sample does."""

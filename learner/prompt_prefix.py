@@ -1,0 +1,101 @@
+"""An agent's long prompt read once per weights, without gradients; only what is near the replies trains.
+
+A rated OpenClaw turn is a 3.8-4.5k-token prompt (the agent's system prompt, its tools, the
+conversation) and a reply of up to 256 tokens. Each of an update's training passes read the whole
+row forward, again in the backward pass (activation checkpointing) and back: ~70 s a row on two
+cores, 56% of an update (BENCHMARKS.md, "Fast on the person's own machine"). At that length most
+of the cost is attention over the prompt and the prompt's own layers, whose gradient reaches the
+adapter only through the keys and values the reply attends to.
+
+So a long row is split: its prompt up to `grad_tokens` before the micro-batch's first reply token
+is read without gradients (the *prefix*), and the rest (those last prompt tokens, the replies and
+what lies between them) is read with gradients, attending to the prefix's keys and values through
+a cache no pass extends (engine/kv_cache.py `read_only_cache`). The forward values are the same
+as one pass over the row; the gradient leaves out what flows through the prefix's keys and values.
+On the four OpenClaw samples of bench.update_speed its cosine with the whole gradient is 0.92 at
+256 tokens (0.89 at 0, 0.95 at 1,024), and one update took 316 s instead of 757 (BENCHMARKS.md,
+"Fast on the person's own machine").
+
+The prefix's keys and values also depend only on the weights: between two changes of the weights
+(an optimizer step, a shortening of the step) the KL check after a pass and the next pass read the
+same prefix, so it is kept until the weights change (`clear`). Rows of a micro-batch with the same
+prefix (one agent's turns, one setup) compute it once, and a longer prefix (another micro-batch's,
+split later) computes only what it adds to the longest one kept. Rows shorter than `MIN_PREFIX` before their
+window are read whole, as before: a chat turn's gradient is exact.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+
+import torch
+
+from nextstate.engine import kv_cache
+from nextstate.engine.prefix_cache import PrefixCache
+
+# Prompt tokens before a micro-batch's first reply token that still train: the person's last
+# message and the template around it.
+GRAD_TOKENS = 256
+# A prefix shorter than this is not worth a pass of its own.
+MIN_PREFIX = 512
+# Prefixes kept between two weight changes: 4k tokens of SmolLM2 are 176 MB in float32.
+KEPT_BYTES = 1 << 30
+
+
+class PromptPrefixes:
+    """The prefixes of one update's rows, read at the weights now (see the module's docstring)."""
+
+    def __init__(self, grad_tokens: int | None = GRAD_TOKENS) -> None:
+        self.grad_tokens = grad_tokens  # None: every row read whole, its gradient exact
+        self._kept = PrefixCache(KEPT_BYTES)
+        self._active = False
+
+    @contextlib.contextmanager
+    def during_update(self) -> Iterator[None]:
+        """Rows are split only inside: outside an update the weights may change unseen."""
+        self._active = True
+        try:
+            yield
+        finally:
+            self._active = False
+            self.clear()
+
+    def clear(self) -> None:
+        """The weights changed: no kept prefix holds for them."""
+        self._kept.drop(None)
+
+    def split(self, reply_starts: Sequence[int]) -> int:
+        """Where a micro-batch whose rows' first reply tokens are at `reply_starts` is split:
+        the prefix's length, or 0 to read the rows whole."""
+        if not self._active or self.grad_tokens is None or not kv_cache.cache_survives_checkpointing():
+            return 0
+        split = min(reply_starts) - self.grad_tokens
+        return split if split >= MIN_PREFIX else 0
+
+    def hidden(self, backbone: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor | None, split: int) -> torch.Tensor:
+        """The backbone's last hidden states of ids[:, split:] ([rows, tokens - split, hidden]),
+        with gradients where they are enabled, after each row's prefix ids[:, :split]."""
+        prefixes = [tuple(row) for row in ids[:, :split].tolist()]
+        kv = {p: self._prefix(backbone, list(p)) for p in dict.fromkeys(prefixes)}
+        rows = [kv[p] for p in prefixes]
+        batch = rows[0] if len(rows) == 1 else tuple(
+            (torch.cat([r[layer][0] for r in rows]), torch.cat([r[layer][1] for r in rows])) for layer in range(len(rows[0])))
+        cache = kv_cache.read_only_cache(batch)
+        with kv_cache.cache_under_checkpointing(backbone):
+            return backbone(input_ids=ids[:, split:], attention_mask=mask,
+                            **{kv_cache.cache_argument(backbone): cache}).last_hidden_state
+
+    def _prefix(self, backbone: torch.nn.Module, prefix: list[int]) -> kv_cache.KV:
+        """The prefix's keys and values at the weights now, computed from the longest one kept."""
+        hit = self._kept.longest(None, None, prefix, len(prefix))
+        done = hit.length if hit is not None else 0
+        if done == len(prefix):
+            return hit.kv
+        cache = kv_cache.to_cache(hit.kv) if hit is not None else kv_cache.new_cache()
+        with torch.no_grad():
+            backbone(input_ids=torch.tensor([prefix[done:]], device=backbone.device), use_cache=True,
+                     **{kv_cache.cache_argument(backbone): cache})
+        kv = kv_cache.tokens(kv_cache.tensors(cache), 0, len(prefix), copy=True)
+        self._kept.put(None, None, prefix, kv)
+        return kv
