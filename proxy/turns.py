@@ -62,6 +62,10 @@ def _is_token(item: object) -> bool:
     return item is not _END and item is not _QUIET and not isinstance(item, (BaseException, Admitted))
 
 
+# The fewest reply tokens a request whose limit runs past the window is still served with.
+ROOM_FOR_A_REPLY = 256
+
+
 @dataclass(frozen=True)
 class TurnRequest:
     """A conversation that wants the next assistant message, in OpenAI chat's plain-dict shapes."""
@@ -78,6 +82,10 @@ class TurnRequest:
     stop: list[str] = field(default_factory=list)
     top_logprobs: int | None = None  # None: no logprobs; 0: the sampled token's only
     parallel_tool_calls: bool = True
+    # With no max_tokens, the reply may take the rest of the window (OpenAI's Responses API, which
+    # Codex counts on: it sends no limit and takes a reply cut short for an error) rather than
+    # NEXTSTATE_DEFAULT_MAX_TOKENS.
+    unlimited: bool = False
     # Structured output: the JSON schema (as JSON text) the reply is decoded under
     # (modelio/structured_output.py); only when no tool may be called, since a reply held to
     # the schema from its first token could never be a tool call.
@@ -208,7 +216,10 @@ class TurnService:
         limit = self.engine.info.max_context
         room = limit - prompt_len
         requested = request.max_tokens
-        if room < 1 or (requested is not None and requested > room):
+        # A limit past the window gets what the window leaves (as llama.cpp's and Ollama's
+        # servers do: coding agents ask for 32k on any model), unless that is too little to be
+        # a reply an agent can use: then the error that makes an agent compact or say so.
+        if room < 1 or (requested is not None and room < min(requested, ROOM_FOR_A_REPLY)):
             raise invalid_request(
                 f"This model's maximum context length is {limit} tokens. However, you requested "
                 f"{prompt_len + (requested or 1)} tokens ({prompt_len} in the messages, "
@@ -216,8 +227,9 @@ class TurnService:
                 param="messages",
                 code="context_length_exceeded",
             )
+        wanted = requested or (room if request.unlimited else self.default_max_tokens)
         return SamplingParams(
-            max_new_tokens=requested or min(self.default_max_tokens, room),
+            max_new_tokens=min(wanted, room),
             temperature=1.0 if request.temperature is None else request.temperature,
             top_p=1.0 if request.top_p is None else request.top_p,
             seed=request.seed,

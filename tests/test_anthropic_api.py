@@ -136,6 +136,18 @@ def test_keys_work_as_x_api_key_and_as_bearer_and_errors_have_anthropic_shape(se
     assert missing.status_code == 401 and missing.json()["error"]["type"] == "authentication_error"
 
 
+@pytest.mark.parametrize("thinking", [{"type": "adaptive"}, {"type": "enabled", "budget_tokens": 1024}, {"type": "disabled"}])
+def test_thinking_in_every_form_is_served_without_thinking_blocks(server, thinking):
+    """Claude Code sends `thinking: {"type": "adaptive"}` on every request (and a system message
+    among its messages); refused, it retried six times and exited. This model has no thinking:
+    the reply comes as it would with thinking off."""
+    message = claude(server).messages.create(
+        model="tiny", max_tokens=6, thinking=thinking, system="Be brief.",
+        messages=[{"role": "system", "content": "You are in a terminal."}, *HELLO])
+    assert message.content and all(block.type == "text" for block in message.content)
+    assert [m["role"] for m in last_request(server)["messages"]] == ["system", "system", "user"]
+
+
 def test_the_same_conversation_through_both_apis_gives_the_same_sessions_transitions_and_samples(
     server_factory, judge,
 ):

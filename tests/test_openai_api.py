@@ -275,6 +275,26 @@ def test_context_length_is_checked(server):
     assert err["code"] == "context_length_exceeded"
 
 
+def test_a_reply_limit_past_the_window_gets_what_the_window_leaves(scripted):
+    """opencode asks for 32,000 tokens whatever the model: served with the room the window
+    leaves (4,096 here), as llama.cpp's and Ollama's servers do. A limit the window cannot give
+    even ROOM_FOR_A_REPLY of is still the error an agent compacts on."""
+    from nextstate.proxy.turns import ROOM_FOR_A_REPLY
+
+    server, engine = scripted
+    client = server.client(server.key("a"))
+    reply = client.chat.completions.create(model="tiny", messages=HELLO, max_tokens=32_000)
+    assert engine.samplings[-1].max_new_tokens == 4096 - reply.usage.prompt_tokens
+    client.chat.completions.create(model="tiny", messages=HELLO)
+    assert engine.samplings[-1].max_new_tokens == 512, "no limit: NEXTSTATE_DEFAULT_MAX_TOKENS"
+    client.responses.create(model="tiny", input="Say hello.")
+    assert engine.samplings[-1].max_new_tokens > 4000, "no limit on the Responses API: the window's room, as OpenAI's"
+    filler = "word " * (4096 - ROOM_FOR_A_REPLY // 2)
+    err = _error(raw_post(server, {"model": "tiny", "messages": [{"role": "user", "content": filler}], "max_tokens": 1000},
+                          server.key("a")), 400)
+    assert err["code"] == "context_length_exceeded"
+
+
 def test_unknown_route_is_404_in_openai_shape(server):
     resp = httpx.get(f"{server.base_url}/nope", headers={"Authorization": "Bearer x"})
     _error(resp, 404)

@@ -101,7 +101,6 @@ def test_what_cannot_be_honoured_is_a_400_that_says_so(server, alice):
     image = [{"role": "user", "content": [{"type": "input_image", "image_url": "https://example.com/a.png"}]}]
     cases = [
         ({"input": image}, "input_image"),
-        ({"input": "Hi", "tools": [{"type": "web_search"}]}, "web_search"),
         ({"input": "Hi", "background": True}, "background"),
         ({"input": "Hi", "text": {"format": {"type": "json_schema", "name": "x"}}}, "schema"),
         ({"input": "Hi", "text": {"format": {"type": "grammar"}}}, "format"),
@@ -114,6 +113,38 @@ def test_what_cannot_be_honoured_is_a_400_that_says_so(server, alice):
     with pytest.raises(openai.BadRequestError) as refused:
         alice.responses.create(model="tiny", max_output_tokens=4, input=[{"role": "robot", "content": "Hi"}])
     assert refused.value.body["param"] == "input[0].role" and "'user', 'assistant'" in refused.value.body["message"]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_codexs_tools_are_served_a_namespace_as_its_functions_and_web_search_left_out(scripted, stream):
+    """Codex CLI sends its sub-agent tools as a `namespace` group and the built-in `web_search`;
+    both were refused on its first request. The namespace's functions are offered by their full
+    name, a call to one comes back with `name` and `namespace` apart, and sent back so it renders
+    as it was offered."""
+    server, engine = scripted
+    spawn = 'Spawning.\n<tool_call>\n{"name": "collaboration.spawn_agent", "arguments": {"message": "look"}}\n</tool_call>'
+    engine.script(spawn, "Done.")
+    client = server.client(server.key("alice"))
+    tools = [{"type": "function", **WEATHER}, {"type": "web_search", "external_web_access": False},
+             {"type": "namespace", "name": "collaboration", "description": "Sub-agents.", "tools": [
+                 {"type": "function", "name": "spawn_agent", "description": "Spawns an agent.", "strict": False,
+                  "parameters": {"type": "object", "properties": {"message": {"type": "string"}}}}]}]
+
+    def ask(**kwargs):
+        if not stream:
+            return client.responses.create(model="tiny", tools=tools, max_output_tokens=60, **kwargs)
+        with client.responses.stream(model="tiny", tools=tools, max_output_tokens=60, **kwargs) as s:
+            return s.get_final_response()
+
+    first = ask(input=FIRST)
+    call = first.output[-1]
+    assert call.type == "function_call" and call.name == "spawn_agent" and call.namespace == "collaboration"
+    offered = [t["function"]["name"] for t in last_request(server)["tools"]]
+    assert offered == ["get_weather", "collaboration.spawn_agent"], "web_search is left out"
+    result = {"type": "function_call_output", "call_id": call.call_id, "output": "started"}
+    ask(input=[{"role": "user", "content": FIRST}, *[item.model_dump(exclude_none=True) for item in first.output], result])
+    sent_back = last_request(server)["messages"][-2]
+    assert sent_back["tool_calls"][0]["function"]["name"] == "collaboration.spawn_agent"
 
 
 def test_the_same_conversation_through_responses_and_chat_gives_the_same_sessions_transitions_and_samples(

@@ -8,7 +8,8 @@ so a Messages conversation is rendered, matched to its session, judged and train
 the same conversation through chat completions would be.
 
 As for chat completions, unknown fields are ignored and known ones nextstate cannot honour
-(images, documents, extended thinking, `top_k`) are a 400 that says so.
+(images, documents, `top_k`) are a 400 that says so. Extended thinking, in each of its forms, is
+accepted and served without thinking blocks (this model has none).
 """
 
 from __future__ import annotations
@@ -71,7 +72,9 @@ class Block(ExtraAllowedModel):
 
 
 class InputMessage(ExtraAllowedModel):
-    role: Literal["user", "assistant"]
+    # "system": Claude Code sends one among its messages (the real API refuses it, and Claude
+    # Code retries without); served here as a system message where it stands
+    role: Literal["user", "assistant", "system"]
     content: str | list[Block]
 
     @model_validator(mode="after")
@@ -101,13 +104,13 @@ class ToolChoice(ExtraAllowedModel):
 
 
 class Thinking(ExtraAllowedModel):
-    type: str
+    """`adaptive`, `enabled` (with `budget_tokens`) or `disabled`. The model has no thinking, so
+    every form is served as the real API serves a model that thinks little: no thinking blocks,
+    the reply straight away. Claude Code sends `adaptive` on every request and gives up after
+    six refusals of it."""
 
-    @model_validator(mode="after")
-    def _off(self) -> Thinking:
-        if self.type != "disabled":
-            raise ValueError("extended thinking is not supported by this model")
-        return self
+    type: Literal["adaptive", "enabled", "disabled"]
+    budget_tokens: int | None = Field(None, ge=1)
 
 
 class MessagesRequest(SessionFields):
@@ -150,6 +153,9 @@ class MessagesRequest(SessionFields):
         for message in self.messages:
             blocks = [Block(type="text", text=message.content)] if isinstance(message.content, str) else message.content
             text = "".join(block.text or "" for block in blocks if block.type == "text")
+            if message.role == "system":
+                out.append({"role": "system", "content": text})
+                continue
             if message.role == "assistant":
                 reply: dict[str, Any] = {"role": "assistant", "content": text}
                 calls = [b for b in blocks if b.type == "tool_use"]

@@ -9,8 +9,11 @@ function calls after it become one assistant message with `tool_calls`, as chat 
 would have returned it — so a Responses conversation is rendered, matched to its session,
 judged and trained like the same conversation through chat completions.
 
-Unknown fields are ignored; known ones nextstate cannot honour (images and files, built-in
-tools, background mode, structured output formats) are a 400 that says so.
+Unknown fields are ignored; known ones nextstate cannot honour (images and files, background
+mode) are a 400 that says so. Tools the API would run itself (`web_search` and the like) are
+left out of the model's prompt: Codex sends web search unless told not to, and was refused on its
+first request. A `namespace` tool's functions are offered as `namespace.function` and their calls
+come back with `name` and `namespace` apart, as Codex sends them.
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ class Item(ExtraAllowedModel):
     content: str | list[Part] | None = None
     call_id: str | None = None  # function_call, function_call_output
     name: str | None = None  # function_call
+    namespace: str | None = None  # function_call of a function inside a `namespace` tool
     arguments: str | None = None  # function_call
     output: str | list[Part] | None = None  # function_call_output
 
@@ -75,20 +79,42 @@ class Item(ExtraAllowedModel):
         return "".join(part.text or "" for part in value or [])
 
 
+class NamespacedFunction(ExtraAllowedModel):
+    """A function inside a `namespace` tool."""
+
+    type: Literal["function"]
+    name: str = Field(pattern=r"^[a-zA-Z0-9_.\-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
 class FunctionTool(ExtraAllowedModel):
+    """A function tool; a `namespace` tool groups function tools under its name (Codex sends its
+    sub-agent tools so); any other type is a tool the API runs itself (`web_search`,
+    `file_search`, ...), which this server cannot: it is left out of the model's prompt."""
+
     type: str
     name: str | None = Field(None, pattern=r"^[a-zA-Z0-9_.\-]{1,64}$")
     description: str | None = None
     parameters: dict[str, Any] | None = None
     strict: bool | None = None
+    tools: list[NamespacedFunction] | None = None  # a namespace's
 
     @model_validator(mode="after")
-    def _functions_only(self) -> FunctionTool:
-        if self.type != "function":
-            raise ValueError(f"tools of type '{self.type}' are not supported; only function tools are")
-        if not self.name:
-            raise ValueError("a function tool needs 'name'")
+    def _named(self) -> FunctionTool:
+        if self.type in ("function", "namespace") and not self.name:
+            raise ValueError(f"a {self.type} tool needs 'name'")
         return self
+
+    def functions(self) -> list[tuple[str, FunctionTool | NamespacedFunction]]:
+        """The functions the model can call, each with the name it calls it by: a namespace's as
+        `namespace.function`; none for a tool the API would run."""
+        if self.type == "function":
+            return [(self.name or "", self)]
+        if self.type == "namespace":
+            return [(f"{self.name}.{t.name}", t) for t in self.tools or []]
+        return []
 
 
 class NamedFunction(ExtraAllowedModel):
@@ -137,9 +163,9 @@ class ResponsesRequest(SessionFields):
         if isinstance(self.input, list) and not self.input:
             raise ValueError("input must be a string or a non-empty list of items")
         if isinstance(self.tool_choice, NamedFunction):
-            if self.tool_choice.name not in {t.name for t in self.tools or []}:
+            if self.tool_choice.name not in {name for name, _ in self._functions()}:
                 raise ValueError(f"tool_choice names '{self.tool_choice.name}', which is not in tools")
-        elif self.tool_choice == "required" and not self.tools:
+        elif self.tool_choice == "required" and not self._functions():
             raise ValueError("tool_choice 'required' needs tools")
         return self
 
@@ -173,8 +199,9 @@ class ResponsesRequest(SessionFields):
                 role = "system" if item.role == "developer" else item.role
                 out.append({"role": role, "content": item.text()})
             elif kind == "function_call":
+                name = f"{item.namespace}.{item.name}" if item.namespace else item.name
                 call = {"id": item.call_id, "type": "function",
-                        "function": {"name": item.name, "arguments": parse_arguments(item.arguments)}}
+                        "function": {"name": name, "arguments": parse_arguments(item.arguments)}}
                 last = out[-1] if out else None
                 if last is not None and last["role"] == "assistant":
                     last.setdefault("tool_calls", []).append(call)  # the text it followed, one message
@@ -184,10 +211,26 @@ class ResponsesRequest(SessionFields):
                 out.append({"role": "tool", "tool_call_id": item.call_id, "content": item.text()})
         return out
 
+    def _functions(self) -> list[tuple[str, FunctionTool | NamespacedFunction]]:
+        return [pair for tool in self.tools or [] for pair in tool.functions()]
+
     def tool_dicts(self) -> list[dict[str, Any]] | None:
-        if not self.tools:
+        functions = self._functions()
+        if not functions:
             return None
-        return [function_tool(t.name, t.description, t.parameters) for t in self.tools]
+        return [function_tool(name, t.description, t.parameters) for name, t in functions]
+
+    def left_out_tools(self) -> list[str]:
+        """The tools the API would run itself, which the model is not offered."""
+        return [t.type for t in self.tools or [] if t.type not in ("function", "namespace")]
+
+    def call_names(self, name: str) -> dict[str, str]:
+        """A call's `name` as the client knows it, with its `namespace` where it has one."""
+        for tool in self.tools or []:
+            if tool.type == "namespace" and name.startswith(f"{tool.name}.") and any(
+                    name == f"{tool.name}.{t.name}" for t in tool.tools or []):
+                return {"name": name.removeprefix(f"{tool.name}."), "namespace": tool.name or ""}
+        return {"name": name}
 
     def tool_choice_plain(self) -> str | dict[str, Any] | None:
         if isinstance(self.tool_choice, NamedFunction):

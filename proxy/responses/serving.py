@@ -88,10 +88,10 @@ class ResponseBuilder:
         content = [{"type": "output_text", "text": text, "annotations": []}] if status == "completed" else []
         return {"id": self.message_id, "type": "message", "status": status, "role": "assistant", "content": content}
 
-    @staticmethod
-    def _call_item(call: ParsedToolCall, status: str) -> dict[str, Any]:
+    def _call_item(self, call: ParsedToolCall, status: str) -> dict[str, Any]:
         return {"id": "fc_" + call.id.removeprefix("call_"), "type": "function_call", "status": status,
-                "call_id": call.id, "name": call.name, "arguments": call.arguments if status == "completed" else ""}
+                "call_id": call.id, **self.body.call_names(call.name),
+                "arguments": call.arguments if status == "completed" else ""}
 
     # ------------------------------------------------------------------ events
 
@@ -185,7 +185,7 @@ class ResponsesServing:
             model=body.model, messages=system + conversation, hints=TurnHints.from_request(headers, body),
             tools=body.tool_dicts(), tool_choice=body.tool_choice_plain(), max_tokens=body.max_output_tokens,
             temperature=body.temperature, top_p=body.top_p, parallel_tool_calls=body.parallel_tool_calls is not False,
-            id_prefix="resp_", reply_schema=body.reply_schema(),
+            id_prefix="resp_", reply_schema=body.reply_schema(), unlimited=True,
         )
         return await self.turns.prepare(request, key), conversation
 
