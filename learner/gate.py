@@ -72,6 +72,7 @@ from typing import TYPE_CHECKING, Any
 from nextstate.core.stores.samples import SampleStore
 from nextstate.core.settings import LearnerSettings
 from nextstate.core.types import Sample
+from nextstate.engine.prefix_cache import common_prefix
 from nextstate.learner.held_out import MIN_GAIN_TURNS, MIN_HELD_OUT, VersionFigures
 
 if TYPE_CHECKING:  # the trainer loads torch; the gate's figures and verdicts do not need it
@@ -91,11 +92,13 @@ GATE_SAMPLED_REPLIES = 2
 # (bench/personalization.py), so the gate guards what the issue's quality target measures.
 # Thirty-two new tokens of SmolLM2 are ~20-25 words.
 REPETITION_WORDS = 16
-# The gate's replies read the last this many tokens of their prompt. An agent's prompts are
-# 5-8k tokens (OpenClaw), and on a CPU prefilling eight of them is most of a check: six
-# OpenClaw prompts of 5.4-7k tokens took 647 s to answer whole and 129 s cut to their last 2048
-# tokens, with the same greedy replies (SmolLM2, two busy cores). Candidate and base read the
-# same cut prompts, so the comparison stays paired.
+# The gate's replies read their prompts whole where all of them cost no more than eight prompts
+# of this many tokens beyond what they share (one agent's turns share its setup and conversation:
+# four OpenClaw prompts of 3.8-4.5k tokens are 4.5k tokens read), else the last this many tokens
+# of each. An agent's prompts are 5-8k tokens (OpenClaw), and on a CPU prefilling eight of them
+# apart is most of a check: six OpenClaw prompts of 5.4-7k tokens took 647 s to answer whole and
+# 129 s cut to their last 2048 tokens (SmolLM2, two busy cores). Candidate and base read the
+# same prompts, so the comparison stays paired.
 GATE_PROMPT_TOKENS = 2048
 # Each backtrack of a version the gate refused keeps this share of the step tried before.
 BACKTRACK_FACTOR = 0.5
@@ -184,16 +187,35 @@ def surprise(read: list[float], own: list[list[float]]) -> float | None:
 
 
 def gate_prompts(candidates: list[list[int]]) -> list[list[int]]:
-    """The first GATE_PROMPTS distinct non-empty prompts, each its last GATE_PROMPT_TOKENS (a
-    greedy reply to the same prompt twice tells nothing new)."""
+    """The first GATE_PROMPTS distinct non-empty prompts (a reply to the same prompt twice tells
+    nothing new): whole, where reading them all costs no more than GATE_PROMPTS prompts of
+    GATE_PROMPT_TOKENS beyond what they share (the trainer reads each from what an earlier one
+    shares with it), else each its last GATE_PROMPT_TOKENS."""
+    whole = _distinct(candidates)
+    if _read_tokens(whole) <= GATE_PROMPTS * GATE_PROMPT_TOKENS:
+        return whole
+    return _distinct([ids[-GATE_PROMPT_TOKENS:] for ids in candidates])
+
+
+def _distinct(candidates: list[list[int]]) -> list[list[int]]:
     seen, out = set(), []
     for ids in candidates:
-        ids = ids[-GATE_PROMPT_TOKENS:]
         key = tuple(ids)
         if ids and key not in seen:
             seen.add(key)
             out.append(ids)
     return out[:GATE_PROMPTS]
+
+
+def _read_tokens(prompts: list[list[int]]) -> int:
+    """Tokens a read of `prompts` computes when each (shortest first) starts from the longest
+    prefix it shares with one read before it."""
+    done: list[list[int]] = []
+    total = 0
+    for ids in sorted(prompts, key=len):
+        total += len(ids) - max((common_prefix(ids, d) for d in done), default=0)
+        done.append(ids)
+    return total
 
 
 def mean(values: list[float | None]) -> float | None:

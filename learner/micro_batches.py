@@ -62,3 +62,15 @@ def micro_batches(rows: Sequence[Sequence[int]], budget: int) -> list[list[int]]
     if current:
         groups.append(current)
     return [sorted(i for host in group for i in guests[host]) for group in groups]
+
+
+def length_groups(lengths: Sequence[int], ratio: float = 2.0) -> list[list[int]]:
+    """Indices grouped for left-padded batches, shortest first: a group takes lengths up to
+    `ratio` times its shortest, so no row is mostly padding."""
+    groups: list[list[int]] = []
+    for i in sorted(range(len(lengths)), key=lambda j: lengths[j]):
+        if groups and lengths[i] <= ratio * lengths[groups[-1][0]]:
+            groups[-1].append(i)
+        else:
+            groups.append([i])
+    return groups

@@ -40,7 +40,7 @@ from nextstate.learner.learning_rate import resolve_learning_rate, warmed_up
 from nextstate.learner.held_out import HintMove, VersionFigures, figures as held_out_figures, probe_passages, shipped_lines
 from nextstate.learner.host_memory import release_freed_memory
 from nextstate.learner.memory_budget import MemoryBudget, Refusal
-from nextstate.learner.micro_batches import micro_batches, padded_tokens, prefix_hosts
+from nextstate.learner.micro_batches import length_groups, micro_batches, padded_tokens, prefix_hosts
 from nextstate.learner.ppo import k3_kl, ppo_token_losses
 from nextstate.learner.prompt_prefix import PromptPrefixes
 from nextstate.learner.seeded_sampling import SeededGumbel, row_seed
@@ -124,6 +124,8 @@ BASE_HELD_OUT_KEPT = 4096
 # The base model's keys and values kept of the prompts it read (LoraTrainer._base_hidden): an
 # agent's conversation, about 4.5k tokens of SmolLM2 at 46 KB each in fp32, twice over.
 BASE_KV_BYTES = 512 << 20
+# What one gate read keeps of the prompts it read, for the next of them that shares a start.
+GATE_KV_BYTES = 1 << 30
 
 
 def logit_rows(vocab_size: int) -> int:
@@ -690,10 +692,19 @@ class LoraTrainer:
 
     def _generate(self, prompts: list[list[int]], max_new: int, sampled: int | None) -> Replies:
         """Greedy replies, or `sampled` replies per prompt at temperature 1 (greedy decoding of
-        seeded Gumbel-perturbed logits), in one left-padded batch, with each prompt's chance of
-        an empty reply."""
-        if not prompts:
-            return Replies([], [])
+        seeded Gumbel-perturbed logits), with each prompt's chance of an empty reply. Prompts go
+        in left-padded batches of similar lengths: eight everyday questions padded to an agent
+        prompt's 2k tokens cost as much as four more agent prompts (45 of 76 s of one read)."""
+        per_prompt = sampled or 1
+        ids: list[list[list[int]]] = [[] for _ in prompts]
+        empty: list[float] = [0.0] * len(prompts)
+        for group in length_groups([len(p) for p in prompts]):
+            replies = self._generate_batch([prompts[i] for i in group], max_new, sampled)
+            for k, i in enumerate(group):
+                ids[i], empty[i] = replies.ids[k * per_prompt:(k + 1) * per_prompt], replies.empty[k]
+        return Replies([reply for replies in ids for reply in replies], empty)
+
+    def _generate_batch(self, prompts: list[list[int]], max_new: int, sampled: int | None) -> Replies:
         model = self.model if self.model is not None else self._base
         pad = self._pad_id(model)
         per_prompt = sampled or 1
@@ -704,8 +715,8 @@ class LoraTrainer:
         noise = LogitsProcessorList([SeededGumbel([row_seed(p, j) for p in prompts for j in range(per_prompt)], width)]
                                     if sampled else [])
         read = {}
-        if per_prompt > 1 and width > 1:
-            read["past_key_values"] = self._read_once(model, ids[::per_prompt, :-1], mask[::per_prompt, :-1], per_prompt)
+        if width > 1:
+            read["past_key_values"] = self._read_once(model, rows[::per_prompt], width, per_prompt)
         with torch.no_grad(), warnings.catch_warnings():
             # transformers 5 renames generate's past_key_values to `cache`; 4.56-4.x, which
             # pyproject allows, know only the old name
@@ -716,17 +727,33 @@ class LoraTrainer:
         empty = self._empty_chance(model, generated.logits[0][::per_prompt])  # a prompt's rows share their first step
         return Replies([self._until_stop(model, row) for row in generated.sequences[:, width:].tolist()], empty)
 
-    @staticmethod
-    def _read_once(model: torch.nn.Module, ids: torch.Tensor, mask: torch.Tensor, replies: int) -> Any:
-        """The KV cache of each (left-padded) prompt but its last token, read once and repeated
-        for each of its `replies`: an agent's prompt is thousands of tokens, and reading it once
-        per reply doubled the sampled gate check's prefill on a CPU. Positions as generate gives
-        them (from the mask), so the replies are the ones a full read would give."""
-        positions = (mask.long().cumsum(-1) - 1).clamp(min=0)
+    def _read_once(self, model: torch.nn.Module, prompts: list[list[int]], width: int, replies: int) -> Any:
+        """The KV cache of each prompt but its last token, left-padded to `width` - 1, read once
+        and repeated for each of its `replies`: reading an agent's prompt once per reply doubled
+        the sampled gate check's prefill on a CPU. Each prompt is read alone, from the longest
+        prefix an earlier one of them shares with it (an agent's turns share its system prompt
+        and conversation: four OpenClaw prompts are 4.5k tokens read, not 16k); its positions
+        start at 0 as generate gives them from the mask, so the replies are a full read's."""
+        if any(len(p) < 2 for p in prompts):
+            return None  # a one-token prompt has nothing to read first: generate reads them all
+        kept = PrefixCache(GATE_KV_BYTES)
+        rows = []
         with torch.no_grad():
-            cache = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True).past_key_values
-        cache.batch_repeat_interleave(replies)
-        return cache
+            for prompt in prompts:
+                head = prompt[:-1]
+                hit = kept.longest(None, None, head, len(head))
+                done = hit.length if hit is not None else 0
+                cache = kv_cache.to_cache(hit.kv) if hit is not None else kv_cache.new_cache()
+                if done < len(head):
+                    model(input_ids=torch.tensor([head[done:]], device=self.device), use_cache=True,
+                          **{kv_cache.cache_argument(self._base): cache})  # peft passes it on by name
+                kv = kv_cache.tokens(kv_cache.tensors(cache), 0, len(head), copy=True)
+                kept.put(None, None, head, kv)
+                rows.append(kv_cache.pad_left(kv, width - 1 - len(head)))
+        batch = tuple((torch.cat([row[layer][0] for row in rows]).repeat_interleave(replies, 0),
+                       torch.cat([row[layer][1] for row in rows]).repeat_interleave(replies, 0))
+                      for layer in range(len(rows[0])))
+        return kv_cache.to_cache(batch)
 
     @staticmethod
     def _pad_id(model: torch.nn.Module) -> int:

@@ -221,13 +221,16 @@ def test_the_gate_answers_distinct_prompts_and_at_most_eight():
     assert len(chosen) == GATE_PROMPTS == 8
 
 
-def test_the_gate_reads_the_end_of_an_agents_long_prompt():
-    """Six OpenClaw prompts of 5.4-7k tokens took 647 s to answer whole on a CPU, 129 s cut to their
-    last 2048 tokens, with the same greedy replies: the gate reads each prompt's end, and two
-    prompts that end alike are one."""
+def test_the_gate_reads_an_agents_turns_whole_and_unrelated_long_prompts_at_their_end():
+    """One agent's turns share its setup, which the trainer reads once: they are answered whole.
+    Six unrelated OpenClaw-size prompts took 647 s to answer whole on a CPU and 129 s cut to their
+    last 2048 tokens, with the same greedy replies: past eight prompts' worth of reading beyond
+    what they share, each is cut to its end, and two prompts that end alike are one."""
     from nextstate.learner.gate import GATE_PROMPT_TOKENS, gate_prompts
 
     system = list(range(5000))
-    chosen = gate_prompts([[7] + system + [1, 2], [8] + system + [1, 2], system + [3]])
+    turns = [system + [1, 2], system + [1, 2, 3, 4], system + [1, 2, 3, 4, 5, 6]]
+    assert gate_prompts(turns) == turns, "5,006 tokens read in all"
+    chosen = gate_prompts([[k] + system + [1, 2] for k in range(3)] + [system + [3]])
     assert [len(p) for p in chosen] == [GATE_PROMPT_TOKENS] * 2
     assert chosen[0][-2:] == [1, 2] and chosen[1][-1] == 3

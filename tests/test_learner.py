@@ -979,18 +979,22 @@ def test_the_chance_of_an_empty_reply_is_the_stop_tokens_share_of_the_first_step
 
 def test_the_gates_sampled_replies_read_each_prompt_once_and_are_the_replies_of_a_full_read(tiny_model_dir, monkeypatch):
     """Each prompt's cache is read once and repeated for its two replies (an agent's prompt is
-    thousands of tokens); the replies and their empty-reply chances are those of reading each
-    row whole, prompts of different lengths (left-padded) included."""
+    thousands of tokens), from what an earlier prompt of the batch shares with it, in batches of
+    similar lengths; the replies and their empty-reply chances are those of reading each row
+    whole, prompts of different lengths (left-padded) included."""
     trainer = LoraTrainer(tiny_model_dir, LearnerSettings(lora_r=4, lora_alpha=8, gate_replies="sampled"))
     trainer.ensure_scope("alice")
-    prompts = [PROMPT[:8], PROMPT, PROMPT[3:20]]
+    prompts = [PROMPT[:8], PROMPT, PROMPT[:20], PROMPT[3:20]]
     rows = []
     backbone, _ = trainer._backbone_and_head()
-    hook = backbone.register_forward_pre_hook(lambda m, args, kwargs: rows.append(kwargs["input_ids"].shape), with_kwargs=True)
+    hook = backbone.register_forward_pre_hook(lambda m, args, kwargs: rows.append(tuple(kwargs["input_ids"].shape)),
+                                              with_kwargs=True)
     shared = trainer.sampled(prompts, 12, 2)
     hook.remove()
-    assert rows[0] == (3, len(PROMPT) - 1), "three prompts read once, all but their last token"
-    monkeypatch.setattr(LoraTrainer, "_read_once", staticmethod(lambda *args: None))
+    # 8 tokens alone (17 is over twice 8); then 17, 20 and 25, the last reading only what follows the 20
+    assert [r for r in rows if r[0] == 1] == [(1, 7), (1, 16), (1, 19), (1, 5)], "all but the last token, once"
+    assert {r[0] for r in rows if r[0] > 1} == {2, 6}, "two replies a prompt, a batch of one prompt and one of three"
+    monkeypatch.setattr(LoraTrainer, "_read_once", lambda *args: None)
     whole = trainer.sampled(prompts, 12, 2)
     assert shared.ids == whole.ids
     assert shared.empty == pytest.approx(whole.empty, rel=1e-4)
