@@ -23,48 +23,12 @@ from typing import Any, ClassVar, Literal
 from pydantic import BaseModel, Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from nextstate.core.agent_texts import HARNESS_NOTICES, HARNESS_TURNS, HARNESS_WRAPPERS, VOLATILE_PATTERNS
 from nextstate.core.stores.database import is_postgres_url
 
 log = logging.getLogger(__name__)
 
 _ENV = SettingsConfigDict(env_prefix="NEXTSTATE_", extra="ignore")
-
-# Text that changes between requests of one conversation, removed before matching a request to
-# its session. OpenClaw 2026.9 (tests/data/openclaw-2026.9.6): a "[Mon 2026-11-23 09:25
-# UTC] " prefix on every user message, "Current date:"/"Current time:" lines in the system
-# prompt (they change at midnight), the "Runtime: agent=... | model=..." line of the first
-# user message, and the runtime-context block its full setup appends to requests.
-OPENCLAW_VOLATILE_PATTERNS = (
-    r"^\[(?:Mon|Tue|Wed|Thu|Fri|Sat|Sun) \d{4}-\d{2}-\d{2} \d{2}:\d{2}(?::\d{2})?(?: [A-Za-z][\w+:/-]*)?\] ",
-    r"(?m)^Current (?:date|time): .*$",
-    r"(?m)^Runtime: agent=.*$",
-    r"(?s)<<<BEGIN_OPENCLAW_INTERNAL_CONTEXT>>>.*?<<<END_OPENCLAW_INTERNAL_CONTEXT>>>",
-)
-# Next states an agent writes itself, not its user: a turn followed by one of these failed (no
-# visible answer) and is rewarded -1 without asking the judge. OpenClaw 2026.9's retry notice.
-OPENCLAW_HARNESS_PATTERNS = (
-    r"^(?:\[[^\]\n]{1,60}\]\s*)?The previous attempt did not produce a user-visible answer\.",
-)
-
-# Requests an agent sends for itself, served as side turns (proxy/harness_turns.py): OpenClaw
-# 2026.9's pre-compaction memory flush (the last user message) and its compaction summariser
-# (the system prompt).
-OPENCLAW_HARNESS_TURNS = (
-    r"\A(?:\[[^\]\n]{1,60}\]\s*)?Pre-compaction memory flush\.",
-    r"\AYou are a context summarization assistant\.",
-)
-
-# Text an agent wraps around its user's words, removed from what the judge reads (the records keep
-# it): OpenClaw 2026.9's timestamp envelope on every message ("[Thu 2026-11-26 11:34 UTC] "), its
-# runtime line, and its notice over a message typed while a reply was aborted, folded into the
-# next one (after the envelope, when the envelope is there).
-OPENCLAW_HARNESS_WRAPPERS = (
-    r"\A\[(?:Mon|Tue|Wed|Thu|Fri|Sat|Sun) \d{4}-\d{2}-\d{2} \d{2}:\d{2}(?::\d{2})?(?: [A-Za-z][\w+:/-]*)?\] ",
-    r"(?m)^Runtime: agent=.*(?:\n|\Z)",
-    r"(?m)^(?:\[[^\]\n]{1,60}\]\s*)?\[Queued user message from a previous active turn; preserved as context only\. "
-    r"Continue with the active prompt below\.\]\n?",
-)
-
 
 def _compiled(patterns: list[str]) -> list[str]:
     for pattern in patterns:
@@ -186,12 +150,12 @@ class ServerSettings(BaseSettings):
         4, ge=1, description="Replies one user may have in generation at once; more get a 429."
     )
     session_volatile_patterns: list[str] = Field(
-        list(OPENCLAW_VOLATILE_PATTERNS),
+        list(VOLATILE_PATTERNS),
         description="Regexes (JSON list) of text removed before matching a request to its session.",
     )
 
     harness_turns: list[str] = Field(
-        list(OPENCLAW_HARNESS_TURNS),
+        list(HARNESS_TURNS),
         description="Regexes (JSON list): a request whose system prompt or last user message matches one is the "
         "agent's own (a memory flush, a compaction), served as a side turn: never a next state, a session or trained.",
     )
@@ -449,12 +413,12 @@ class JudgeSettings(BaseSettings):
     outcome_min: float = Field(-1.0, description="Lowest outcome reward POST /v1/sessions/{id}/outcome accepts.")
     outcome_max: float = Field(1.0, description="Highest outcome reward it accepts.")
     harness_patterns: list[str] = Field(
-        list(OPENCLAW_HARNESS_PATTERNS),
+        list(HARNESS_NOTICES),
         description="Regexes (JSON list): a next state matching one is the agent's own notice, a format failure.",
     )
 
     harness_wrappers: list[str] = Field(
-        list(OPENCLAW_HARNESS_WRAPPERS),
+        list(HARNESS_WRAPPERS),
         description="Regexes (JSON list) of text an agent wraps around its user's words, removed before judging.",
     )
 

@@ -23,12 +23,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from nextstate.core.lru import SizedLRU
-from nextstate.core.settings import OPENCLAW_VOLATILE_PATTERNS
+from nextstate.core.agent_texts import VOLATILE_PATTERNS
 
 class VolatileText:
     """Removes text that changes between requests of one conversation, for matching only."""
 
-    def __init__(self, patterns: Iterable[str] = OPENCLAW_VOLATILE_PATTERNS) -> None:
+    def __init__(self, patterns: Iterable[str] = VOLATILE_PATTERNS) -> None:
         self.patterns = [re.compile(p) for p in patterns]
 
     def __call__(self, text: str) -> str:

@@ -219,11 +219,16 @@ class TurnService:
         # A limit past the window gets what the window leaves (as llama.cpp's and Ollama's
         # servers do: coding agents ask for 32k on any model), unless that is too little to be
         # a reply an agent can use: then the error that makes an agent compact or say so.
-        if room < 1 or (requested is not None and room < min(requested, ROOM_FOR_A_REPLY)):
+        if room < 1:
+            raise invalid_request(
+                f"This model's maximum context length is {limit} tokens. However, your messages are {prompt_len} "
+                "tokens long. Please reduce the length of the messages.", param="messages", code="context_length_exceeded",
+            )
+        if requested is not None and room < min(requested, ROOM_FOR_A_REPLY):
             raise invalid_request(
                 f"This model's maximum context length is {limit} tokens. However, you requested "
-                f"{prompt_len + (requested or 1)} tokens ({prompt_len} in the messages, "
-                f"{requested or 1} in the completion). Please reduce the length of the messages or completion.",
+                f"{prompt_len + requested} tokens ({prompt_len} in the messages, "
+                f"{requested} in the completion). Please reduce the length of the messages or completion.",
                 param="messages",
                 code="context_length_exceeded",
             )

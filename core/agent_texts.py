@@ -1,0 +1,77 @@
+"""What each agent harness writes into a conversation itself, as regexes: the defaults of the
+NEXTSTATE_SESSION_VOLATILE_PATTERNS, NEXTSTATE_HARNESS_TURNS, NEXTSTATE_HARNESS_PATTERNS and
+NEXTSTATE_HARNESS_WRAPPERS settings.
+
+An agent's own text arrives mixed with its person's: dates and runtime lines in the prompts,
+requests it sends for itself (titles, summaries), notices it puts where the person would answer.
+Each kind has a job in nextstate (matching a request to its session, side turns, format failures,
+what the judge reads). The texts are the harness's, found in captured traffic (tests/data) or in
+its released package, one tuple per harness and kind, joined per kind at the end.
+"""
+
+from __future__ import annotations
+
+# ---------------------------------------------------------------- OpenClaw 2026.9 (tests/data/openclaw-2026.9.6)
+
+# A "[Mon 2026-11-23 09:25 UTC] " prefix on every user message, "Current date:"/"Current time:"
+# lines in the system prompt (they change at midnight), the "Runtime: agent=... | model=..." line
+# of the first user message, and the runtime-context block its full setup appends to requests.
+OPENCLAW_VOLATILE = (
+    r"^\[(?:Mon|Tue|Wed|Thu|Fri|Sat|Sun) \d{4}-\d{2}-\d{2} \d{2}:\d{2}(?::\d{2})?(?: [A-Za-z][\w+:/-]*)?\] ",
+    r"(?m)^Current (?:date|time): .*$",
+    r"(?m)^Runtime: agent=.*$",
+    r"(?s)<<<BEGIN_OPENCLAW_INTERNAL_CONTEXT>>>.*?<<<END_OPENCLAW_INTERNAL_CONTEXT>>>",
+)
+# Its notice that a turn produced no visible answer, where the person's next message would be.
+OPENCLAW_NOTICES = (
+    r"^(?:\[[^\]\n]{1,60}\]\s*)?The previous attempt did not produce a user-visible answer\.",
+)
+# Its pre-compaction memory flush (the last user message) and compaction summariser (the system prompt).
+OPENCLAW_TURNS = (
+    r"\A(?:\[[^\]\n]{1,60}\]\s*)?Pre-compaction memory flush\.",
+    r"\AYou are a context summarization assistant\.",
+)
+# Its timestamp envelope on every message ("[Thu 2026-11-26 11:34 UTC] "), its runtime line, and
+# its notice over a message typed while a reply was aborted, folded into the next one (after the
+# envelope, when the envelope is there).
+OPENCLAW_WRAPPERS = (
+    r"\A\[(?:Mon|Tue|Wed|Thu|Fri|Sat|Sun) \d{4}-\d{2}-\d{2} \d{2}:\d{2}(?::\d{2})?(?: [A-Za-z][\w+:/-]*)?\] ",
+    r"(?m)^Runtime: agent=.*(?:\n|\Z)",
+    r"(?m)^(?:\[[^\]\n]{1,60}\]\s*)?\[Queued user message from a previous active turn; preserved as context only\. "
+    r"Continue with the active prompt below\.\]\n?",
+)
+
+# ---------------------------------------------------------------- Claude Code 2.1 (tests/data/coding-agents)
+
+# The <system-reminder> blocks it puts in user messages (dates, files it read, its own notes).
+CLAUDE_CODE_VOLATILE = (r"(?s)<system-reminder>.*?</system-reminder>",)
+# Its notices after a reply cut at max_tokens, sent as the next user message.
+CLAUDE_CODE_NOTICES = (
+    r"\AOutput token limit hit\b",
+    r"\AYour response was cut off because it exceeded the output token limit\.",
+)
+# Its conversation summaries (compaction), asked in the last user message.
+CLAUDE_CODE_TURNS = (r"(?m)^Your task is to create a detailed summary of (?:the|this) conversation",)
+CLAUDE_CODE_WRAPPERS = (r"(?s)<system-reminder>.*?</system-reminder>\s*",)
+
+# ---------------------------------------------------------------- Codex CLI 0.171 (tests/data/coding-agents)
+
+# The <environment_context> user message it sends with each conversation (its date changes at midnight).
+CODEX_VOLATILE = (r"(?s)<environment_context>.*?</environment_context>",)
+CODEX_WRAPPERS = (r"(?s)<environment_context>.*?</environment_context>\s*",)
+
+# ---------------------------------------------------------------- opencode 1.18 (tests/data/coding-agents)
+
+# Its title generator, sent with the conversation's own session id before the first turn.
+OPENCODE_TURNS = (r"\AYou are a title generator\. You output ONLY a thread title\.",)
+
+# ---------------------------------------------------------------- the defaults, per kind
+
+# Text removed before matching a request to its session (proxy/session_chain.py).
+VOLATILE_PATTERNS = OPENCLAW_VOLATILE + CLAUDE_CODE_VOLATILE + CODEX_VOLATILE
+# A next state matching one is the agent's own notice: the turn before it failed (learner rewards -1).
+HARNESS_NOTICES = OPENCLAW_NOTICES + CLAUDE_CODE_NOTICES
+# A request whose system prompt or last user message matches one is the agent's own: a side turn.
+HARNESS_TURNS = OPENCLAW_TURNS + CLAUDE_CODE_TURNS + OPENCODE_TURNS
+# Text an agent wraps around its person's words, removed from what the judge reads.
+HARNESS_WRAPPERS = OPENCLAW_WRAPPERS + CLAUDE_CODE_WRAPPERS + CODEX_WRAPPERS
