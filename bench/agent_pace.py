@@ -11,6 +11,8 @@ is rated −1 with a correction as soon as it ends, the way a person teaches it 
 short sentence."). Then the learner's progress is read every two seconds until a version is
 published: the time from the fourth rating to it, and how long each phase of the update took
 (scoring the serving version for the gate, training, the gate), from the live progress report.
+`--pause-s` after the version (20 s) the person writes again: that turn, the new version's first,
+is timed too, with how much of its prompt the engine had read already.
 
 The issue's targets (76): each turn's 256 tokens in at most 10 s, a version within 3 minutes of
 the fourth rating. `--set FIELD=VALUE` (a Settings field, repeatable) turns a lever on for one
@@ -84,6 +86,8 @@ def main() -> None:
     parser.add_argument("--wait-s", type=float, default=1800, help="longest wait for a version after the 4th rating")
     parser.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE", help="a Settings field for this run")
     parser.add_argument("--variant", help="a name for this run's result file (with --set)")
+    parser.add_argument("--pause-s", type=float, default=20.0,
+                        help="seconds between the version and the person's next turn, which is timed too")
     args = parser.parse_args()
     overrides = {k: parse_value(v) for k, v in (s.split("=", 1) for s in args.set)}
 
@@ -124,9 +128,14 @@ def main() -> None:
                 version_s, step = round(time.monotonic() - rated_at, 1), published[0]
                 break
             time.sleep(POLL_S)
+        after = None
+        if version_s is not None:  # the person writes again a little later, to the new version
+            time.sleep(args.pause_s)
+            _, after = turn(client, messages, tools, args.max_tokens)
+            print(json.dumps({"turn after the version": after}), flush=True)
     result = {"benchmark": "agent_pace", "model": model_dir.name, "variant": args.variant, "settings": overrides,
               "max_tokens": args.max_tokens, "turns": turns, "version_after_rating_s": version_s,
-              "phases": phases, "step": step}
+              "phases": phases, "step": step, "after_version": after, "pause_s": args.pause_s}
     print(headline(result))
     save(result)
 
@@ -135,6 +144,8 @@ def headline(result: dict) -> str:
     turns = ", ".join(f"{t['total_s']:.1f}" for t in result["turns"])
     version = (f"a version {result['version_after_rating_s'] / 60:.1f} min after the 4th rating"
                if result["version_after_rating_s"] is not None else "no version within the wait")
+    if after := result.get("after_version"):
+        version += f"; the turn after it {after['total_s']:.1f} s ({after['cached_tokens']} of {after['prompt_tokens']} tokens cached)"
     return f"turns of {result['max_tokens']} tokens at most: {turns} s; {version}"
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 
@@ -30,6 +31,11 @@ class PolicyDirectory:
     def __init__(self, per_user: bool = False) -> None:
         self.per_user = per_user
         self._current: dict[str, PolicyRef] = {}
+        self._listeners: list[Callable[[str, PolicyRef], None]] = []
+
+    def on_publish(self, listener: Callable[[str, PolicyRef], None]) -> None:
+        """`listener(scope, ref)` hears of each version published, after it serves."""
+        self._listeners.append(listener)
 
     def scope_of(self, user: str) -> str:
         return scope_of(user, self.per_user)
@@ -46,6 +52,8 @@ class PolicyDirectory:
 
     def publish(self, scope: str, ref: PolicyRef) -> None:
         self._current = {**self._current, scope: ref}
+        for listener in self._listeners:
+            listener(scope, ref)
 
     def forget(self, scope: str) -> PolicyRef | None:
         """The scope is served the base model again; returns what served it."""

@@ -183,6 +183,7 @@ async def shutdown(services: Services) -> None:
         await services.follower.aclose()
     await services.judge.aclose()
     await services.inbox.aclose()
+    await services.turns.warmup.aclose()
     for store in USER_DATA:
         if store.close is not None:
             await store.close(services)

@@ -492,6 +492,14 @@ class SessionStore:
                     return turn
         return None
 
+    def latest_pending(self, user: str) -> Turn | None:
+        """`user`'s last main turn in their most recently active open session, if it awaits a
+        next state: the conversation their next request most likely continues."""
+        for s in reversed(self._per_user.get(user, {}).values()):
+            if s.pending is not None:
+                return s.pending
+        return None
+
     def forget(self, user: str) -> int:
         """Drop every open session of `user` without handing anything to the judge."""
         dropped = 0

@@ -35,6 +35,7 @@ from nextstate.proxy.decode import Admitted, Decoder, Delta, Finished, StillWork
 from nextstate.proxy.errors import ApiError, engine_error, invalid_request, server_error
 from nextstate.core.stores.keys import ApiKey
 from nextstate.core.stores.parallel_slots import LocalSlots, Slots
+from nextstate.proxy.prefix_warmup import PrefixWarmup
 from nextstate.proxy.rate_limits import RateLimiter
 from nextstate.proxy.sessions import SessionStore, TurnPlan
 from nextstate.proxy.wire import TurnHints
@@ -148,6 +149,8 @@ class TurnService:
         self.model_name = model_name
         self.default_max_tokens = default_max_tokens
         self.harness_max_tokens = harness_max_tokens
+        # a new version reads its users' conversations before they next write (proxy/prefix_warmup.py)
+        self.warmup = PrefixWarmup(engine, sessions, policies, list(renderer.stop_token_ids))
         self._rendering = asyncio.Semaphore(RENDER_CONCURRENCY)
         self.max_memory_bytes = max_memory_bytes
         self.activity = activity or Activity()
@@ -464,6 +467,7 @@ class TurnService:
             "latency_s": round(time.monotonic() - prep.started, 4),
         }
         if plan.turn_type == "main" and plan.session is not None:
+            self.warmup.served(prep.key.user, prep.sampling.cache_salt or "")
             turn = Turn(
                 session_id=plan.session.id,
                 user=prep.key.user,
