@@ -57,7 +57,7 @@ class DecodeBatch:
                 self.kv = kv_cache.pad_left(self.kv, grow)
                 self.pads = [pad + grow for pad in self.pads]
                 self.length = n
-            self.kv = kv_cache.stack_rows(self.kv, kv_cache.pad_left(kv, self.length - n))
+            self.kv = kv_cache.stack([self.kv, kv_cache.pad_left(kv, self.length - n)])
             self.pads.append(self.length - n)
         self.rows.append(job)
         job.batch = self

@@ -136,9 +136,11 @@ def pad_left(kv: KV, n: int) -> KV:
     return tuple((pad(keys), pad(values)) for keys, values in kv)
 
 
-def stack_rows(a: KV, b: KV) -> KV:
-    """Rows of `a` then rows of `b` (same length)."""
-    return tuple((torch.cat([ka, kb]), torch.cat([va, vb])) for (ka, va), (kb, vb) in zip(a, b, strict=True))
+def stack(rows: list[KV]) -> KV:
+    """The rows of every KV in `rows`, in order (all the same length)."""
+    return rows[0] if len(rows) == 1 else tuple(
+        (torch.cat([row[layer][0] for row in rows]), torch.cat([row[layer][1] for row in rows]))
+        for layer in range(len(rows[0])))
 
 
 def select_rows(kv: KV, rows: list[int]) -> KV:

@@ -77,25 +77,27 @@ class PromptPrefixes:
         """The backbone's last hidden states of ids[:, split:] ([rows, tokens - split, hidden]),
         with gradients where they are enabled, after each row's prefix ids[:, :split]."""
         prefixes = [tuple(row) for row in ids[:, :split].tolist()]
-        kv = {p: self._prefix(backbone, list(p)) for p in dict.fromkeys(prefixes)}
-        rows = [kv[p] for p in prefixes]
-        batch = rows[0] if len(rows) == 1 else tuple(
-            (torch.cat([r[layer][0] for r in rows]), torch.cat([r[layer][1] for r in rows])) for layer in range(len(rows[0])))
-        cache = kv_cache.read_only_cache(batch)
+        kv = {p: read_through(self._kept, backbone, list(p)) for p in dict.fromkeys(prefixes)}
+        cache = kv_cache.read_only_cache(kv_cache.stack([kv[p] for p in prefixes]))
         with kv_cache.cache_under_checkpointing(backbone):
             return backbone(input_ids=ids[:, split:], attention_mask=mask,
                             **{kv_cache.cache_argument(backbone): cache}).last_hidden_state
 
-    def _prefix(self, backbone: torch.nn.Module, prefix: list[int]) -> kv_cache.KV:
-        """The prefix's keys and values at the weights now, computed from the longest one kept."""
-        hit = self._kept.longest(None, None, prefix, len(prefix))
-        done = hit.length if hit is not None else 0
-        if done == len(prefix):
-            return hit.kv
-        cache = kv_cache.to_cache(hit.kv) if hit is not None else kv_cache.new_cache()
-        with torch.no_grad():
-            backbone(input_ids=torch.tensor([prefix[done:]], device=backbone.device), use_cache=True,
-                     **{kv_cache.cache_argument(backbone): cache})
-        kv = kv_cache.tokens(kv_cache.tensors(cache), 0, len(prefix), copy=True)
-        self._kept.put(None, None, prefix, kv)
-        return kv
+
+
+def read_through(kept: PrefixCache, model: torch.nn.Module, ids: list[int], named_by: torch.nn.Module | None = None
+                 ) -> kv_cache.KV:
+    """The keys and values of `ids` at `model`'s weights now (no gradients), computed from the
+    longest prefix `kept` holds and kept there in turn. `named_by`: the module whose forward names
+    the cache argument (a peft model passes it on by name without declaring it)."""
+    hit = kept.longest(None, None, ids, len(ids))
+    done = hit.length if hit is not None else 0
+    if hit is not None and done == len(ids):
+        return hit.kv
+    cache = kv_cache.to_cache(hit.kv) if hit is not None else kv_cache.new_cache()
+    with torch.no_grad():
+        model(input_ids=torch.tensor([ids[done:]], device=model.device), use_cache=True,
+              **{kv_cache.cache_argument(named_by or model): cache})
+    kv = kv_cache.tokens(kv_cache.tensors(cache), 0, len(ids), copy=True)
+    kept.put(None, None, ids, kv)
+    return kv

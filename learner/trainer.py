@@ -42,7 +42,7 @@ from nextstate.learner.host_memory import release_freed_memory
 from nextstate.learner.memory_budget import MemoryBudget, Refusal
 from nextstate.learner.micro_batches import length_groups, micro_batches, padded_tokens, prefix_hosts
 from nextstate.learner.ppo import k3_kl, ppo_token_losses
-from nextstate.learner.prompt_prefix import PromptPrefixes
+from nextstate.learner.prompt_prefix import PromptPrefixes, read_through
 from nextstate.learner.seeded_sampling import SeededGumbel, row_seed
 from nextstate.learner.step_sizes import KlTry, StepSizes
 from nextstate.modelio.chat_template import ChatRenderer
@@ -737,23 +737,9 @@ class LoraTrainer:
         if any(len(p) < 2 for p in prompts):
             return None  # a one-token prompt has nothing to read first: generate reads them all
         kept = PrefixCache(GATE_KV_BYTES)
-        rows = []
-        with torch.no_grad():
-            for prompt in prompts:
-                head = prompt[:-1]
-                hit = kept.longest(None, None, head, len(head))
-                done = hit.length if hit is not None else 0
-                cache = kv_cache.to_cache(hit.kv) if hit is not None else kv_cache.new_cache()
-                if done < len(head):
-                    model(input_ids=torch.tensor([head[done:]], device=self.device), use_cache=True,
-                          **{kv_cache.cache_argument(self._base): cache})  # peft passes it on by name
-                kv = kv_cache.tokens(kv_cache.tensors(cache), 0, len(head), copy=True)
-                kept.put(None, None, head, kv)
-                rows.append(kv_cache.pad_left(kv, width - 1 - len(head)))
-        batch = tuple((torch.cat([row[layer][0] for row in rows]).repeat_interleave(replies, 0),
-                       torch.cat([row[layer][1] for row in rows]).repeat_interleave(replies, 0))
-                      for layer in range(len(rows[0])))
-        return kv_cache.to_cache(batch)
+        rows = [kv_cache.pad_left(read_through(kept, model, p[:-1], named_by=self._base), width - len(p)) for p in prompts]
+        return kv_cache.to_cache(tuple((k.repeat_interleave(replies, 0), v.repeat_interleave(replies, 0))
+                                       for k, v in kv_cache.stack(rows)))
 
     @staticmethod
     def _pad_id(model: torch.nn.Module) -> int:

@@ -19,6 +19,14 @@ def last_request(server) -> dict:
     return [r for r in server.records() if r["kind"] == "request"][-1]
 
 
+def ask(client, tools: list[dict], stream: bool, **kwargs):
+    """A response with `tools`, created or streamed to its end."""
+    if not stream:
+        return client.responses.create(model="tiny", tools=tools, max_output_tokens=60, **kwargs)
+    with client.responses.stream(model="tiny", tools=tools, max_output_tokens=60, **kwargs) as s:
+        return s.get_final_response()
+
+
 def test_a_reply_has_the_responses_shape_and_is_recorded_as_a_turn(server, alice):
     response = alice.responses.create(model="tiny", input="Say hello.", instructions="Be brief.", max_output_tokens=12)
     assert response.object == "response" and response.id.startswith("resp_")
@@ -60,26 +68,23 @@ def test_function_calls_over_several_turns_by_resending_and_by_previous_response
     engine.script(CALL_TEXT, "It is sunny in Paris.", CALL_TEXT, "It is sunny in Paris.")
     client = server.client(server.key("alice"))
 
-    def ask(**kwargs):
-        if not stream:
-            return client.responses.create(model="tiny", tools=TOOLS, max_output_tokens=60, **kwargs)
-        with client.responses.stream(model="tiny", tools=TOOLS, max_output_tokens=60, **kwargs) as s:
-            return s.get_final_response()
+    def ask_weather(**kwargs):
+        return ask(client, TOOLS, stream, **kwargs)
 
-    first = ask(input=FIRST)
+    first = ask_weather(input=FIRST)
     message, call = first.output
     assert message.type == "message" and message.content[0].text.strip() == "Let me check."
     assert call.type == "function_call" and call.name == "get_weather" and call.arguments == '{"city": "Paris"}'
     result = {"type": "function_call_output", "call_id": call.call_id, "output": TOOL_RESULT}
     # the client resends everything ...
-    resent = ask(input=[{"role": "user", "content": FIRST}, *[item.model_dump(exclude_none=True) for item in first.output], result])
+    resent = ask_weather(input=[{"role": "user", "content": FIRST}, *[item.model_dump(exclude_none=True) for item in first.output], result])
     assert resent.output_text == "It is sunny in Paris."
     requests = [r for r in server.records() if r["kind"] == "request"]
     assert requests[-1]["session_id"] == requests[-2]["session_id"]
     assert requests[-1]["messages"][-1] == {"role": "tool", "tool_call_id": call.call_id, "content": TOOL_RESULT}
     # ... or only what is new, after the stored response: the model sees the same prompt
-    again = ask(input=FIRST)
-    chained = ask(input=[{**result, "call_id": again.output[1].call_id}], previous_response_id=again.id)
+    again = ask_weather(input=FIRST)
+    chained = ask_weather(input=[{**result, "call_id": again.output[1].call_id}], previous_response_id=again.id)
     assert chained.output_text == "It is sunny in Paris." and chained.previous_response_id == again.id
     requests = [r for r in server.records() if r["kind"] == "request"]
     assert requests[-1]["prompt_ids"] == requests[-3]["prompt_ids"]
@@ -130,19 +135,13 @@ def test_codexs_tools_are_served_a_namespace_as_its_functions_and_web_search_lef
                  {"type": "function", "name": "spawn_agent", "description": "Spawns an agent.", "strict": False,
                   "parameters": {"type": "object", "properties": {"message": {"type": "string"}}}}]}]
 
-    def ask(**kwargs):
-        if not stream:
-            return client.responses.create(model="tiny", tools=tools, max_output_tokens=60, **kwargs)
-        with client.responses.stream(model="tiny", tools=tools, max_output_tokens=60, **kwargs) as s:
-            return s.get_final_response()
-
-    first = ask(input=FIRST)
+    first = ask(client, tools, stream, input=FIRST)
     call = first.output[-1]
     assert call.type == "function_call" and call.name == "spawn_agent" and call.namespace == "collaboration"
     offered = [t["function"]["name"] for t in last_request(server)["tools"]]
     assert offered == ["get_weather", "collaboration.spawn_agent"], "web_search is left out"
     result = {"type": "function_call_output", "call_id": call.call_id, "output": "started"}
-    ask(input=[{"role": "user", "content": FIRST}, *[item.model_dump(exclude_none=True) for item in first.output], result])
+    ask(client, tools, stream, input=[{"role": "user", "content": FIRST}, *[item.model_dump(exclude_none=True) for item in first.output], result])
     sent_back = last_request(server)["messages"][-2]
     assert sent_back["tool_calls"][0]["function"]["name"] == "collaboration.spawn_agent"
 
