@@ -29,7 +29,7 @@ with the wish's word, before and after — the wish gained per unit of KL spent 
 of sampled replies to them that fit the wish (`--samples` each, the same seeds before and after).
 `--kind length` rates by the length wish instead (at most 12 words): it has no one word to read,
 so only the sampled share says what it gained — the kind the warmup cost on the bench
-(BENCHMARKS.md, "The warmup on the bench").
+(docs/benchmark-log.md, "The warmup on the bench").
 
 Writes bench/results/first_update-<model>.json.
 """
@@ -96,15 +96,17 @@ def wish_logprob(trainer, scope: str | None, word_ids: list[int]) -> float:
 def wish_share(trainer, scope: str | None, preference: Preference, n: int) -> float:
     """The share of `n` sampled replies to each held-out question (temperature 1, MAX_TOKENS)
     that fit the wish, from the base model (`scope` None) or the scope's adapter, drawn by the
-    gate's sampler (`LoraTrainer.sampled`: each reply's random stream seeded by its prompt and
+    gate's sampler (`Readings.sampled`: each reply's random stream seeded by its prompt and
     index), so before and after differ by the weights alone."""
     if n <= 0:
         return float("nan")
+    from nextstate.learner.readings import Readings
+
     renderer = trainer._chat()
     prompts = [renderer.render([{"role": "user", "content": question}]).ids for question in HELD_OUT_TASKS]
 
     def sample() -> float:
-        replies = trainer.sampled(prompts, MAX_TOKENS, n).ids
+        replies = Readings(trainer).sampled(prompts, MAX_TOKENS, n).ids
         return statistics.fmean(preference.fits(renderer.tokenizer.decode(r, skip_special_tokens=True))
                                 for r in replies)
 

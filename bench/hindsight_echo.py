@@ -42,12 +42,11 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from bench.hint_shift import reply_logprobs
 from bench.models import bench_model
 from bench.personalization import TASKS, THANKS, Preference, instruction_for, missed, not_an_answer
-from bench.reply_surprise import SENSIBLE_SURPRISE
+from bench.reply_surprise import SENSIBLE_SURPRISE, reply_surprise
 from bench.report import pyplot, save
 from nextstate.core.types import NextState
 from nextstate.judge.hindsight import hindsight_hint, hindsight_placebo, scrambled
 from nextstate.judge.teacher import enhanced_messages
-from nextstate.learner.gate import surprise
 from nextstate.modelio.chat_template import ChatRenderer
 
 ECHO = re.compile(r"\b(?:answer(?:ed|s)?|response|repl(?:y|ied)|user|question|thanks|thank)\b|^\s*(?:no|yes)\b", re.I)
@@ -157,7 +156,7 @@ def main() -> None:
         for i, task in enumerate(tasks):
             prompts, weights = weights_and_prompts(task)
             reply = sampler.sample(prompts, weights, args.max_tokens, seed=i)
-            out.append({"task_index": i, "reply": reply, "surprise": surprise(sampler.reading(task, reply), own[task])})
+            out.append({"task_index": i, "reply": reply, "surprise": reply_surprise(sampler.reading(task, reply), own[task])})
         return out
 
     base = replies_of(lambda task: ([sampler.ids([{"role": "user", "content": task}])], [1.0]))

@@ -125,7 +125,7 @@ def measure(shape: str, lengths: list[int], batch: int, device: str, micro_batch
         trainer.ensure_scope("shared")
         if shape in SHAPES:  # a random-weight model has no tokenizer: replay reads random ids of the prose's length
             rng = random.Random(1)
-            trainer._replay = [[rng.randrange(10, SHAPES[shape]["vocab_size"]) for _ in range(90)] for _ in range(33)]
+            trainer.replay.passages = [[rng.randrange(10, SHAPES[shape]["vocab_size"]) for _ in range(90)] for _ in range(33)]
         loaded = current_bytes(device)
         reset_peak(device)
         # A server has run its model before the learner's first step (it served the requests

@@ -19,8 +19,6 @@ from __future__ import annotations
 
 import statistics
 
-from nextstate.learner.gate import surprise as gate_surprise
-
 # Base-model replies per question that are the reference (the final evaluation's first seeds).
 REFERENCE_REPLIES = 2
 # A reply that fits the wish counts as sensible only if it reads at most this much worse than
@@ -40,11 +38,24 @@ def reading(server, task: str, reply: str) -> list[float]:
     return server.call(turns.engine.score(prompt + ids, len(prompt), adapter=None), timeout=600)
 
 
+def reply_surprise(read: list[float], own: list[list[float]]) -> float | None:
+    """How much less likely the base model finds a reply (`read`: its log-probability of each
+    token) than its own replies to the same prompt (`own`), each cut to the reply's length, in
+    nats per token; None for an empty reply. Cut, because a reply's first tokens are the least
+    predictable (SmolLM2's own replies read about -4.5 nats at their first token, -2.8 over
+    sixteen): a short reply is compared with the start of the base model's, so brevity is not
+    strangeness."""
+    own = [o for o in own if o]
+    if not read or not own:
+        return None
+    expected = sum(sum(o[:len(read)]) / len(o[:len(read)]) for o in own) / len(own)
+    return expected - sum(read) / len(read)
+
+
 def of_reply(task: str, read: list[float], reference: dict[str, list[list[float]]]) -> float | None:
     """One reply's surprise: its base reading `read` against the base model's own replies to
-    `task` (`reference`: their readings, learner/gate.py `surprise`); None for an empty reply or
-    an unknown question."""
-    return gate_surprise(read, reference.get(task, []))
+    `task` (`reference`: their readings); None for an empty reply or an unknown question."""
+    return reply_surprise(read, reference.get(task, []))
 
 
 def surprise(replies: list[tuple[str, list[float]]], reference: dict[str, list[list[float]]],

@@ -50,7 +50,7 @@ from transformers import AutoModelForCausalLM, DynamicCache
 from bench.hint_shift import reply_shift, spill_of, summary, token_class
 from bench.models import bench_model, bench_server
 from bench.personalization import (
-    KINDS, TASKS, Preference, _sampled_replies, instruction_for, missed, reference_readings,
+    KINDS, TASKS, Preference, sampled_replies, instruction_for, missed, reference_readings,
 )
 from bench.reply_surprise import SENSIBLE_SURPRISE, of_reply, reading, surprise
 from bench.report import pyplot, save
@@ -122,7 +122,7 @@ def main() -> None:
                             nearest = sorted((e for e in accepted if e[0] != i), key=lambda e: (i - e[0]) % len(TASKS))
                             others = [(t, r) for _, t, r in nearest[:args.experience]]  # the tasks just before
                             messages = enhanced_messages(messages, with_experience(hint_for(task), others))
-                        texts = server.call(_sampled_replies(turns, None, messages, seeds, args.max_tokens, 1.0),
+                        texts = server.call(sampled_replies(turns, None, messages, seeds, args.max_tokens, 1.0),
                                             timeout=600)
                     replies += [{"task_index": i, "first_reply": t, "score": float(preference.fits(t))} for t in texts]
                     examples.append(texts[0][:160])

@@ -63,36 +63,38 @@ def timed_update(model_dir: Path, samples, levers: bool, overrides: dict | None 
     import torch
 
     from nextstate.core.settings import Settings
-    from nextstate.learner import trainer as trainer_module
+    from nextstate.learner import forward as forward_module
     from nextstate.learner.gate import GATE_NEW_TOKENS, GATE_PROMPTS, gate_prompts
+    from nextstate.learner.readings import Readings
     from nextstate.learner.trainer import LoraTrainer
 
-    original = trainer_module.prefix_hosts
+    original = forward_module.prefix_hosts
     if not levers:
-        trainer_module.prefix_hosts = lambda rows: list(range(len(rows)))
+        forward_module.prefix_hosts = lambda rows: list(range(len(rows)))
     try:
         torch.manual_seed(0)
         trainer = LoraTrainer(model_dir, Settings(**(overrides or {})).learner)
+        readings = Readings(trainer)
         if not levers:
             trainer._base_kv.budget = 0
             trainer._prefixes.grad_tokens = None
         prompts = gate_prompts([s.prompt_ids for s in samples])
-        prompts = gate_prompts(prompts + trainer.everyday_prompts(GATE_PROMPTS))
+        prompts = gate_prompts(prompts + readings.everyday_prompts(GATE_PROMPTS))
         out: dict = {}
         mark = time.monotonic()
-        trainer.gate_figures("alice", [], prompts, GATE_NEW_TOKENS)  # the serving version: the base model
+        readings.gate_figures("alice", [], prompts, GATE_NEW_TOKENS)  # the serving version: the base model
         out["gate_serving_s"] = round(time.monotonic() - mark, 1)
         result = trainer.step("alice", samples)
         out.update(step_s=round(result.seconds, 1), timings=result.timings, epochs=result.epochs,
                    policy_kl=result.policy_kl, loss=result.loss, kl_tries=len(result.kl_tries), skipped=result.skipped)
         mark = time.monotonic()
-        trainer.gate_figures("alice", [], prompts, GATE_NEW_TOKENS)
-        trainer.version_figures("alice", [])
+        readings.gate_figures("alice", [], prompts, GATE_NEW_TOKENS)
+        readings.version_figures("alice", [])
         out["gate_candidate_s"] = round(time.monotonic() - mark, 1)
         out["total_s"] = round(out["gate_serving_s"] + out["step_s"] + out["gate_candidate_s"], 1)
         return out
     finally:
-        trainer_module.prefix_hosts = original
+        forward_module.prefix_hosts = original
 
 
 def headline(result: dict) -> str:

@@ -11,6 +11,8 @@ its released package, one tuple per harness and kind, joined per kind at the end
 
 from __future__ import annotations
 
+import re
+
 # ---------------------------------------------------------------- OpenClaw 2026.9 (tests/data/openclaw-2026.9.6)
 
 # A "[Mon 2026-11-23 09:25 UTC] " prefix on every user message, "Current date:"/"Current time:"
@@ -75,3 +77,23 @@ HARNESS_NOTICES = OPENCLAW_NOTICES + CLAUDE_CODE_NOTICES
 HARNESS_TURNS = OPENCLAW_TURNS + CLAUDE_CODE_TURNS + OPENCODE_TURNS
 # Text an agent wraps around its person's words, removed from what the judge reads.
 HARNESS_WRAPPERS = OPENCLAW_WRAPPERS + CLAUDE_CODE_WRAPPERS + CODEX_WRAPPERS
+
+# --------------------------------------------------------------------------- which agent sent it
+
+# The coding agents, known by their User-Agent. A coding agent's tool result is the environment's
+# answer to a software-engineering step (its shell, its edits), the paper's general-agent setting
+# (OpenClaw-RL appendix C), not a person's reaction: such a next state is judged with
+# CODING_AGENT_TOOL_PRM, its user's own messages with the personal PRM as any other.
+CODING_AGENTS = {
+    "codex": r"^codex[_-]",  # codex_exec/0.171.0 (…), codex_cli_rs/…
+    "claude-code": r"^claude-cli/",  # claude-cli/2.1.332 (external, sdk-cli)
+    "opencode": r"^opencode/",  # opencode/1.18.33 ai-sdk/provider-utils/…
+}
+CODING_AGENT_TOOL_PRM = "prm_swe"
+
+
+def coding_agent(user_agent: str | None) -> str | None:
+    """The coding agent a request's User-Agent names, or None (OpenClaw, an SDK, anything else)."""
+    if not user_agent:
+        return None
+    return next((name for name, pattern in CODING_AGENTS.items() if re.match(pattern, user_agent)), None)

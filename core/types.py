@@ -33,6 +33,9 @@ class Turn(BaseModel):
     track: Literal["personal", "outcome"] = Field(
         "personal", description="'outcome': an environment will post a verifiable outcome for the session."
     )
+    agent: str | None = Field(
+        None, description="The coding agent that sent it, by its User-Agent (core/agent_texts.py CODING_AGENTS); None: any other client."
+    )
     response_id: str | None = Field(None, description="The id of the reply its client got (`chatcmpl-…`, `msg_…` or `resp_…` by API): what feedback names.")
     logprobs_masked: bool = Field(
         False, description="Its logprobs are the engine's after a grammar mask (it could not be scored again): never trained."
@@ -75,6 +78,7 @@ class Transition(BaseModel):
             "edited": self.edited,
             "revises": self.revises,
             "response_tokens": len(turn.response_ids),
+            **({"agent": turn.agent} if turn.agent else {}),
         }
 
 
@@ -110,12 +114,8 @@ class Sample(BaseModel):
     feedback: dict[str, Any] | None = Field(None, description="The explicit rating and correction it was built from.")
     created_at: float
     tries: int = Field(0, description="Updates that trained on it and were not published (it waited again each time).")
-    reward_weight: float | None = Field(
-        None, description="The weight its reward entered its advantages with (None: no verdict, a hindsight hint's "
-        "sample, or one stored before 0.7): what a batch's reward baseline is taken off at (judge/advantages.py)."
-    )
     accepted_from: int | None = Field(
-        None, description="Built from the reply of this later turn, accepted after a correction of this one (judge/accepted.py)."
+        None, description="Built from the reply of this later turn, accepted after a correction of this one (no longer made: old rows only)."
     )
     teacher_prompt_ids: list[int] | None = Field(
         None, description="The prompt with the hint, as the OPD teacher reads it: the learner distils the teacher's "

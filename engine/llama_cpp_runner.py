@@ -1,7 +1,7 @@
 """Forward passes of the embedded engine on llama.cpp: the runner `engine.local` uses on a CPU.
 
 On the same two cores, llama.cpp decodes SmolLM2-135M 5-7× faster than transformers (its
-kernels read float16 weights without Python between the layers; BENCHMARKS, "Fast on the
+kernels read float16 weights without Python between the layers; docs/benchmark-log.md, "Fast on the
 person's own machine"). This runner keeps the transformers runner's contract, so the engine's
 scheduler, streaming and adapters work as they do there:
 

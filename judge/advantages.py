@@ -5,10 +5,6 @@ opd:       A_t = clip(logπ_teacher(a_t) − logπ_old(a_t), ±c)
 combined:  A_t = w_binary · r + w_opd · clip(teacher − old, ±c)      (OPD term only with a hint)
 outcome:   R = o + mean(votes); A = (R − mean_k) / std_k over the batch's samples with the
            same step index k (paper §4.4.2), plus the OPD term when there is one.
-baseline:  with NEXTSTATE_REWARD_BASELINE=batch, a personal sample's reward term w·r becomes
-           w·(r − b), b the mean reward of the *other* samples with a verdict in its batch
-           (leave-one-out, as RLOO: Ahmadian et al. 2024; GRPO's group mean, without the
-           division by the spread): one person's batch is one scope's group.
 """
 
 from __future__ import annotations
@@ -89,33 +85,7 @@ def standardize_outcome_batch(samples: list[Sample], w_binary: float, w_opd: flo
     return out
 
 
-def center_rewards(samples: list[Sample]) -> list[Sample]:
-    """Take each personal sample's leave-one-out baseline off its reward term.
-
-    A batch of one person's reactions is mostly −1 while the policy has not learnt what they
-    want: uncentred, every rejected reply is pushed down by the full reward and the step
-    spends its length (and its KL budget) lowering what was sampled rather than raising what
-    was accepted. Centred, the rewards say which replies were better than the batch's others;
-    a batch whose verdicts all agree keeps only its OPD term (which still says, token by token,
-    what the hint would change). Samples without a verdict (hindsight hints: no reward) are
-    neither centred nor part of any baseline; fewer than two with one, nothing changes."""
-    rated = [s for s in samples if s.track == "personal" and s.reward_weight is not None]
-    if len(rated) < 2:
-        return samples
-    total = sum(s.reward for s in rated)
-    out = []
-    for s in samples:
-        if s.track != "personal" or s.reward_weight is None:
-            out.append(s)
-            continue
-        shift = s.reward_weight * (total - s.reward) / (len(rated) - 1)
-        out.append(s.model_copy(update={"advantages": [a - shift for a in s.advantages]}))
-    return out
-
-
 def prepare_batch(samples: list[Sample], settings: JudgeSettings) -> list[Sample]:
     """The advantages a training batch trains on: outcome rewards are standardised per step
-    index across the batch, and (NEXTSTATE_REWARD_BASELINE=batch) personal rewards centred on
-    the batch's others, here at batch time, because only then is the group known."""
-    samples = standardize_outcome_batch(samples, settings.w_binary, settings.w_opd, settings.opd_clip)
-    return center_rewards(samples) if settings.reward_baseline == "batch" else samples
+    index across the batch, here at batch time, because only then is the group known."""
+    return standardize_outcome_batch(samples, settings.w_binary, settings.w_opd, settings.opd_clip)

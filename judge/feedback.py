@@ -63,8 +63,6 @@ class RatingJudge(Protocol):
 
     def notify(self, sample: Sample) -> None: ...
 
-    async def learn_from_accepted(self, verdict: Sample) -> list[Sample]: ...
-
     def count_rating(self) -> None: ...
 
 
@@ -127,7 +125,6 @@ class ExplicitFeedback:
             else:
                 found = await asyncio.to_thread(self.store.find_turn, turn.user, turn.response_id)
                 sample = await self.judge.store_sample(sample, found[0] if found else None)
-            await self.judge.learn_from_accepted(sample)
         self.judge.count_rating()
         return self._recorded(turn.user, turn.response_id, rating, correction, sample, "applied")
 
@@ -142,7 +139,7 @@ class ExplicitFeedback:
         return self.judge.sample(
             turn, "ready", "explicit feedback" + (" with a correction" if teacher is not None else ""), float(rating),
             advantages, track="personal", hint=correction, **(teacher.sample_fields(w_opd) if teacher else {}),
-            feedback={"rating": rating, "correction": correction}, reward_weight=w_binary,
+            feedback={"rating": rating, "correction": correction},
         )
 
     def _recorded(

@@ -25,6 +25,9 @@ class PromptLibrary:
     def names(self) -> list[str]:
         return sorted(p.name.removesuffix(".system.txt") for p in self.directory.glob("*.system.txt"))
 
+    def has(self, name: str) -> bool:
+        return all((self.directory / f"{name}.{part}.txt").is_file() for part in ("system", "user"))
+
     def require(self, name: str) -> None:
         for part in ("system", "user"):
             if not (self.directory / f"{name}.{part}.txt").is_file():

@@ -27,14 +27,14 @@ from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import asdict
 from typing import Any, TypeVar
 
+from nextstate.core.agent_texts import CODING_AGENT_TOOL_PRM
 from nextstate.engine.base import Engine, UnknownAdapterError
-from nextstate.judge.accepted import learn_from_accepted
 from nextstate.judge.at_least_one import AtLeastOne
 from nextstate.judge.advantages import step_reward, token_advantages, with_outcome
 from nextstate.judge.client import JudgeClient
 from nextstate.judge.calibration import Calibration
 from nextstate.judge.context import FENCE_NOTE, Unwrap, prompt_values
-from nextstate.judge.hindsight import hindsight_hint, hindsight_placebo, scrambled
+from nextstate.judge.hindsight import hindsight_hint, hindsight_placebo
 from nextstate.judge.parsing import majority_vote, parse_hint, parse_score, select_hint
 from nextstate.judge.prompts import PromptLibrary
 from nextstate.judge.stats import JudgeStats, Vote
@@ -52,6 +52,8 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 HINT_PROMPT = "opd_hint"
+# The PRM of personal agents (the default NEXTSTATE_PRM_PROMPT): one set to another keeps it for every step.
+PERSONAL_PRM = "prm_personal"
 # Judging waits up to this long for no user request to be in flight before it starts.
 QUIET_WAIT_S = 2.0
 # A vote's text is kept (records) up to this many characters; a hint up to this many.
@@ -85,6 +87,10 @@ class Judge:
         self.activity = activity or Activity()
         self.stats = JudgeStats()
         prompts.require(settings.prm_prompt)
+        # a coding agent's tool steps: the general-agent PRM where the prompts have it (a custom
+        # folder without it judges them with NEXTSTATE_PRM_PROMPT)
+        self._tool_prm = CODING_AGENT_TOOL_PRM if settings.prm_prompt == PERSONAL_PRM and prompts.has(
+            CODING_AGENT_TOOL_PRM) else settings.prm_prompt
         prompts.require(HINT_PROMPT)
         # the judge's calls in flight at once (NEXTSTATE_JUDGE_CONCURRENCY): votes, and the
         # teacher passes of ratings with a correction
@@ -210,7 +216,6 @@ class Judge:
             version=turn.policy_version,
         )
         self.notify(sample)
-        await self.learn_from_accepted(sample)
 
     async def store_sample(self, sample: Sample, transition_id: int | None = None) -> Sample:
         """Store a sample made outside a judgement (a rating, an episode's last step), closing
@@ -239,24 +244,14 @@ class Judge:
         many ratings come at once) in a quiet moment."""
         await self.quiet()
         async with self.calls:
-            return await self.hinted_teacher(turn, correction)
+            return await self.teacher(turn, correction)
 
-    async def hinted_teacher(self, turn: Turn, hint: str, detail: dict[str, Any] | None = None) -> TeacherSignal:
-        """The teacher of a judge's hint or a person's correction, measured against the hint's
-        placebo where NEXTSTATE_HINT_CONTRAST says (as a next state's is: judge/hindsight.py)."""
-        placebo = scrambled(hint) if self.settings.hint_contrast == "placebo" else None
-        return await self.contrasted_teacher(turn, hint, placebo, detail)
-
-    async def contrasted_teacher(self, turn: Turn, hint: str, placebo: str | None,
+    async def contrasted_teacher(self, turn: Turn, hint: str, placebo: str,
                                  detail: dict[str, Any] | None = None) -> TeacherSignal:
-        """The teacher of `hint`, measured against the same teacher reading `placebo` (None:
-        against the turn's own prompt): what copying the hint's words adds cancels."""
+        """The teacher of `hint`, measured against the same teacher reading `placebo`: what
+        copying the hint's words adds cancels."""
         teacher = await self.teacher(turn, hint, detail)
-        return teacher.against(await self.teacher(turn, placebo, detail)) if placebo is not None else teacher
-
-    async def learn_from_accepted(self, verdict: Sample) -> list[Sample]:
-        """A stored verdict may complete a corrected-then-accepted pair (judge/accepted.py)."""
-        return await learn_from_accepted(self, verdict)
+        return teacher.against(await self.teacher(turn, placebo, detail))
 
     def count_rating(self) -> None:
         self.stats.feedback += 1
@@ -279,7 +274,7 @@ class Judge:
             self.guarantee.accepted((turn.user, turn.session_id))
             return self.sample(
                 turn, "ready", "format failure (the agent's own notice)", -1.0,
-                token_advantages(n, -1.0, None, w_binary, 0.0), reward_weight=w_binary,
+                token_advantages(n, -1.0, None, w_binary, 0.0),
             )
         outcome_track = turn.track == "outcome" or outcome is not None
         if self.hindsight:
@@ -287,7 +282,10 @@ class Judge:
         values = prompt_values(turn, next_state, cfg.judge_max_chars, unwrap=self._unwrap)
         want_prm = cfg.uses_prm or outcome_track
 
-        prm_task = self.votes(cfg.prm_prompt, values, (1, 0, -1)) if want_prm else _nothing()
+        prm = self.prm_prompt(turn, next_state)
+        if want_prm and prm != cfg.prm_prompt:
+            detail["prm_prompt"] = prm  # a coding agent's tool step (the judgement record says which)
+        prm_task = self.votes(prm, values, (1, 0, -1)) if want_prm else _nothing()
         hint_task = self.votes(HINT_PROMPT, values, (1, -1)) if cfg.uses_opd else _nothing()
         prm_votes, hint_votes = await asyncio.gather(prm_task, hint_task)
         detail["votes"] = [asdict(v) for v in prm_votes]
@@ -299,7 +297,7 @@ class Judge:
         teacher = delta = None
         if hint is not None:
             await self.quiet()  # each step of a judgement yields to users anew
-            teacher = await self.hinted_teacher(turn, hint, detail)
+            teacher = await self.teacher(turn, hint, detail)
             delta = teacher.delta(turn.response_logprobs, cfg.opd_clip)
 
         common: dict[str, Any] = {"votes": scores, "hint": hint}
@@ -324,8 +322,6 @@ class Judge:
             return self.sample(transition.turn, "dropped", "no valid hint", 0.0, **common)
         signal = (reward not in (None, 0)) or teacher is not None
         advantages = token_advantages(len(turn.response_ids), reward, delta, w_binary, w_opd)
-        if reward is not None:
-            common["reward_weight"] = w_binary
         key = (turn.user, turn.session_id)
         if signal:
             self.guarantee.accepted(key)
@@ -347,9 +343,8 @@ class Judge:
         if hint is None:
             return self.sample(turn, "dropped", "hindsight: the next state has no words to learn from")
         await self.quiet()
-        placebo = None
-        if cfg.hindsight_contrast == "placebo":  # what copying the words adds cancels (judge/hindsight.py)
-            placebo = hindsight_placebo(transition.next_state, MAX_HINT_CHARS, self._unwrap) or hint
+        # what copying the next state's words adds cancels against their placebo (judge/hindsight.py)
+        placebo = hindsight_placebo(transition.next_state, MAX_HINT_CHARS, self._unwrap) or hint
         teacher = await self.contrasted_teacher(turn, hint, placebo, detail)
         w_opd = 1.0 if cfg.mode == "opd" else cfg.w_opd
         self.guarantee.accepted((turn.user, turn.session_id))
@@ -357,6 +352,12 @@ class Judge:
                            token_advantages(len(turn.response_ids), None, teacher.delta(turn.response_logprobs,
                                                                                         cfg.opd_clip), 0.0, w_opd),
                            hint=hint, **teacher.sample_fields(w_opd))
+
+    def prm_prompt(self, turn: Turn, next_state: NextState) -> str:
+        """The PRM a turn is judged with: a coding agent's step answered by its tool is judged as
+        the general agents' are (the environment's feedback on a software-engineering step), a
+        person's reaction with NEXTSTATE_PRM_PROMPT."""
+        return self._tool_prm if turn.agent is not None and next_state.role == "tool" else self.settings.prm_prompt
 
     async def teacher(self, turn: Turn, hint: str, detail: dict[str, Any] | None = None) -> TeacherSignal:
         """The OPD teacher's view of the turn: with `opd_loss=topk` only its prompt (the learner

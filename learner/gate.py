@@ -2,69 +2,45 @@
 
 An update can make a model worse in ways its own batch does not show: binary RL on SmolLM2
 learned the user's preference and, on the way, degenerated into repetition ("The most, most,
-most.", BENCHMARKS.md) — and every such version served. So before a version is published it
-is scored on recent samples of its scope that it did not train on:
+most.") — and every such version served. So before a version is published it is scored on
+recent samples of its scope that it did not train on (the readings: learner/readings.py):
 
+* **worse for its user**: its gain on the user's held-out turns (learner/held_out.py) may not
+  fall more than `gate_max_gain_drop` below the serving version's, turn by turn, past two
+  standard errors;
+* **forgetting**: its perplexity on the shipped general-text probe may not rise more than
+  `gate_max_forgetting` over the base model's;
 * **likelihood**: the mean per-token log-probability of the held-out replies that were
-  rewarded (reward > 0) must not fall by more than `gate_max_likelihood_drop` nats from the
-  serving version's: what users liked stays likely;
-* **repetition**: replies to recent prompts must not repeat themselves (the share of the
-  first REPETITION_WORDS words of each reply that repeat an earlier word of it) more than
-  `gate_max_repetition_rise` above the base model's replies to the same prompts. Words, as the
-  bench's quality figure counts them, not token trigrams as this check first did: trigrams
-  caught loops ("most, most, most") but not a wish spread past its place — the opening word's
-  hard seed served replies whose every line began "The" ("The Sky\nThe Light\nThe Flower"),
-  16-word repetition 0.27 against the base model's ~0.10, while its trigram share stayed under
-  the limit (0.09 at the version where it set in). A loop repeats words as well as trigrams.
-  Single tokens greedily decoded were tried before trigrams and held back every update on noise
-  (base 0.15-0.18); sampled replies cut to the same number of words are steadier (a mean of
-  sixteen moves ~0.03 by chance, bench/results). Words are split at spaces, and in a script
-  written without them (Chinese, Japanese) each character is a word, so such replies are
-  checked too (Thai and other unspaced alphabets still are not). The anchor is the base model, not the serving
-  version, so that small rises cannot pile up version after version. A version that repeats no
-  more than the one serving is not refused for it, though: where the serving version is itself
-  past the limit, refusing everything near it held every later update back for good (the
-  opening-word bench: v1 at 0.14 against the base model's 0.00, then a step of KL 0.008 refused).
-  The prompts are the scope's recent ones, then its held-out turns', then the batch's own (a
-  greedy reply's repetition is not something a batch teaches, and the first version was the
-  one that went unchecked), topped up to eight from everyday questions shipped with the
-  package (learner/probe/everyday_questions.txt): a first version trained on a partial batch
-  of two to four samples was checked on as many prompts, passed, and then repeated 0.19-0.21 on
-  the next update's eight (the base model: 0.00). The replies (NEXTSTATE_GATE_REPLIES=sampled,
-  the default) are two per prompt sampled at temperature 1, the candidate's and the base model's
-  from the same seeded draws (trainer.sampled): what a client at the API's default temperature
-  is served. A greedy reply (`greedy`) loops on a near-tie no sampler keeps to, and a step of
-  0.005 nats a token flips which of eight greedy replies loop: such flips were most of the
-  gate's refusals on the bench, and they stalled a scope for good;
-* **empty replies**: the chance that a reply to those prompts ends at its first token (the stop
-  tokens' share of the first step's distribution at temperature 1, read from the generation the
-  repetition check makes anyway) must not exceed the base model's by more than
-  `gate_max_empty_rise`. A wish for shorter replies, taught step after step, slides into no reply
-  at all: 12 of 192 replies to fresh questions were empty after the length bench's fourth update
-  (BENCHMARKS.md), while the base model's chance on the shipped everyday questions is under 0.001%.
-  As with repetition, a version no emptier than the one serving is not refused for it.
+  rewarded may not fall by more than `gate_max_likelihood_drop` nats from the serving
+  version's: what users liked stays likely;
+* **repetition**: replies to recent prompts may not repeat their words (the share of the first
+  REPETITION_WORDS words that repeat an earlier one) more than `gate_max_repetition_rise` above
+  the base model's replies to the same prompts. Words, not token trigrams: trigrams caught loops
+  but not a wish spread past its place (every line beginning "The");
+* **empty replies**: the chance that a reply ends at its first token may not exceed the base
+  model's by more than `gate_max_empty_rise`: a wish for shorter replies, taught step after
+  step, slides into no reply at all.
 
-* **surprise** (NEXTSTATE_GATE_MAX_SURPRISE, off at 0): the base model reads the replies to
-  those prompts and they may not be more than the limit less likely, per token, than its own
-  replies to the same prompts (cut to the same length). Repetition, empty replies and the probe's
-  perplexity all passed versions that met a length wish with nonsense ("Ladle.", "SmolMLO."),
-  and an opening word on a seed whose first updates saw only rejections garbled its replies the
-  same way ("ALL SOLITES"). As with repetition, a version no stranger than the one serving is
-  not refused for it.
+The reply checks are anchored at the base model, so that small rises cannot pile up version
+after version, and a version no worse than the one serving is not refused for them (refusing
+everything near a serving version already past the limit held every later update back). The
+replies are two per prompt sampled at temperature 1, the candidate's and the base model's from
+the same seeded draws (common random numbers): what a client at the API's default temperature is
+served; greedy replies loop on near-ties a sampler passes over, and such flips were most of a
+greedy gate's refusals (docs/benchmark-log.md, "Decided levers"). The prompts are the scope's
+recent ones, then its held-out turns', then the batch's own, topped up to eight from everyday
+questions shipped with the package.
 
 A version that fails is tried again at half its step (`gate_backtracks` times, as a line search
-backtracks): an update in a good direction that went too far keeps part of what it learned
-instead of none, and the held-back samples are not wasted whole. One that still fails is
-recorded with its figures, does not serve, and the learner's weights go back to the serving
-version (training goes on from the last good one); its samples wait, ready, and are tried again
-later from a shorter step (learner/service.py, learner/step_sizes.py). With too few held-out samples a check is
-skipped and says so.
+backtracks): an update in a good direction that went too far keeps part of what it learned.
+One that still fails does not serve, and the learner's weights go back to the serving version;
+its samples wait, ready, and are tried again later from a shorter step (learner/service.py,
+learner/step_sizes.py). With too few held-out samples a check is skipped and says so.
 """
 
 from __future__ import annotations
 
 import logging
-import re
 import time
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -73,25 +49,17 @@ from nextstate.core.stores.samples import SampleStore
 from nextstate.core.settings import LearnerSettings
 from nextstate.core.types import Sample
 from nextstate.engine.prefix_cache import common_prefix
-from nextstate.learner.held_out import MIN_GAIN_TURNS, MIN_HELD_OUT, VersionFigures
+from nextstate.learner.held_out import MIN_GAIN_TURNS, MIN_HELD_OUT
 
-if TYPE_CHECKING:  # the trainer loads torch; the gate's figures and verdicts do not need it
-    from nextstate.learner.trainer import LoraTrainer
+if TYPE_CHECKING:  # the readings load torch; the gate's verdicts do not need it
+    from nextstate.learner.readings import GateFigures, Readings
 
 log = logging.getLogger(__name__)
 
 # The held-out set: the newest accepted samples of the scope outside the batch, the rewarded
-# ones among them for likelihood, the newest prompts answered greedily. Eight prompts, not
-# four: one greedy reply that happens to loop moves a mean of four by a quarter of its
-# repetition, enough to hold back a good version or pass a bad one.
+# ones among them for likelihood, the newest prompts answered. Eight prompts, not four: one
+# reply that happens to loop moves a mean of four by a quarter of its repetition.
 GATE_SAMPLES, GATE_LIKED, GATE_PROMPTS, GATE_NEW_TOKENS = 24, 8, 8, 32
-# With NEXTSTATE_GATE_REPLIES=sampled, replies per prompt: sixteen in all, a mean that one
-# unlucky draw moves by a sixteenth of its repetition.
-GATE_SAMPLED_REPLIES = 2
-# Words of each gate reply its repetition reads: the bench's length-matched quality figure
-# (bench/personalization.py), so the gate guards what the issue's quality target measures.
-# Thirty-two new tokens of SmolLM2 are ~20-25 words.
-REPETITION_WORDS = 16
 # The gate's replies read their prompts whole where all of them cost no more than eight prompts
 # of this many tokens beyond what they share (one agent's turns share its setup and conversation:
 # four OpenClaw prompts of 3.8-4.5k tokens are 4.5k tokens read), else the last this many tokens
@@ -110,25 +78,6 @@ GAIN_DROP_ERRORS = 2.0
 
 
 @dataclass
-class GateFigures:
-    """What one version scores on the held-out samples."""
-
-    liked_logprob: float | None  # mean per-token logprob of held-out rewarded replies
-    repetition: float | None  # mean share of repeated words in the gate's replies (gate_replies, first REPETITION_WORDS)
-    version: VersionFigures | None = None  # gain, kl and forgetting on the scope's held-out turns (learner/held_out.py)
-    empty: float | None = None  # mean chance that a reply ends at its first token
-    surprise: float | None = None  # how much worse the base model reads the replies than its own (nats/token)
-
-
-@dataclass
-class Replies:
-    """Replies generated for the gate, and per prompt the chance of an empty reply."""
-
-    ids: list[list[int]]
-    empty: list[float]
-
-
-@dataclass
 class GateVerdict:
     passed: bool
     reasons: list[str] = field(default_factory=list)
@@ -144,46 +93,6 @@ class GateVerdict:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
-
-
-# In Chinese and Japanese, written without spaces, each Han character or kana counts as a word
-# (a morpheme or a syllable): a reply would otherwise be one "word" and go unchecked. Thai and
-# other unspaced alphabets are not split: their characters are letters, which repeat by nature.
-_UNSPACED = "\u3040-\u30ff\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff"
-_WORD = re.compile(f"[{_UNSPACED}]|[^\\s{_UNSPACED}]+")
-# Punctuation around a word, including the full-width marks of those scripts.
-_AROUND = ".,;:!?()\"'*\u3001\u3002\uff01\uff0c\uff1a\uff1b\uff1f\u300c\u300d\uff08\uff09"
-
-
-def split_words(text: str) -> list[str]:
-    """The words `repetition` counts: split at spaces, and each Han character or kana apart."""
-    return _WORD.findall(text)
-
-
-def repetition(text: str, words: int | None = None) -> float | None:
-    """Share of the reply's words (its first `words`, with a number) that repeat an earlier one,
-    case and surrounding punctuation aside; None under 4 words. The gate reads REPETITION_WORDS,
-    since longer replies repeat more ("the", "a") without degenerating, and a wish that
-    lengthens replies would read as repetition; the bench reads whole replies as well. In a
-    script written without spaces each character counts as a word (`_UNSPACED`)."""
-    found = split_words(text)
-    cut = found[:words] if words is not None else found
-    kept = [w for w in (w.strip(_AROUND).lower() for w in cut) if w]
-    return 1 - len(set(kept)) / len(kept) if len(kept) >= 4 else None
-
-
-def surprise(read: list[float], own: list[list[float]]) -> float | None:
-    """How much less likely the base model finds a reply (`read`: its log-probability of each
-    token) than its own replies to the same prompt (`own`), each cut to the reply's length, in
-    nats per token; None for an empty reply. Cut, because a reply's first tokens are the least
-    predictable (SmolLM2's own replies read about -4.5 nats at their first token, -2.8 over
-    sixteen, on the bench's 96-task runs):
-    a short reply is compared with the start of the base model's, so brevity is not strangeness."""
-    own = [o for o in own if o]
-    if not read or not own:
-        return None
-    expected = sum(sum(o[:len(read)]) / len(o[:len(read)]) for o in own) / len(own)
-    return expected - sum(read) / len(read)
 
 
 def gate_prompts(candidates: list[list[int]]) -> list[list[int]]:
@@ -218,11 +127,6 @@ def _read_tokens(prompts: list[list[int]]) -> int:
     return total
 
 
-def mean(values: list[float | None]) -> float | None:
-    present = [v for v in values if v is not None]
-    return sum(present) / len(present) if present else None
-
-
 def rose_past(now: float | None, serving: float | None, base: float | None, limit: float | None) -> bool:
     """The rule of both reply checks (repetition, empty replies): `now` exceeds the base model's
     figure by more than `limit` — anchored at the base so small rises cannot pile up version
@@ -237,21 +141,11 @@ def verdict_from_figures(
     serving: GateFigures, candidate: GateFigures, base_repetition: float | None, *,
     max_likelihood_drop: float, max_repetition_rise: float, held_out: int, prompts: int,
     max_gain_drop: float | None = None, max_forgetting: float | None = None,
-    base_empty: float | None = None, max_empty_rise: float | None = None, max_wish_drop: float | None = None,
-    max_surprise: float | None = None,
+    base_empty: float | None = None, max_empty_rise: float | None = None,
 ) -> GateVerdict:
-    """`max_wish_drop` (None: the gain decides) lets the wish say whether the version is worse
-    for its user, where both versions were scored on MIN_GAIN_TURNS hinted held-out turns."""
     reasons = []
     now, was = candidate.version, serving.version
-    wish = now.wish_drop_from(was) if max_wish_drop is not None and now is not None and was is not None else None
-    if wish is not None and wish[2] >= MIN_GAIN_TURNS and now.wish is not None and was.wish is not None:
-        drop, error, turns = wish
-        if drop > max_wish_drop and (error is None or drop > GAIN_DROP_ERRORS * error):
-            reasons.append(f"worse for its user: it makes {now.wish:.2f} of what their hints asked for untold against the "
-                           f"serving version's {was.wish:.2f}, on {turns} hinted held-out turns (limit -{max_wish_drop:g}"
-                           + (f"; {drop:.3f} ± {error:.3f})" if error is not None else ")"))
-    elif (max_gain_drop is not None and now is not None and was is not None and now.gain is not None
+    if (max_gain_drop is not None and now is not None and was is not None and now.gain is not None
             and was.gain is not None and now.held_out >= MIN_GAIN_TURNS):
         paired = now.drop_from(was)
         drop, error = paired if paired is not None else (was.gain - now.gain, None)
@@ -273,9 +167,6 @@ def verdict_from_figures(
     if rose_past(candidate.empty, serving.empty, base_empty, max_empty_rise):
         reasons.append(f"replies end before they begin: {candidate.empty:.1%} of replies to recent prompts would be "
                        f"empty against the base model's {base_empty:.1%} (limit +{max_empty_rise:.0%})")
-    if rose_past(candidate.surprise, serving.surprise, 0.0, max_surprise):
-        reasons.append(f"replies read as nonsense to the base model: {candidate.surprise:.2f} nats/token less likely than "
-                       f"its own replies to the same prompts (limit {max_surprise:g})")
     return GateVerdict(not reasons, reasons, serving, candidate, base_repetition, held_out, prompts, base_empty=base_empty)
 
 
@@ -285,7 +176,7 @@ class HeldOut:
     it) before the step, so that the step's own samples are never among it."""
 
     liked: list[Sample]  # rewarded replies, for likelihood (empty: too few to check)
-    prompts: list[list[int]]  # prompt ids to answer greedily, for repetition
+    prompts: list[list[int]]  # prompt ids to answer, for repetition and empty replies
     serving: GateFigures
     turns: list[Sample] = field(default_factory=list)  # the scope's held-out turns (never trained on)
 
@@ -294,15 +185,16 @@ class PublishGate:
     """Decides whether a trained step may serve; shortens or undoes it when not. Runs in the
     learner's worker thread (every method blocks on the model)."""
 
-    def __init__(self, settings: LearnerSettings, store: SampleStore, trainer: LoraTrainer, per_user: bool) -> None:
+    def __init__(self, settings: LearnerSettings, store: SampleStore, readings: Readings, per_user: bool) -> None:
         self.settings = settings
         self.store = store
-        self.trainer = trainer
+        self.readings = readings
+        self.trainer = readings.trainer
         self.per_user = per_user
 
     def hold_out(self, scope: str, batch: list[Sample]) -> HeldOut | None:
         """Recent samples of the scope not in the batch, with the serving version's figures on
-        them (greedy prompts topped up to eight, so there is always something to check). None
+        them (prompts topped up to eight, so there is always something to check). None
         when the gate is off."""
         if not self.settings.publish_gate:
             return None
@@ -311,10 +203,10 @@ class PublishGate:
         turns = self.held_out_turns(scope)
         prompts = gate_prompts([x.prompt_ids for x in recent + turns + batch])
         if len(prompts) < GATE_PROMPTS:  # a new scope: its two to four prompts would be noise
-            prompts = gate_prompts(prompts + self.trainer.everyday_prompts(GATE_PROMPTS))
+            prompts = gate_prompts(prompts + self.readings.everyday_prompts(GATE_PROMPTS))
         liked = liked if len(liked) >= MIN_HELD_OUT else []
-        serving = self.trainer.gate_figures(scope, liked, prompts, GATE_NEW_TOKENS)
-        serving.version = self.trainer.version_figures(scope, turns, probe=False)  # only its gain is compared
+        serving = self.readings.gate_figures(scope, liked, prompts, GATE_NEW_TOKENS)
+        serving.version = self.readings.version_figures(scope, turns, probe=False)  # only its gain is compared
         return HeldOut(liked, prompts, serving, turns)
 
     def held_out_turns(self, scope: str) -> list[Sample]:
@@ -343,17 +235,15 @@ class PublishGate:
 
     def _check(self, scope: str, held: HeldOut) -> GateVerdict:
         started = time.monotonic()
-        candidate = self.trainer.gate_figures(scope, held.liked, held.prompts, GATE_NEW_TOKENS)
-        candidate.version = self.trainer.version_figures(scope, held.turns)
-        base, base_empty = self.trainer.base_figures(held.prompts, GATE_NEW_TOKENS) if held.prompts else (None, None)
+        candidate = self.readings.gate_figures(scope, held.liked, held.prompts, GATE_NEW_TOKENS)
+        candidate.version = self.readings.version_figures(scope, held.turns)
+        base, base_empty = self.readings.base_figures(held.prompts, GATE_NEW_TOKENS) if held.prompts else (None, None)
         s = self.settings
         verdict = verdict_from_figures(
             held.serving, candidate, base, max_likelihood_drop=s.gate_max_likelihood_drop,
             max_repetition_rise=s.gate_max_repetition_rise, held_out=len(held.liked), prompts=len(held.prompts),
             max_gain_drop=s.gate_max_gain_drop, max_forgetting=s.gate_max_forgetting,
             base_empty=base_empty, max_empty_rise=s.gate_max_empty_rise,
-            max_wish_drop=s.gate_max_wish_drop if s.gate_user_figure == "wish" else None,
-            max_surprise=s.gate_max_surprise or None,
         )
         verdict.seconds = round(time.monotonic() - started, 2)
         return verdict

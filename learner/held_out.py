@@ -30,7 +30,7 @@ replies the person accepted — the wish made likelier; and
 **rejected** (nats per token): the mean fall on the tokens of the replies they rejected — what they
 did not want made less likely.
 
-Measured since (BENCHMARKS.md, "The opening word learnt"): over 33 versions neither half tracked
+Measured since (docs/benchmark-log.md, "The opening word learnt"): over 33 versions neither half tracked
 the simulated user's success better than the pooled gain (r +0.13 and +0.05 against +0.24). A
 scope's accepted held-out turns are few and mostly second attempts whose prompts carry the
 person's correction, which says little about first replies; the halves are shown, not gated on.
@@ -112,26 +112,6 @@ class VersionFigures:
             return mean, None
         variance = sum((d - mean) ** 2 for d in diffs) / (len(diffs) - 1)
         return mean, math.sqrt(variance / len(diffs))
-
-    def wish_drop_from(self, serving: VersionFigures) -> tuple[float, float | None, int] | None:
-        """How much less of the hint's move this version makes untold than `serving` on the same
-        hinted held-out turns: (drop, its standard error, turns), or None when they were not
-        scored on the same turns or none had a hint. Each turn's denominator is the base
-        model's alone, the same for both versions, so the drop is the difference of the two
-        pooled wishes; its error is the ratio estimator's (the turns' numerators against their
-        denominators), None under two turns."""
-        if len(self.turn_wishes) != len(serving.turn_wishes):
-            return None
-        pairs = [(was[0] - now[0], now[1]) for now, was in zip(self.turn_wishes, serving.turn_wishes)
-                 if now is not None and was is not None and now[1] > 0]
-        spread = sum(d for _, d in pairs)
-        if not pairs or spread <= 0:
-            return None
-        drop = sum(c for c, _ in pairs) / spread
-        if len(pairs) < 2:
-            return drop, None, 1
-        residuals = sum((c - drop * d) ** 2 for c, d in pairs)
-        return drop, math.sqrt(len(pairs) / (len(pairs) - 1) * residuals) / spread, len(pairs)
 
 
 @dataclass

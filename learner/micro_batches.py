@@ -14,7 +14,7 @@ turn k+1's prompt (the engine's prefix cache serves them so). A causal model's l
 row's positions do not depend on what follows them, so a row that begins another row is not
 computed at all: its responses are read off the longer row (its *host*), and the losses of both
 flow back through one graph. Four rated OpenClaw turns were four passes over ~4-5k tokens each;
-they are one pass over the longest (BENCHMARKS.md, "An update in about a minute").
+they are one pass over the longest (docs/benchmark-log.md, "An update in about a minute").
 """
 
 from __future__ import annotations

@@ -32,11 +32,11 @@ def finite(sample: Sample) -> bool:
 
 def drop_reason(sample: Sample, settings: LearnerSettings, behind: int) -> str | None:
     """Why a ready `sample` must not take a batch slot, or None. `behind`: versions its scope
-    has published since the one that served it. Without a KL term a sample that teaches nothing
-    would only dilute the token mean (the at-least-one rule's neutral samples); outcome samples
+    has published since the one that served it. A sample that teaches nothing would only dilute
+    the token mean (the at-least-one rule's neutral samples); outcome samples
     are judged by their advantages once their batch gives them theirs. Non-finite values are
     looked for in the batch (`finite`), where the rest of the batch then trains without them."""
-    if settings.kl_coef == 0 and sample.track != "outcome" and not teaches(sample):
+    if sample.track != "outcome" and not teaches(sample):
         return NO_SIGNAL
     if len(sample.response_ids) >= settings.max_train_tokens:
         return TOO_LONG
@@ -45,8 +45,8 @@ def drop_reason(sample: Sample, settings: LearnerSettings, behind: int) -> str |
     return None
 
 
-def batch_teaches(batch: list[Sample], settings: LearnerSettings) -> bool:
-    """Whether a step on `batch` would learn anything: with no KL term and nothing that teaches
-    it would only move the weights by momentum and weight decay (an outcome batch whose rewards
-    were all equal says nothing, standardised)."""
-    return settings.kl_coef > 0 or any(teaches(x) for x in batch)
+def batch_teaches(batch: list[Sample]) -> bool:
+    """Whether a step on `batch` would learn anything: with nothing that teaches it would only
+    move the weights by momentum and weight decay (an outcome batch whose rewards were all equal
+    says nothing, standardised)."""
+    return any(teaches(x) for x in batch)

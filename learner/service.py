@@ -28,11 +28,13 @@ from nextstate.engine.devices import resolve_device
 from nextstate.learner.batching import Waiting, choose_batch, ready_by_scope
 from nextstate.learner.follower import load_version
 from nextstate.learner.gate import PublishGate
+from nextstate.learner.readings import Readings
 from nextstate.learner.held_out import VersionFigures
 from nextstate.learner.memory_budget import Refusal
 from nextstate.learner.screening import NO_SIGNAL_IN_BATCH, NOT_FINITE, batch_teaches, drop_reason, finite
 from nextstate.core.stores.versions import VersionRegistry
-from nextstate.learner.trainer import LoraTrainer, StepResult
+from nextstate.learner.step_result import StepResult
+from nextstate.learner.trainer import LoraTrainer
 from nextstate.learner.versions import AdapterVersions
 from nextstate.core.policy import PolicyDirectory, PolicyRef
 from nextstate.core.stores.samples import SampleStore
@@ -104,7 +106,7 @@ class Learner:
         self.trainer = await asyncio.to_thread(
             LoraTrainer, self.model_dir, self.settings, resolve_device(self.settings.learner_device)
         )
-        self.gate = PublishGate(self.settings, self.store, self.trainer, self.policies.per_user)
+        self.gate = PublishGate(self.settings, self.store, Readings(self.trainer), self.policies.per_user)
         await self._resume()
         self._task = asyncio.create_task(self._run(), name="learner")
 
@@ -282,7 +284,7 @@ class Learner:
             if not verdict.passed:
                 result.skipped = record["skipped"] = "gate: " + "; ".join(verdict.reasons)
         if not result.skipped and figures is None and self.gate is not None:  # the gate is off, or had nothing else to check
-            figures = await asyncio.to_thread(self.trainer.version_figures, scope, self.gate.held_out_turns(scope))
+            figures = await asyncio.to_thread(self.gate.readings.version_figures, scope, self.gate.held_out_turns(scope))
         if figures is not None:
             record["figures"] = figures.to_dict()  # what this version gained for its user, and forgot
         result.step_scale = record["step_scale"] = round(scale, 6)  # what serves, if it does: in the manifest too
@@ -333,7 +335,7 @@ class Learner:
             await asyncio.to_thread(self.store.mark_dropped, bad, NOT_FINITE)
             log.warning("learner %s: %d sample(s) with non-finite values dropped; the batch trains on", scope, len(bad))
             batch = [x for x in batch if x.id not in bad]
-        if not batch_teaches(batch, self.settings):
+        if not batch_teaches(batch):
             ids = [x.id for x in batch]
             await asyncio.to_thread(self.store.mark_dropped, ids, NO_SIGNAL_IN_BATCH)
             record.update(version=None, published=False, skipped=NO_SIGNAL_IN_BATCH)

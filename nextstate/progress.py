@@ -20,7 +20,7 @@ from nextstate.learner.versions import AdapterVersions
 if TYPE_CHECKING:  # the running server's objects; offline use (status, forget) loads no model code
     from nextstate.services import Services
 
-STEP_FIELDS = ("loss", "policy_kl", "kl_to_base", "clip_fraction", "mean_advantage", "grad_norm", "samples", "seconds",
+STEP_FIELDS = ("loss", "policy_kl", "clip_fraction", "mean_advantage", "grad_norm", "samples", "seconds",
                "step_scale", "kl_tries", "max_kl", "epochs", "epoch_kls")
 
 

@@ -167,7 +167,7 @@ def test_personalization_loop_runs_over_http_and_trains(tiny_model_dir):
     over HTTP, and the learner publishing versions that later first replies are served by."""
     preference = Preference(INSTRUCTIONS["capital"], "capital")
     judge = PreferenceJudge()
-    args = argparse.Namespace(defaults=False, set=ONE_PASS, feedback=False, votes=1, batch=2, lr=5e-3, lora_r=4, kl_coef=0.0, max_attempts=2, max_tokens=4,
+    args = argparse.Namespace(defaults=False, set=ONE_PASS, feedback=False, votes=1, batch=2, lr=5e-3, lora_r=4, max_attempts=2, max_tokens=4,
                               temperature=1.0, seed=0, think_s=0.3, sglang_url=None, final_samples=1, wait_for_learner=True,
                               held_out_samples=1)
     try:
@@ -274,7 +274,7 @@ def test_personalization_with_explicit_feedback_trains_past_a_judge_that_cannot_
     """--feedback: the user rates every reply; the default judge (the served tiny model) fails
     its calibration, so what trains is the ratings alone."""
     preference = Preference(INSTRUCTIONS["capital"], "capital")
-    args = argparse.Namespace(defaults=False, set=ONE_PASS, feedback=True, votes=1, batch=2, lr=5e-3, lora_r=4, kl_coef=0.0,
+    args = argparse.Namespace(defaults=False, set=ONE_PASS, feedback=True, votes=1, batch=2, lr=5e-3, lora_r=4,
                               max_attempts=2, max_tokens=4, temperature=1.0, seed=0, think_s=0.1, sglang_url=None,
                               final_samples=0, wait_for_learner=True)
     run = run_mode("combined", tiny_model_dir, ["Name a colour."] * 6, args, {}, RuleUser(preference),
@@ -290,7 +290,7 @@ def test_a_stopped_run_ends_at_a_task_boundary_and_still_keeps_its_final_evaluat
     from bench.personalization import StopRequest
 
     preference = Preference(INSTRUCTIONS["capital"], "capital")
-    args = argparse.Namespace(defaults=False, set=ONE_PASS, feedback=True, votes=1, batch=2, lr=5e-3, lora_r=4, kl_coef=0.0,
+    args = argparse.Namespace(defaults=False, set=ONE_PASS, feedback=True, votes=1, batch=2, lr=5e-3, lora_r=4,
                               max_attempts=1, max_tokens=4, temperature=1.0, seed=0, think_s=0.0, sglang_url=None,
                               final_samples=1, wait_for_learner=False)
     stop = StopRequest()

@@ -167,23 +167,18 @@ def test_a_check_whose_votes_all_failed_is_asked_again_at_the_next_start(server_
     assert again.app.state.services.judge.calibration.state == "passed", "an unreachable judge's verdict is not kept"
 
 
-@pytest.mark.parametrize("contrast", ["placebo", "prompt"])
-def test_a_next_states_hint_is_measured_against_its_placebo(server_factory, judge, contrast):
-    """NEXTSTATE_HINDSIGHT_CONTRAST: by default the learner measures a next state's hint against
-    the same words shuffled (judge/hindsight.py), so what merely copying them adds cancels; with
-    `prompt`, against the turn's own prompt, as a judge's hint is."""
+def test_a_next_states_hint_is_measured_against_its_placebo(server_factory, judge):
+    """The learner measures a next state's hint against the same words shuffled
+    (judge/hindsight.py), so what merely copying them adds cancels."""
     from nextstate.judge.hindsight import LEADS, scrambled
 
     judge.mode = "garbage"
-    server = calibrated_server(server_factory, judge, judge_timeout_s=2, mode="opd", hindsight_contrast=contrast)
+    server = calibrated_server(server_factory, judge, judge_timeout_s=2, mode="opd")
     converse(server.client(server.key("alice")), SCRIPT[:2], max_tokens=3)
     server.end_conversations()
     server.drain_judge()
     taught, = [s for s in server.app.state.services.samples.samples() if s.reason.startswith("hindsight")]
     assert taught.distill_weight == 1.0 and taught.teacher_prompt_ids
-    if contrast == "prompt":
-        assert taught.contrast_prompt_ids is None
-        return
     tokenizer = server.app.state.services.turns.renderer.tokenizer
     placebo = tokenizer.decode(taught.contrast_prompt_ids)
     assert LEADS["user"] + scrambled(SCRIPT[1]["content"]) in placebo

@@ -31,25 +31,10 @@ def test_the_shifted_target_moves_the_policy_only_as_far_as_the_hint_moves_the_b
     assert torch.allclose(shifted_target(policy, hinted, hinted), with_tail(policy), atol=1e-6), \
         "a hint that changes nothing leaves the policy where it is"
     assert torch.allclose(shifted_target(unhinted, hinted, unhinted), with_tail(hinted), atol=1e-6), \
-        "a policy still at the base model is pulled to the hinted base, as with the `teacher` target"
+        "a policy still at the base model is pulled to the hinted base"
     # the log-odds between two kept tokens move by exactly the hint's move in the base model
     moved = (target[:, 0] - target[:, 1]) - (policy[:, 0] - policy[:, 1])
     assert torch.allclose(moved, (hinted[:, 0] - hinted[:, 1]) - (unhinted[:, 0] - unhinted[:, 1]), atol=1e-5)
-
-
-def test_a_scaled_shift_moves_the_log_odds_that_many_times_the_hints_move():
-    """NEXTSTATE_OPD_SHIFT_SCALE: guidance on the hint, for a wish its reader barely follows."""
-    torch.manual_seed(3)
-    policy, hinted, unhinted = (torch.log_softmax(torch.randn(3, 10), -1)[:, :4] for _ in range(3))
-    assert torch.allclose(shifted_target(policy, hinted, unhinted, scale=1.0), shifted_target(policy, hinted, unhinted))
-    for scale in (0.5, 2.0, 3.0):
-        target = shifted_target(policy, hinted, unhinted, scale=scale)
-        assert torch.allclose(target.logsumexp(-1), torch.zeros(3), atol=1e-6)
-        moved = (target[:, 0] - target[:, 1]) - (policy[:, 0] - policy[:, 1])
-        hint = (hinted[:, 0] - hinted[:, 1]) - (unhinted[:, 0] - unhinted[:, 1])
-        assert torch.allclose(moved, scale * hint, atol=1e-5)
-    assert torch.allclose(shifted_target(policy, hinted, hinted, scale=3.0), with_tail(policy), atol=1e-6), \
-        "a hint that changes nothing still leaves the policy where it is, at any scale"
 
 
 def test_with_every_token_kept_it_is_the_reverse_kl_and_its_gradient():
@@ -99,40 +84,45 @@ async def test_distilling_moves_the_policy_towards_the_teacher_and_nothing_else_
     # replay off: its pull towards the base model's reading of prose is another force on the
     # weights, and this measures the distillation's alone
     trainer = LoraTrainer(peaked_model_dir, LearnerSettings(lr=3e-2, lora_r=4, lora_alpha=8, opd_topk=16, replay_coef=0,
-                                                            opd_target="teacher", minibatch_size=0, max_kl=100.0))
+                                                            minibatch_size=0, max_kl=100.0, lr_warmup_steps=0))
     samples = [distilled(make_sample(toks)) for toks in replies[:4]]
-    kls = [trainer.step("alice", samples).distill_kl for _ in range(6)]
-    assert kls[0] > 0.05, f"the hint changes what the teacher expects: {kls}"
-    assert all(b < a for a, b in zip(kls, kls[1:])) and kls[-1] < 0.9 * kls[0], f"each step brings it nearer: {kls}"
+    trainer.ensure_scope("alice")
+    targets = trainer._teacher_targets(samples)[0]
+    todo = list(range(len(samples)))
+
+    def distance() -> float:
+        """The policy's reverse KL to the targets set before the step, mean per position."""
+        now = trainer._gathered(samples, todo, {i: ids for i, (_, ids) in enumerate(targets)})
+        return float(torch.cat([topk_reverse_kl(now[i], target) for i, (target, _) in enumerate(targets)]).mean())
+
+    before = distance()
+    result = trainer.step("alice", samples)
+    assert before > 0.05 and result.distill_kl > 0.05, "the hint changes what the teacher expects"
+    assert distance() < 0.9 * before, "the step brings the policy nearer the target it was given"
     plain = trainer.step("bob", [make_sample(toks, advantage=0.0) for toks in replies[4:]])
     assert plain.distill_kl == 0.0 and plain.policy_kl == pytest.approx(0.0, abs=1e-6), "no teacher, no advantage: no move"
 
 
 def test_the_shifted_target_of_a_fresh_adapter_is_the_hinted_base_and_an_idle_hint_moves_nothing(peaked_model_dir):
-    """NEXTSTATE_OPD_TARGET=shift: before its first update the policy is the base model, so the
-    shifted target is the teacher's; a "hint" that is the sample's own prompt changes nothing
-    in the base model, and once the policy has moved its target is the policy itself (the
-    `teacher` target would pull it back to the base model)."""
+    """Before its first update the policy is the base model, so the shifted target is the
+    hinted base model's; a "hint" that is the sample's own prompt changes nothing in the base
+    model, and once the policy has moved its target is the policy itself (the hinted base model
+    as the target would pull it back to the base where the hint says nothing)."""
     from nextstate.engine.base import GeneratedToken
 
     replies = [[GeneratedToken(t, -1.0) for t in reply] for reply in ([31, 40, 52, 33, 47, 60, 38, 41], [7, 8, 9, 10, 11, 12])]
     samples = [distilled(make_sample(toks)) for toks in replies]
-    teacher = LoraTrainer(peaked_model_dir, LearnerSettings(lora_r=4, lora_alpha=8, opd_topk=16))
-    teacher.ensure_scope("alice")
-    shift = LoraTrainer(peaked_model_dir, LearnerSettings(lora_r=4, lora_alpha=8, opd_topk=16, opd_target="shift"))
+    shift = LoraTrainer(peaked_model_dir, LearnerSettings(lora_r=4, lora_alpha=8, opd_topk=16))
     shift.ensure_scope("alice")
-    for (a, ids_a), (b, ids_b) in zip(teacher._teacher_targets(samples)[0], shift._teacher_targets(samples)[0]):
-        assert torch.equal(ids_a, ids_b) and torch.allclose(a, b, atol=1e-5)
+    sides = shift._base_sides(samples, [0, 1])
+    for i, (target, ids) in enumerate(shift._teacher_targets(samples)[0]):
+        assert torch.equal(ids, sides[i][0]) and torch.allclose(target, with_tail(sides[i][1]), atol=1e-5)
     idle = [distilled(make_sample(toks), teacher_prompt=PROMPT) for toks in replies]
-    idle_kl = {}
-    for target in ("teacher", "shift"):
-        # one pass: after it the policy has moved, and a further pass would distil back towards the target
-        trainer = LoraTrainer(peaked_model_dir, LearnerSettings(lr=3e-2, lora_r=4, lora_alpha=8, opd_topk=16, ppo_epochs=1,
-                                                                opd_target=target, max_kl=100.0, kl_coef=0.0))
-        trainer.step("alice", samples)  # a real hint first: the adapter moves off the base model
-        idle_kl[target] = trainer.step("alice", idle).distill_kl
-    assert idle_kl["shift"] == pytest.approx(0.0, abs=1e-6), idle_kl
-    assert idle_kl["teacher"] > 0.01, f"the hinted base pulls the moved policy back where the hint says nothing: {idle_kl}"
+    # one pass: after it the policy has moved, and a further pass would distil back towards the target
+    trainer = LoraTrainer(peaked_model_dir, LearnerSettings(lr=3e-2, lora_r=4, lora_alpha=8, opd_topk=16, ppo_epochs=1,
+                                                            max_kl=100.0))
+    trainer.step("alice", samples)  # a real hint first: the adapter moves off the base model
+    assert trainer.step("alice", idle).distill_kl == pytest.approx(0.0, abs=1e-6)
 
 
 def test_a_hint_measured_against_its_placebo_moves_only_what_the_placebo_does_not(peaked_model_dir):
@@ -144,7 +134,7 @@ def test_a_hint_measured_against_its_placebo_moves_only_what_the_placebo_does_no
 
     replies = [[GeneratedToken(t, -1.0) for t in reply] for reply in ([31, 40, 52, 33, 47], [7, 8, 9, 10])]
     plain = [distilled(make_sample(toks)) for toks in replies]
-    trainer = LoraTrainer(peaked_model_dir, LearnerSettings(lora_r=4, lora_alpha=8, opd_topk=16, opd_target="shift"))
+    trainer = LoraTrainer(peaked_model_dir, LearnerSettings(lora_r=4, lora_alpha=8, opd_topk=16))
     trainer.ensure_scope("alice")
 
     def targets(contrast):
@@ -157,22 +147,6 @@ def test_a_hint_measured_against_its_placebo_moves_only_what_the_placebo_does_no
         assert not torch.allclose(other, base, atol=1e-3)
 
 
-def test_the_anchor_takes_the_shift_back_towards_the_base_model_where_the_hint_says_nothing():
-    """NEXTSTATE_OPD_ANCHOR: 0 is the pure shift, 1 the hinted base model (the `teacher`
-    target), and between them a hint that changes nothing pulls the drifted policy that share
-    of the way back to the base model."""
-    from nextstate.learner.distillation import shifted_target, with_tail
-
-    drifted = torch.log_softmax(torch.tensor([[3.0, 0.0, -1.0]]), -1)  # the policy: top K = 3 tokens of 4
-    base = torch.log_softmax(torch.tensor([[0.0, 2.0, 0.0, 0.0]]), -1)[:, :3]
-    hinted = torch.log_softmax(torch.tensor([[0.0, 0.0, 2.0, 0.0]]), -1)[:, :3]
-    assert torch.allclose(shifted_target(drifted, hinted, hinted, 0.0), with_tail(drifted), atol=1e-5), "no hint, no pull"
-    assert torch.allclose(shifted_target(drifted, hinted, base, 1.0), with_tail(hinted), atol=1e-5), "the teacher"
-    halfway = shifted_target(drifted, base, base, 0.5).exp()[0]
-    assert with_tail(base).exp()[0, 1] > halfway[1] > with_tail(drifted).exp()[0, 1], "between the drift and the base"
-    assert float(halfway.sum()) == pytest.approx(1.0, abs=1e-5)
-
-
 def test_one_pass_before_the_step_gives_the_shift_targets_policy_side_and_the_kl_reference(peaked_model_dir):
     """The shift target's policy side and the step's KL reference (the policy before the update,
     for samples the first optimizer step does not see) come from one no-grad pass per sample."""
@@ -180,7 +154,7 @@ def test_one_pass_before_the_step_gives_the_shift_targets_policy_side_and_the_kl
 
     replies = [[GeneratedToken(t, -1.0) for t in reply] for reply in ([31, 40, 52, 33], [7, 8, 9, 10, 11], [60, 38, 41])]
     samples = [distilled(make_sample(toks)) for toks in replies]
-    trainer = LoraTrainer(peaked_model_dir, LearnerSettings(lr=3e-2, lora_r=4, lora_alpha=8, opd_topk=16, opd_target="shift",
+    trainer = LoraTrainer(peaked_model_dir, LearnerSettings(lr=3e-2, lora_r=4, lora_alpha=8, opd_topk=16,
                                                             minibatch_size=1, max_kl=100.0, micro_batch_tokens=1,
                                                             replay_coef=0))  # its passes over prose are not counted here
     trainer.step("alice", samples)  # the adapter moves off the base model: policy and base differ

@@ -93,22 +93,6 @@ def test_a_rating_with_a_correction_answers_at_once_while_the_teacher_scores_it(
                for s in made)
 
 
-def test_a_correction_is_measured_against_its_placebo_where_asked(server_factory):
-    """NEXTSTATE_HINT_CONTRAST=placebo applies to a person's correction as to a judge's hint:
-    the learner's contrast is the same correction with its words shuffled."""
-    from nextstate.judge.hindsight import scrambled
-
-    server = learning_server(server_factory, learn=False, hint_contrast="placebo")
-    alice = server.key("alice")
-    reply = server.client(alice).chat.completions.create(model="tiny", messages=ASK, max_tokens=3)
-    rate(server, alice, reply.id, -1, "Answer in one short sentence.")
-    sample = sample_of(server, reply.id)
-    decode = server.app.state.services.turns.renderer.tokenizer.decode
-    hinted = decode(sample.teacher_prompt_ids)
-    assert "Answer in one short sentence." in hinted
-    assert decode(sample.contrast_prompt_ids) == hinted.replace("Answer in one short sentence.", scrambled("Answer in one short sentence."))
-
-
 async def _set(event) -> None:
     event.set()
 

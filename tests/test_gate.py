@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from nextstate.learner.gate import GATE_NEW_TOKENS, GateFigures, repetition, surprise, verdict_from_figures
+from nextstate.learner.gate import GATE_NEW_TOKENS, verdict_from_figures
+from nextstate.learner.readings import GateFigures, repetition
 from nextstate.learner.held_out import VersionFigures
 from tests.test_learner import feed, learning_server, served_samples, wait_for
 
@@ -57,34 +58,6 @@ def test_a_version_that_would_serve_empty_replies_does_not_pass():
     assert verdict(0.0, 0.5, base=None).passed and verdict(0.0, None).passed, "unmeasured: nothing to compare"
 
 
-def test_surprise_compares_a_reply_with_the_base_models_own_cut_to_its_length():
-    own = [[-4.0, -2.0, -1.0, -1.0], [-5.0, -3.0, -1.0, -1.0]]
-    assert surprise([-4.5, -2.5, -1.0, -1.0], own) == 0.0, "as likely as the base model's own"
-    assert surprise([-4.5, -2.5], own) == 0.0, "a short reply against the start of the base model's: brevity is not strange"
-    assert surprise([-9.0, -8.0], own) == pytest.approx(5.0)
-    assert surprise([], own) is None and surprise([-1.0], [[]]) is None
-
-
-def test_a_version_whose_replies_read_as_nonsense_to_the_base_model_does_not_pass():
-    """NEXTSTATE_GATE_MAX_SURPRISE: anchored at the base model (0), and a version no stranger
-    than the one serving is not held back for it; off by default."""
-    def verdict(serving: float | None, candidate: float | None, limit: float | None = 1.0):
-        return verdict_from_figures(GateFigures(None, None, surprise=serving), GateFigures(None, None, surprise=candidate),
-                                    None, max_likelihood_drop=0.1, max_repetition_rise=0.05, held_out=0, prompts=8,
-                                    max_surprise=limit)
-
-    assert verdict(0.0, 0.6).passed
-    strange = verdict(0.2, 2.1)
-    assert not strange.passed and strange.reasons == [
-        "replies read as nonsense to the base model: 2.10 nats/token less likely than its own replies to the same "
-        "prompts (limit 1)"]
-    assert verdict(2.5, 2.1).passed, "no stranger than the serving version"
-    assert verdict(0.0, 2.1, limit=None).passed and verdict(0.0, None).passed, "off, or unmeasured"
-    from nextstate.core.settings import LearnerSettings
-
-    assert LearnerSettings().gate_max_surprise == 0.0
-
-
 def test_worse_for_its_user_is_a_drop_past_the_limit_and_past_its_noise():
     """The held-out gain is compared turn by turn with the serving version's: a drop that one
     reply's swing explains does not refuse a version; the same mean drop on every turn does."""
@@ -103,37 +76,6 @@ def test_worse_for_its_user_is_a_drop_past_the_limit_and_past_its_noise():
     too_few = verdict(*versions([0.0, 0.0, 0.0], [-0.5, -0.5, -0.5]))
     assert too_few.passed, "three held-out turns are not enough to compare"
     assert "turn_gains" not in VersionFigures(0.1, 0.0, 0.0, 1, turn_gains=[0.1]).to_dict(), "manifests keep the totals"
-
-
-def test_with_gate_user_figure_wish_the_hinted_turns_decide_and_the_gain_where_there_are_too_few():
-    """NEXTSTATE_GATE_USER_FIGURE=wish: a version that does less of what the hints asked for, on
-    every hinted held-out turn, is worse for its user whatever its gain, and one whose wish held
-    is not, whatever its gain; one turn's swing is not; under four hinted turns the gain decides."""
-    def figures(wishes: list[float], gains: list[float]) -> VersionFigures:
-        terms = [(w, 1.0) for w in wishes]  # each turn's denominator: the base model's, the same for both
-        return VersionFigures(sum(gains) / len(gains), 0.0, 0.0, len(gains), wish=sum(wishes) / len(wishes),
-                              turn_gains=gains, turn_wishes=terms)
-
-    def verdict(serving: VersionFigures, candidate: VersionFigures, figure: str = "wish"):
-        return verdict_from_figures(GateFigures(None, None, serving), GateFigures(None, None, candidate), None,
-                                    max_likelihood_drop=0.1, max_repetition_rise=0.05, held_out=4, prompts=0,
-                                    max_gain_drop=0.05, max_wish_drop=0.1 if figure == "wish" else None)
-
-    serving = figures([0.6, 0.5, 0.7, 0.6], [0.0] * 4)
-    less = figures([0.3, 0.25, 0.4, 0.3], [0.1] * 4)  # its gain rose
-    refused = verdict(serving, less)
-    assert not refused.passed and refused.reasons[0].startswith("worse for its user: it makes 0.31 of what their hints")
-    assert "on 4 hinted held-out turns" in refused.reasons[0]
-    assert verdict(serving, less, figure="gain").passed, "the gain alone would have let it serve"
-    assert verdict(serving, figures([-0.2, 0.55, 0.75, 0.65], [0.0] * 4)).passed, "one turn's swing"
-    assert verdict(figures([0.6] * 4, [0.0] * 4), figures([0.6] * 4, [-0.1] * 4)).passed, \
-        "where the wish is measured it decides: a gain that fell while the wish held does not refuse"
-    few = figures([0.6, 0.6, 0.6], [0.0] * 3) , figures([0.1, 0.1, 0.1], [-0.1] * 3)
-    assert verdict(*few).passed, "three hinted turns: too few for either"
-    unhinted = VersionFigures(0.0, 0.0, 0.0, 4, turn_gains=[0.0] * 4, turn_wishes=[None] * 4)
-    worse_gain = VersionFigures(-0.1, 0.0, 0.0, 4, turn_gains=[-0.1] * 4, turn_wishes=[None] * 4)
-    assert not verdict(unhinted, worse_gain).passed, "no hinted turn: the gain decides"
-    assert "turn_wishes" not in serving.to_dict()
 
 
 def test_a_version_that_unlearns_what_users_liked_does_not_serve(server_factory):
@@ -158,7 +100,7 @@ def test_a_version_that_unlearns_what_users_liked_does_not_serve(server_factory)
     # the learner's weights went back to v1's: its next figures are v1's again
     learner = server.app.state.services.learner
     liked = server.app.state.services.samples.samples("consumed")[:4]
-    again = server.call(asyncio_to_thread(learner.trainer.gate_figures, "shared", liked, [], GATE_NEW_TOKENS))
+    again = server.call(asyncio_to_thread(learner.gate.readings.gate_figures, "shared", liked, [], GATE_NEW_TOKENS))
     assert again.liked_logprob == pytest.approx(step["gate"]["serving"]["liked_logprob"], abs=1e-4)
 
 

@@ -12,6 +12,7 @@ import torch
 
 from nextstate.core.settings import LearnerSettings
 from nextstate.learner.held_out import HintMove, figures, probe_passages, wish_terms
+from nextstate.learner.readings import Readings
 from nextstate.learner.trainer import LoraTrainer
 from nextstate.progress import render_text
 from tests.test_learner import (  # noqa: F401  (engine: a fixture)
@@ -78,20 +79,22 @@ async def test_a_hinted_held_out_turn_gives_a_wish_of_zero_on_a_fresh_adapter_an
     # replay off: on a random tiny model its pull back to the base model's reading of prose
     # is as strong as the distillation this measures
     trainer = LoraTrainer(tiny_model_dir, LearnerSettings(lr=2e-2, lora_r=4, lora_alpha=8, max_kl=100.0, replay_coef=0))
+    readings = Readings(trainer)
     held = [distilled(make_sample(t)).model_copy(update={"id": i + 1}) for i, t in enumerate(await generate(engine, 4))]
-    assert trainer.version_figures("alice", held, probe=False).wish == pytest.approx(0.0, abs=1e-5)
+    assert readings.version_figures("alice", held, probe=False).wish == pytest.approx(0.0, abs=1e-5)
     for _ in range(3):
         trainer.step("alice", held)  # distilled on them (a held-out turn never is: here, to move it)
-    assert trainer.version_figures("alice", held, probe=False).wish > 0.1
+    assert readings.version_figures("alice", held, probe=False).wish > 0.1
 
 
 async def test_a_version_is_scored_against_the_base_model_and_forgets_nothing_at_first(tiny_model_dir, engine):
     trainer = LoraTrainer(tiny_model_dir, LearnerSettings(lr=5e-3, lora_r=4, lora_alpha=8))
+    readings = Readings(trainer)
     held = [make_sample(t).model_copy(update={"id": i + 1}) for i, t in enumerate(await generate(engine, 3))]
-    fresh = trainer.version_figures("alice", held)  # a new adapter is the base model (LoRA's B starts at zero)
+    fresh = readings.version_figures("alice", held)  # a new adapter is the base model (LoRA's B starts at zero)
     assert fresh.gain == pytest.approx(0.0, abs=1e-6) and fresh.forgetting == pytest.approx(0.0, abs=1e-6)
     trainer.step("alice", held)  # trained on them (not what a held-out turn ever is: here, to move it)
-    moved = trainer.version_figures("alice", held)
+    moved = readings.version_figures("alice", held)
     assert moved.gain > 0 and moved.kl > 0 and moved.forgetting != 0
 
 
@@ -100,23 +103,24 @@ async def test_a_scope_still_at_the_base_model_is_scored_from_the_base_models_ke
     gate computes for its base side anyway (kept). They are not computed a second time through
     the adapter: on an agent's 5-8k-token prompts each pass is minutes of a CPU."""
     trainer = LoraTrainer(tiny_model_dir, LearnerSettings(lr=5e-3, lora_r=4, lora_alpha=8))
+    readings = Readings(trainer)
     held = [make_sample(t).model_copy(update={"id": i + 1}) for i, t in enumerate(await generate(engine, 3))]
     prompts = [s.prompt_ids for s in held]
     passes, generations = [], []
-    each, generate_ = trainer._logprobs_each, trainer._generate
+    each, generate_ = trainer._logprobs_each, readings.sampled
     trainer._logprobs_each = lambda samples: passes.append(len(samples)) or each(samples)
-    trainer._generate = lambda *a: generations.append(len(a[0])) or generate_(*a)
+    readings.sampled = lambda *a: generations.append(len(a[0])) or generate_(*a)
     assert trainer._at_base("alice")
-    serving = trainer.version_figures("alice", held, probe=False)
-    gate = trainer.gate_figures("alice", [], prompts, 8)
+    serving = readings.version_figures("alice", held, probe=False)
+    gate = readings.gate_figures("alice", [], prompts, 8)
     assert passes == [3] and generations == [3], "the base model's side only, once"
     assert serving.gain == pytest.approx(0.0, abs=1e-6) and serving.kl == pytest.approx(0.0, abs=1e-6)
-    assert (gate.repetition, gate.empty) == trainer.base_figures(prompts, 8) and generations == [3], "kept"
+    assert (gate.repetition, gate.empty) == readings.base_figures(prompts, 8) and generations == [3], "kept"
     trainer.step("alice", held)
     assert not trainer._at_base("alice")
     passes.clear(), generations.clear()
-    trainer.version_figures("alice", held, probe=False)
-    trainer.gate_figures("alice", [], prompts, 8)
+    readings.version_figures("alice", held, probe=False)
+    readings.gate_figures("alice", [], prompts, 8)
     assert passes == [3] and generations == [3], "moved weights are scored through the adapter"
 
 

@@ -155,26 +155,3 @@ async def test_teacher_alignment(tiny_model_dir):
         await engine.close()
 
 
-def test_a_batchs_rewards_are_centred_on_the_others_verdicts():
-    """NEXTSTATE_REWARD_BASELINE=batch: w·r becomes w·(r − mean of the others' rewards); a
-    sample without a verdict (a hindsight hint) neither moves nor counts."""
-    from nextstate.core.types import Sample
-    from nextstate.judge.advantages import center_rewards
-
-    def sample(reward: float, weight: float | None, advantages: list[float], track: str = "personal") -> Sample:
-        return Sample(user="u", session_id="s", turn_index=1, policy_version=0, adapter=None, mode="combined", track=track,
-                      status="ready", prompt_ids=[1], response_ids=[2] * len(advantages), old_logprobs=[-1.0] * len(advantages),
-                      logprob_temperature=1.0, advantages=advantages, loss_mask=[1] * len(advantages), reward=reward,
-                      created_at=0, reward_weight=weight)
-
-    bad, worse, good = sample(-1.0, 1.0, [-1.0, -1.5]), sample(-1.0, 1.0, [-1.0]), sample(1.0, 1.0, [1.0])
-    hint = sample(0.0, None, [0.3, -0.2])
-    out = center_rewards([bad, worse, good, hint])
-    # bad's baseline is the mean of worse's and good's rewards (0): its advantages stay; good's is −1: +1 each
-    assert out[0].advantages == [-1.0, -1.5] and out[1].advantages == [-1.0] and out[2].advantages == [2.0]
-    assert out[3].advantages == [0.3, -0.2], "no verdict: not centred"
-    agree = center_rewards([sample(-1.0, 1.0, [-1.0, -0.4]), sample(-1.0, 0.5, [-0.5])])
-    assert agree[0].advantages == [0.0, 0.6] and agree[1].advantages == [0.0], "only the hint's part is left"
-    assert center_rewards([bad]) == [bad], "one verdict: no baseline"
-    outcome = sample(1.0, 1.0, [1.0], track="outcome")
-    assert center_rewards([outcome, bad, worse])[0] == outcome, "outcome rewards are standardised their own way"

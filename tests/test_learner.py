@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import copy
 import json
 import math
 import re
@@ -17,6 +16,8 @@ from nextstate.engine.base import SamplingParams
 from nextstate.learner.ppo import k3_kl, ppo_token_losses
 from nextstate.core.settings import LearnerSettings
 from nextstate.learner.learning_rate import warmed_up
+from nextstate.learner.readings import Readings
+from nextstate.learner.forward import stop_ids
 from nextstate.learner.trainer import LoraTrainer, adapter_name, steps_taken
 from nextstate.core.policy import PolicyRef
 from nextstate.core.types import Sample
@@ -52,30 +53,6 @@ def test_k3_kl_is_non_negative_and_zero_at_equality():
     a = torch.tensor([-1.0, -2.0, -0.5])
     assert k3_kl(a, a).tolist() == [0.0, 0.0, 0.0]
     assert (k3_kl(a, a + torch.tensor([0.3, -0.7, 1.2])) > 0).all()
-    loss, _, kl, pg = ppo_token_losses(a, a, torch.zeros(3), base_logprobs=a - 0.5, kl_coef=0.1)
-    assert pg.tolist() == [0.0, 0.0, 0.0] and kl.tolist() == pytest.approx(k3_kl(a, a - 0.5).tolist())
-    assert loss.tolist() == pytest.approx([0.1 * 0.5 * 0.5**2] * 3)
-
-
-@pytest.mark.parametrize("stale", [False, True])
-def test_the_kl_term_pulls_along_the_reverse_kl_not_the_forward_one(stale):
-    """Over every token the sampler could have drawn, weighted by how likely it drew it, the KL
-    term's gradient must be ∇ KL(π_θ ‖ π_base): the mode-seeking KL that KL-regularised RL
-    means. k3 put into the loss has ∇ KL(π_base ‖ π_θ) instead (found by this test)."""
-    torch.manual_seed(0)
-    logits = torch.randn(8, requires_grad=True)
-    base = torch.log_softmax(torch.randn(8), -1)
-    sampler = torch.log_softmax(logits.detach() + (0.3 * torch.randn(8) if stale else 0), -1)
-    logp = torch.log_softmax(logits, -1)
-    # each vocabulary entry as a sampled token, the expectation taken exactly over the sampler
-    tok_loss, *_ = ppo_token_losses(logp, sampler, torch.zeros(8), base_logprobs=base, kl_coef=1.0)
-    expected_grad, = torch.autograd.grad((sampler.exp() * tok_loss).sum(), logits)
-    logp = torch.log_softmax(logits, -1)
-    reverse_kl, = torch.autograd.grad((logp.exp() * (logp - base)).sum(), logits)
-    logp = torch.log_softmax(logits, -1)
-    forward_kl, = torch.autograd.grad((base.exp() * (base - logp)).sum(), logits)
-    assert expected_grad.tolist() == pytest.approx(reverse_kl.tolist(), abs=1e-5)
-    assert (expected_grad - forward_kl).abs().max() > 0.05
 
 
 def make_sample(engine_tokens, prompt=PROMPT, advantage=1.0, temperature=1.0, user="alice", policy_version=0) -> Sample:
@@ -135,8 +112,9 @@ async def test_replay_keeps_the_base_models_reading_of_everyday_prose(tiny_model
         if coef:
             assert results[0].replay_kl == 0.0 and results[-1].replay_kl > 0, "it pulls back what earlier steps drifted"
         t.model.eval()
-        t._replay_next = 0  # the same passages for both: every one, no pull
-        drift[coef] = sum(t._replay_loss_backward(0.0) for _ in range(len(t._replay_passages()) // 2))
+        t.replay.next = 0  # the same passages for both: every one, no pull
+        first = t.replay.loss_backward(t.model, 0.0)  # reads the passages in
+        drift[coef] = first + sum(t.replay.loss_backward(t.model, 0.0) for _ in range(len(t.replay.passages) // 2 - 1))
     assert drift[50.0] < drift[0.0]
 
 
@@ -160,8 +138,8 @@ async def test_the_replays_gradient_is_bounded_by_the_batchs(tiny_model_dir, eng
     def replay(share: float) -> list[torch.Tensor]:
         for p, g in zip(params, batch_grads):
             p.grad = g.clone()
-        t._replay_next = 0
-        assert t._replay_backward(1e3, params, share) > 0
+        t.replay.next = 0
+        assert t.replay.backward(t.model, 1e3, params, share) > 0
         return [p.grad.clone() - g for p, g in zip(params, batch_grads)]
 
     free, bounded = replay(0.0), replay(0.5)
@@ -259,38 +237,6 @@ async def test_passes_over_a_batch_stop_once_its_kl_reaches_the_target(tiny_mode
     near = trainer(0.5, 2 * far.epoch_kls[0]).step("shared", samples)  # the first pass reaches 0.5 of this limit
     assert near.epochs == 1 and near.epoch_kls == [pytest.approx(far.epoch_kls[0], rel=1e-4)]
     assert near.kl_tries == [{"scale": 1.0, "kl": near.epoch_kls[0]}], "its KL measured once"
-
-
-async def test_a_fresh_optimizer_starts_each_update_without_earlier_moments(tiny_model_dir, engine):
-    """NEXTSTATE_FRESH_OPTIMIZER: an update's AdamW moments are its own batch's alone, so its
-    first step is as long as a new scope's first; carried over, they hold earlier batches' too.
-    A skipped step still puts back the moments from before it."""
-    first = [make_sample(toks, advantage=1.0) for toks in await generate(engine, 2)]
-    second = [make_sample(toks, advantage=-1.0) for toks in await generate(engine, 2, seed0=100)]
-
-    def two_updates(fresh: bool) -> tuple[LoraTrainer, list[torch.Tensor], dict]:
-        torch.manual_seed(0)
-        trainer = LoraTrainer(tiny_model_dir, LearnerSettings(lr=1e-3, lora_r=4, lora_alpha=8, max_kl=1e9, ppo_epochs=1,
-                                                              minibatch_size=1, fresh_optimizer=fresh))
-        assert trainer.step("shared", first).skipped is None
-        _, params = trainer._activate("shared")
-        before = [p.detach().clone() for p in params]
-        moments = copy.deepcopy(trainer._optimizers["shared"].state_dict())
-        assert trainer.step("shared", second).skipped is None
-        return trainer, [p.detach() - b for p, b in zip(trainer._params(adapter_name("shared")), before)], moments
-
-    carried, carried_move, _ = two_updates(False)
-    fresh, fresh_move, after_first = two_updates(True)
-    steps = lambda t: {int(state["step"]) for state in t._optimizers["shared"].state.values()}  # noqa: E731
-    assert steps(carried) == {4} and steps(fresh) == {2}, "two optimizer steps per update of two samples"
-    assert any(not torch.allclose(a, b) for a, b in zip(carried_move, fresh_move)), "the earlier momentum steered"
-    # Adam's bias-corrected first step moves a weight with a gradient by lr (its sign), whatever its size
-    first_moves = [m.abs().max().item() for m in fresh_move if m.abs().max() > 0]
-    assert first_moves and max(first_moves) <= 2 * 1e-3 * 1.1
-    fresh.undo("shared")
-    restored = fresh._optimizers["shared"].state_dict()["state"]
-    assert restored.keys() == after_first["state"].keys()
-    assert all(torch.equal(restored[k]["exp_avg"], after_first["state"][k]["exp_avg"]) for k in restored)
 
 
 async def test_a_warmup_shortens_a_fresh_scopes_first_steps_and_counts_across_updates(tiny_model_dir, engine):
@@ -808,7 +754,7 @@ def test_a_row_that_begins_another_rides_in_its_pass_for_free():
 async def test_turns_of_one_conversation_train_in_one_pass_as_in_one_pass_each(tiny_model_dir, engine, monkeypatch):
     """Rated turns whose prompts nest (each turn's prompt and reply begin the next's) step the
     weights exactly as when every turn is computed in a pass of its own."""
-    from nextstate.learner import trainer as trainer_module
+    from nextstate.learner import forward as forward_module
 
     prompt, samples = list(PROMPT[:12]), []
     for i in range(3):
@@ -818,7 +764,7 @@ async def test_turns_of_one_conversation_train_in_one_pass_as_in_one_pass_each(t
 
     def run(shared: bool):
         if not shared:
-            monkeypatch.setattr(trainer_module, "prefix_hosts", lambda rows: list(range(len(rows))))
+            monkeypatch.setattr(forward_module, "prefix_hosts", lambda rows: list(range(len(rows))))
         torch.manual_seed(0)
         trainer = LoraTrainer(tiny_model_dir, LearnerSettings(lr=5e-3, lora_r=4, lora_alpha=8, micro_batch_tokens=1,
                                                               ppo_epochs=1, replay_coef=0))
@@ -929,7 +875,7 @@ async def test_packed_micro_batches_make_the_same_update_in_fewer_passes(tiny_mo
     def run(budget: int):
         torch.manual_seed(0)
         trainer = LoraTrainer(tiny_model_dir, LearnerSettings(lr=5e-3, lora_r=4, lora_alpha=8, micro_batch_tokens=budget, ppo_epochs=1,
-                                                              kl_coef=0.1, replay_coef=0))  # the batch's passes alone
+                                                              replay_coef=0))  # the batch's passes alone
         name, params = trainer._activate("shared")
         with torch.no_grad():  # LoRA B starts at zero: give it a value so the adapter matters
             for p in params:
@@ -945,23 +891,11 @@ async def test_packed_micro_batches_make_the_same_update_in_fewer_passes(tiny_mo
     alone, alone_grads, alone_passes = run(1)
     packed, packed_grads, packed_passes = run(10_000)
     assert alone.skipped is None and packed.skipped is None
-    assert [s[0] for s in alone_passes] == [1] * 9, "3 samples: policy, base (KL) and the policy-KL check each"
-    # the base model (the KL term) reads row by row, each from what it read before (LoraTrainer._base_hidden)
-    assert [s[0] for s in packed_passes] == [3, 1, 1, 1, 3]
+    assert [s[0] for s in alone_passes] == [1] * 6, "3 samples: the policy and the policy-KL check each"
+    assert [s[0] for s in packed_passes] == [3, 3]
     assert packed.loss == pytest.approx(alone.loss, abs=1e-5) and packed.policy_kl == pytest.approx(alone.policy_kl, abs=1e-6)
-    assert packed.kl_to_base == pytest.approx(alone.kl_to_base, abs=1e-6) and packed.kl_to_base > 0
     assert len(packed_grads) == len(alone_grads) > 0 and any(g.abs().max() > 1e-4 for g in packed_grads)
     assert all(torch.allclose(a, b, atol=1e-6, rtol=1e-4) for a, b in zip(alone_grads, packed_grads))
-
-
-async def test_the_gates_greedy_replies_are_batched_and_equal_to_one_at_a_time(trainer):
-    prompts = [PROMPT[:8], PROMPT, PROMPT[3:20]]
-    trainer.ensure_scope("shared")
-    one_by_one = [trainer.greedy([p], 10) for p in prompts]
-    batched = trainer.greedy(prompts, 10)
-    assert batched.ids == [r.ids[0] for r in one_by_one]
-    assert batched.empty == pytest.approx([r.empty[0] for r in one_by_one], abs=1e-6), "left padding changes no first step"
-    assert all(len(r.ids[0]) <= 10 for r in one_by_one) and trainer.greedy([], 10).ids == []
 
 
 def test_the_chance_of_an_empty_reply_is_the_stop_tokens_share_of_the_first_step(trainer):
@@ -971,10 +905,9 @@ def test_the_chance_of_an_empty_reply_is_the_stop_tokens_share_of_the_first_step
     model = trainer.model
     with torch.no_grad():
         first = torch.softmax(model(input_ids=torch.tensor([PROMPT])).logits[0, -1].float(), dim=-1)
-    stops = trainer._stop_ids(model)
+    stops = stop_ids(model)
     assert stops, "the tiny model has a stop token"
-    assert trainer.greedy([PROMPT], 4).empty[0] == pytest.approx(float(first[stops].sum()), rel=1e-4)
-    assert trainer.sampled([PROMPT], 4, 2).empty == pytest.approx([float(first[stops].sum())], rel=1e-4)
+    assert Readings(trainer).sampled([PROMPT], 4, 2).empty == pytest.approx([float(first[stops].sum())], rel=1e-4)
 
 
 def test_the_gates_sampled_replies_read_each_prompt_once_and_are_the_replies_of_a_full_read(tiny_model_dir, monkeypatch):
@@ -982,71 +915,46 @@ def test_the_gates_sampled_replies_read_each_prompt_once_and_are_the_replies_of_
     thousands of tokens), from what an earlier prompt of the batch shares with it, in batches of
     similar lengths; the replies and their empty-reply chances are those of reading each row
     whole, prompts of different lengths (left-padded) included."""
-    trainer = LoraTrainer(tiny_model_dir, LearnerSettings(lora_r=4, lora_alpha=8, gate_replies="sampled"))
+    trainer = LoraTrainer(tiny_model_dir, LearnerSettings(lora_r=4, lora_alpha=8))
+    readings = Readings(trainer)
     trainer.ensure_scope("alice")
     prompts = [PROMPT[:8], PROMPT, PROMPT[:20], PROMPT[3:20]]
     rows = []
     backbone, _ = trainer._backbone_and_head()
     hook = backbone.register_forward_pre_hook(lambda m, args, kwargs: rows.append(tuple(kwargs["input_ids"].shape)),
                                               with_kwargs=True)
-    shared = trainer.sampled(prompts, 12, 2)
+    shared = readings.sampled(prompts, 12, 2)
     hook.remove()
     # 8 tokens alone (17 is over twice 8); then 17, 20 and 25, the last reading only what follows the 20
     assert [r for r in rows if r[0] == 1] == [(1, 7), (1, 16), (1, 19), (1, 5)], "all but the last token, once"
     assert {r[0] for r in rows if r[0] > 1} == {2, 6}, "two replies a prompt, a batch of one prompt and one of three"
-    monkeypatch.setattr(LoraTrainer, "_read_once", lambda *args: None)
-    whole = trainer.sampled(prompts, 12, 2)
+    monkeypatch.setattr(Readings, "_read_once", lambda *args: None)
+    whole = readings.sampled(prompts, 12, 2)
     assert shared.ids == whole.ids
     assert shared.empty == pytest.approx(whole.empty, rel=1e-4)
 
 
 def test_the_gates_sampled_replies_share_their_random_draws_between_candidate_and_base(tiny_model_dir):
-    """NEXTSTATE_GATE_REPLIES=sampled: a prompt's replies come from a stream seeded by the prompt
+    """A prompt's gate replies come from a stream seeded by the prompt
     alone, so the same weights give the same replies whenever asked (a fresh adapter, still the
     base model, repeats itself exactly as much as the base), the replies vary within a prompt
     and between prompts, and the process's own random stream is left as it was."""
-    trainer = LoraTrainer(tiny_model_dir, LearnerSettings(lora_r=4, lora_alpha=8, gate_replies="sampled"))
+    trainer = LoraTrainer(tiny_model_dir, LearnerSettings(lora_r=4, lora_alpha=8))
+    readings = Readings(trainer)
     trainer.ensure_scope("alice")
     prompts = [PROMPT[:8], PROMPT, PROMPT[3:20]]
     state = torch.random.get_rng_state()
-    first = trainer.sampled(prompts, 12, 2).ids
+    first = readings.sampled(prompts, 12, 2).ids
     assert torch.equal(torch.random.get_rng_state(), state)
     pairs = [first[2 * j: 2 * j + 2] for j in range(3)]
-    again = trainer.sampled(list(reversed(prompts)), 12, 2).ids
+    again = readings.sampled(list(reversed(prompts)), 12, 2).ids
     assert [again[2 * j: 2 * j + 2] for j in range(3)] == pairs[::-1], "the same draws whatever shares the batch"
-    assert [trainer.sampled([p], 12, 2).ids for p in prompts] == pairs, "one batch or one prompt at a time: the same"
+    assert [readings.sampled([p], 12, 2).ids for p in prompts] == pairs, "one batch or one prompt at a time: the same"
     assert all(a != b for a, b in pairs)
-    figures = trainer.gate_figures("alice", [], prompts, 12)
-    repeats, empty = trainer.base_figures(prompts, 12)
+    figures = readings.gate_figures("alice", [], prompts, 12)
+    repeats, empty = readings.base_figures(prompts, 12)
     assert figures.repetition is not None and figures.repetition == repeats
     assert figures.empty == pytest.approx(empty, abs=1e-6), "a fresh adapter is still the base model"
-
-
-def test_the_gates_surprise_reads_replies_with_the_base_model(tiny_model_dir):
-    """NEXTSTATE_GATE_MAX_SURPRISE: the base model's reading of a reply is its log-probability
-    of each token (the trailing stop left out), the same packed or one at a time; a fresh adapter
-    is the base model (surprise 0) and a trained one reads as stranger."""
-    trainer = LoraTrainer(tiny_model_dir, LearnerSettings(lr=5e-2, lora_r=4, lora_alpha=8, max_kl=1e9, gate_max_surprise=1.0))
-    trainer.ensure_scope("alice")
-    prompts = [PROMPT[:8], PROMPT, PROMPT[3:20]]
-    stop = trainer._stop_ids(trainer.model)[0]
-    replies = [[7, 8, 9, stop], [10, 11], [12]]
-    read = trainer.base_readings(prompts, replies)
-    assert [len(r) for r in read] == [3, 2, 1]
-    with torch.no_grad():
-        logits = trainer._base(input_ids=torch.tensor([prompts[0] + [7, 8, 9]])).logits[0].float()
-    expected = torch.log_softmax(logits[len(prompts[0]) - 1:-1], -1).gather(1, torch.tensor([[7], [8], [9]]))[:, 0]
-    assert read[0] == pytest.approx(expected.tolist(), abs=1e-4)
-    assert trainer.base_readings([prompts[1]], [replies[1]])[0] == pytest.approx(read[1], abs=1e-5)
-    assert trainer.gate_figures("alice", [], prompts, 12).surprise == pytest.approx(0.0, abs=1e-4)
-    from types import SimpleNamespace
-
-    reply = trainer.greedy([PROMPT], 8).ids[0]
-    old = trainer.base_readings([PROMPT], [reply])[0]
-    tokens = [SimpleNamespace(token_id=t, logprob=lp) for t, lp in zip(reply, old)]
-    assert trainer.step("alice", [make_sample(tokens, advantage=-1.0) for _ in range(4)]).skipped is None
-    trained = trainer.gate_figures("alice", [], prompts, 12)
-    assert trained.surprise is not None and trained.surprise != pytest.approx(0.0, abs=1e-3)
 
 
 # ---------------------------------------------------------------------------- memory budget

@@ -262,20 +262,6 @@ def test_a_worker_that_stops_lets_go_of_its_claims_at_once(open_store):
     assert [i for i, _ in restarted.claim_pending()] == ids
 
 
-def test_a_corrected_turn_gets_one_sample_from_its_accepted_successor(open_store):
-    """Two workers may judge the corrected and the accepted turn at once; one sample is built."""
-    first, second = open_store("w1"), open_store("w2")
-    own = first.add_sample(sample(index=1, reward=-1.0))
-    built = sample(index=1).model_copy(update={"response_id": None, "accepted_from": 2, "reason": "accepted"})
-    added = first.add_accepted_sample(built)
-    assert added is not None and added.accepted_from == 2
-    assert second.add_accepted_sample(built) is None, "the corrected turn has one already"
-    assert second.add_accepted_sample(built.model_copy(update={"turn_index": 3, "accepted_from": 4})) is not None
-    found = first.turn_samples("alice", "s1", 1, 2)
-    assert [(s.id, s.accepted_from) for s in found] == [(own.id, None), (added.id, 2)]
-    assert first.sample_for_response("alice", own.response_id).id == own.id
-
-
 def test_every_eighth_sample_of_a_person_is_held_out_up_to_a_cap_and_stays_held_out(open_store):
     store = open_store(hold_out=HoldOut(every=4, most=2))
     added = [store.add_sample(sample("alice", i, session=f"s{i}")) for i in range(1, 13)]

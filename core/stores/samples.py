@@ -93,7 +93,7 @@ _COLUMNS = ("id", "created_at", "user", "session_id", "turn_index", "policy_vers
             "reward", "response_id", "tries", "accepted_from")
 _SELECTED = ", ".join(f'"{c}"' for c in _COLUMNS)  # "user" is a reserved word in PostgreSQL
 _DATA_FIELDS = ("adapter", "prompt_ids", "response_ids", "old_logprobs", "logprob_temperature", "advantages",
-                "loss_mask", "votes", "hint", "teacher_logprobs", "outcome", "feedback", "reward_weight",
+                "loss_mask", "votes", "hint", "teacher_logprobs", "outcome", "feedback",
                 "teacher_prompt_ids", "distill_weight", "contrast_prompt_ids")
 
 
@@ -147,7 +147,8 @@ class SampleStore(Store):
         added = self._db.add_missing_columns("transitions", {"turn_key": "TEXT", "response_id": "TEXT", '"user"': "TEXT",
                                                              "claimed_by": "TEXT", "claimed_until": "{float}"})
         # Since 0.5: how many updates trained a sample without being published (it waits again).
-        # Since 0.6: a sample built from a reply accepted after a correction names that reply's turn.
+        # Since 0.6: a sample built from a reply accepted after a correction names that reply's turn
+        # (no longer made; such rows stay out of the counts).
         self._db.add_missing_columns("samples", {"response_id": "TEXT", "tries": "INTEGER NOT NULL DEFAULT 0",
                                                  "accepted_from": "INTEGER"})
         with self._db.schema_change():  # processes starting together: one creates, the others find them
@@ -331,13 +332,6 @@ class SampleStore(Store):
              _data(sample)),
         )
 
-    def add_accepted_sample(self, sample: Sample) -> Sample | None:
-        """Store a sample built from a reply accepted after a correction (judge/accepted.py);
-        None if its corrected turn has one already."""
-        with self._transaction():
-            sample_id = self._insert_sample(sample, " ON CONFLICT DO NOTHING")
-        return None if sample_id is None else sample.model_copy(update={"id": sample_id})
-
     def _rows(self, where: str, params: tuple = (), limit: int | None = None) -> list[Sample]:
         sql = f"SELECT {_SELECTED}, data FROM samples WHERE {where} ORDER BY id"
         if limit is not None:
@@ -396,11 +390,6 @@ class SampleStore(Store):
 
     def session_samples(self, user: str, session_id: str) -> list[Sample]:
         return self._rows('"user" = ? AND session_id = ?', (user, session_id))
-
-    def turn_samples(self, user: str, session_id: str, first: int, last: int) -> list[Sample]:
-        """The samples of a session's turns `first` to `last`: their own, and any built for one of
-        them from a later turn."""
-        return self._rows('"user" = ? AND session_id = ? AND turn_index BETWEEN ? AND ?', (user, session_id, first, last))
 
     def ready_samples(self, limit: int, user: str | None = None) -> list[Sample]:
         """The oldest samples ready to train, of one user or of everyone."""
