@@ -491,6 +491,7 @@ class TurnService:
                 finish_reason=done.finish_reason,
                 created_at=time.time(),
                 track="outcome" if request.hints.outcome_expected else "personal",
+                agent=request.hints.agent,
                 response_id=prep.id,
                 logprobs_masked=logprobs_masked,
             )

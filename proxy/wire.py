@@ -11,6 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from nextstate.proxy.errors import invalid_request
 from nextstate.proxy.sessions import SESSION_ID_PATTERN
+from nextstate.core.agent_texts import coding_agent
 
 _TRUE = {"1", "true", "yes", "on"}
 
@@ -60,6 +61,7 @@ class TurnHints:
     turn_type: str | None = None
     done: bool = False
     outcome_expected: bool = False
+    agent: str | None = None  # the coding agent its User-Agent names (core/agent_texts.py), if any
 
     @classmethod
     def from_request(cls, headers: Any, body: Any) -> TurnHints:
@@ -79,7 +81,7 @@ class TurnHints:
                 )
         done = _flag(headers.get("x-session-done"), getattr(body, "session_done", None))
         outcome = _flag(headers.get("x-outcome-expected"), getattr(body, "outcome_expected", None))
-        return cls(session_id or None, turn_type, done, outcome)
+        return cls(session_id or None, turn_type, done, outcome, coding_agent(headers.get("user-agent")))
 
 
 def _flag(header: str | None, field_value: bool | None) -> bool:

@@ -94,13 +94,14 @@ def replayed(server_factory):
     return replay
 
 
-@pytest.mark.parametrize("agent, turn_types, tool", [
-    ("codex", ["main", "main"], "exec_command"),
-    ("claude", ["main", "main"], "Bash"),
+@pytest.mark.parametrize("agent, turn_types, tool, known_as", [
+    ("codex", ["main", "main"], "exec_command", "codex"),
+    ("claude", ["main", "main"], "Bash", "claude-code"),
     # opencode's title generator asks first, with the conversation's own session id
-    ("opencode", ["side", "main", "main"], "bash"),
+    ("opencode", ["side", "main", "main"], "bash", "opencode"),
 ])
-def test_a_coding_agents_tool_loop_is_one_session_whose_next_state_is_the_tools_result(replayed, agent, turn_types, tool):
+def test_a_coding_agents_tool_loop_is_one_session_whose_next_state_is_the_tools_result(replayed, agent, turn_types, tool,
+                                                                                     known_as):
     captured = rows(agent)
     server, answered = replayed(agent)
     assert answered == [row["status"] for row in captured] == [200] * len(captured)
@@ -116,6 +117,28 @@ def test_a_coding_agents_tool_loop_is_one_session_whose_next_state_is_the_tools_
     assert result["role"] == "tool", "the call's result (its id is the capture's: ids differ per run, matching ignores them)"
     assert "README.md" in result["content"] and "notes.txt" in result["content"], "the tool's own output"
     assert last["next_state"] is None and last["reason"] == "session_closed"
+    assert first["agent"] == known_as, "known by its User-Agent: its tool steps get the general-agent PRM"
+
+
+def test_a_coding_agents_tool_step_is_judged_with_the_general_agent_prm():
+    """A coding agent's step answered by its tool is the environment's feedback on a
+    software-engineering step (the paper's general agents, appendix C); its person's own reply,
+    and every step of other clients, are judged with NEXTSTATE_PRM_PROMPT."""
+    from types import SimpleNamespace
+
+    from nextstate.core.agent_texts import CODING_AGENT_TOOL_PRM, coding_agent
+    from nextstate.core.types import NextState
+    from nextstate.judge.service import Judge
+
+    assert [coding_agent((row["req_headers"] or {}).get("user-agent")) for row in (rows(a)[0] for a in
+            ("codex", "claude", "opencode"))] == ["codex", "claude-code", "opencode"]
+    assert coding_agent("openclaw/2026.9.6") is None and coding_agent(None) is None and coding_agent("OpenAI/Python 2.8") is None
+    judge = SimpleNamespace(_tool_prm=CODING_AGENT_TOOL_PRM, settings=SimpleNamespace(prm_prompt="prm_personal"))
+    tool = NextState(messages=[{"role": "tool", "content": "README.md notes.txt"}])
+    person = NextState(messages=[{"role": "user", "content": "No, only the text files."}])
+    for agent, next_state, expected in ((("codex", tool, "prm_swe")), ("codex", person, "prm_personal"),
+                                        (None, tool, "prm_personal")):
+        assert Judge.prm_prompt(judge, SimpleNamespace(agent=agent), next_state) == expected
 
 
 def test_harness_text_is_matched_and_left_out_of_what_the_judge_reads():
