@@ -22,16 +22,11 @@ import asyncio
 import logging
 import signal
 
-from nextstate.assembly import (
-    EngineFactory, build_follower, build_judge, build_learner, open_engine, policy_directory, preflight,
-    worker_name,
-)
-from nextstate.core.records import RecordWriter
-from nextstate.core.stores.opener import Stores
+from nextstate.assembly import EngineFactory, build_follower, build_judge, build_learner, open_engine, policy_directory
 from nextstate.core.settings import Settings
 from nextstate.judge.inbox import JudgeInbox
 from nextstate.judge.startup_check import StartupCheck
-from nextstate.modelio.chat_template import ChatRenderer
+from nextstate.lifecycle import Process
 
 log = logging.getLogger(__name__)
 
@@ -41,20 +36,17 @@ POLL_S = 1.0
 
 async def run_judge(settings: Settings, stop: asyncio.Event, engine_factory: EngineFactory = open_engine) -> None:
     """Judge what the serving processes write to the inbox until `stop` is set."""
-    model_dir = await asyncio.to_thread(preflight, settings)
-    engine = await engine_factory(model_dir, settings)
-    renderer = await asyncio.to_thread(ChatRenderer.from_dir, model_dir)
-    model_name = settings.engine.served_model_name or model_dir.name
-    stores = Stores(settings, worker_name("judge"), claims_inbox=True)
-    samples = stores.samples
-    records = RecordWriter(settings.records_dir)
-    await records.start()
-    policies = policy_directory(settings)
-    follower = build_follower(settings, engine, policies, stores.versions)
-    judge = build_judge(settings, engine, renderer, model_name, samples, records, policies)
-    inbox = JudgeInbox(judge, samples)
-    try:
+    async with Process(settings, "judge", engine_factory=engine_factory, claims_inbox=True) as process:
+        samples = process.stores.samples
+        policies = policy_directory(settings)
+        follower = build_follower(settings, process.engine, policies, process.stores.versions)
         await follower.start()
+        process.started(follower.aclose)
+        judge = build_judge(settings, process.engine, process.renderer, process.model_name, samples, process.records,
+                            policies)
+        inbox = JudgeInbox(judge, samples)
+        process.started(inbox.aclose)  # after the judge's own close: what it did not judge goes back
+        process.started(judge.aclose)
         await StartupCheck(judge).start()
         log.info("judging the inbox as %s (%d at a time)", samples.worker, settings.judge.judge_concurrency)
         most = 2 * settings.judge.judge_concurrency  # claimed here at once: the rest is for other judges
@@ -67,36 +59,20 @@ async def run_judge(settings: Settings, stop: asyncio.Event, engine_factory: Eng
                 await asyncio.wait_for(stop.wait(), POLL_S)
             except asyncio.TimeoutError:
                 pass
-    finally:
-        await judge.aclose()
-        await inbox.aclose()
-        await follower.aclose()
-        await stores.aclose()
-        await records.aclose()
-        await engine.close()
 
 
 async def run_learner(settings: Settings, stop: asyncio.Event, engine_factory: EngineFactory = open_engine) -> None:
     """Train on the ready samples in the shared store and publish versions until `stop` is set."""
-    model_dir = await asyncio.to_thread(preflight, settings)
     # the embedded engine would be a second copy of the model for nothing: serving processes
     # load each version themselves
-    engine = await engine_factory(model_dir, settings) if settings.engine.engine != "local" else None
-    stores = Stores(settings, worker_name("learn"))
-    records = RecordWriter(settings.records_dir)
-    await records.start()
-    learner = build_learner(settings, model_dir, engine, stores.samples, policy_directory(settings), records,
-                            stores.versions)
-    try:
+    async with Process(settings, "learn", engine_factory=engine_factory, renderer=False,
+                       engine=settings.engine.engine != "local") as process:
+        learner = build_learner(settings, process.model_dir, process.engine, process.stores.samples,
+                                policy_directory(settings), process.records, process.stores.versions)
         await learner.start()
+        process.started(learner.aclose)
         log.info("learning from the ready samples into %s", settings.adapters_dir)
         await stop.wait()
-    finally:
-        await learner.aclose()
-        await stores.aclose()
-        await records.aclose()
-        if engine is not None:
-            await engine.close()
 
 
 def run_until_signalled(work, settings: Settings) -> None:
