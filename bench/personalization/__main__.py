@@ -1,0 +1,5 @@
+"""`python -m bench.personalization`."""
+
+from bench.personalization.cli import main
+
+main()
