@@ -31,15 +31,13 @@ from nextstate.modelio.chat_template import ChatRenderer
 from nextstate.modelio.logprobs import tempered_log_softmax
 
 # Response positions go through the LM head at once in training so that their fp32 logits take
-# about this much (LoraTrainer._logprobs_many): with its log-softmax and gradient a chunk costs
+# about this much (`_over_responses`): with its log-softmax and gradient a chunk costs
 # three times it. 1,024 positions on SmolLM2's 49k vocabulary (192 MiB of logits) added 0.6 GB
 # on the CPU for nothing: a smaller chunk is as fast, the matmul stays large.
 LOGITS_CHUNK_BYTES = 64 << 20
-# The base model's keys and values kept of the prompts it read (LoraTrainer._base_hidden): an
+# The base model's keys and values kept of the prompts it read (`_base_hidden`): an
 # agent's conversation, about 4.5k tokens of SmolLM2 at 46 KB each in fp32, twice over.
 BASE_KV_BYTES = 512 << 20
-
-
 
 
 def logit_rows(vocab_size: int) -> int:
@@ -53,8 +51,6 @@ def learner_dtype(setting: str, device: str) -> torch.dtype:
     return getattr(torch, setting)
 
 
-
-
 def pad_id(model: torch.nn.Module) -> int:
     pad = model.generation_config.pad_token_id or model.generation_config.eos_token_id
     return pad[0] if isinstance(pad, list) else pad
@@ -65,10 +61,8 @@ def stop_ids(model: torch.nn.Module) -> list[int]:
     return sorted(set(eos if isinstance(eos, list) else [eos])) if eos is not None else []
 
 
-
-
 class ResponsePass(NamedTuple):
-    """One sample's side of a forward pass (LoraTrainer._response_logprobs)."""
+    """One sample's side of a forward pass (`ResponseReader._response_logprobs`)."""
 
     token: torch.Tensor  # [response tokens] the response tokens' logprobs
     gathered: torch.Tensor | None  # [response tokens, K] the given ids' logprobs, where ids were given
@@ -100,6 +94,15 @@ class ResponseReader:
         self._reading_base = False
         # an update's long prompts read once per weights, without gradients (learner/prompt_prefix.py)
         self._prefixes = PromptPrefixes()
+        # called before each decoder layer of every pass (forward, and its recompute in the
+        # backward): where the learner makes way for a person's request (core/activity.py)
+        self.between_layers: Callable[[], None] | None = None
+        for layer in getattr(getattr(self._base, "model", None), "layers", None) or []:
+            layer.register_forward_pre_hook(self._between_layers)
+
+    def _between_layers(self, module: torch.nn.Module, args: Any) -> None:
+        if self.between_layers is not None:
+            self.between_layers()
 
     def _train_ids(self, sample: Sample) -> list[int]:
         """The tokens a sample trains on: a prompt that does not fit `max_train_tokens` with

@@ -32,6 +32,7 @@ from nextstate.learner.readings import Readings
 from nextstate.learner.held_out import VersionFigures
 from nextstate.learner.memory_budget import Refusal
 from nextstate.learner.screening import NO_SIGNAL_IN_BATCH, NOT_FINITE, batch_teaches, drop_reason, finite
+from nextstate.core.activity import Activity
 from nextstate.core.stores.versions import VersionRegistry
 from nextstate.learner.step_result import StepResult
 from nextstate.learner.trainer import LoraTrainer
@@ -75,8 +76,10 @@ class Learner:
         records: RecordWriter,
         prepare_batch: BatchAdvantages | None = None,
         registry: VersionRegistry | None = None,
+        activity: Activity | None = None,
     ) -> None:
         self.settings = settings
+        self.activity = activity  # this process's requests, which training makes way for
         self.prepare_batch = prepare_batch or (lambda samples: samples)
         self.registry = registry  # the shared database's pointer to each scope's serving version
         self.model_dir = model_dir
@@ -106,6 +109,8 @@ class Learner:
         self.trainer = await asyncio.to_thread(
             LoraTrainer, self.model_dir, self.settings, resolve_device(self.settings.learner_device)
         )
+        if self.activity is not None and self.trainer.device == "cpu":  # a GPU learner takes no serving cores
+            self.trainer.between_layers = self.activity.make_way
         self.gate = PublishGate(self.settings, self.store, Readings(self.trainer), self.policies.per_user)
         await self._resume()
         self._task = asyncio.create_task(self._run(), name="learner")

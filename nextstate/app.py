@@ -123,7 +123,7 @@ def build_services(settings: Settings, process: Process) -> Services:
 
     registry = stores.versions
     if settings.learner.learn:
-        learner = build_learner(settings, process.model_dir, engine, samples, policies, records, registry)
+        learner = build_learner(settings, process.model_dir, engine, samples, policies, records, registry, activity)
     sessions = SessionStore(
         emit,
         idle_s=settings.server.session_idle_s,

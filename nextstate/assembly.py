@@ -185,11 +185,13 @@ def build_judge(settings: Settings, engine: Engine, renderer: ChatRenderer, mode
 
 
 def build_learner(settings: Settings, model_dir: Path, engine: Engine | None, samples: SampleStore,
-                  policies: PolicyDirectory, records: RecordWriter, registry: VersionRegistry | None) -> Learner:
-    """The learner, with the judge's batch-time advantages (outcome rewards standardised)."""
+                  policies: PolicyDirectory, records: RecordWriter, registry: VersionRegistry | None,
+                  activity: Activity | None = None) -> Learner:
+    """The learner, with the judge's batch-time advantages (outcome rewards standardised); beside
+    serving (`activity`), it makes way for the person's requests."""
     return Learner(
         settings.learner, model_dir, settings.adapters_dir, engine, samples, policies, records,
-        prepare_batch=functools.partial(prepare_batch, settings=settings.judge), registry=registry,
+        prepare_batch=functools.partial(prepare_batch, settings=settings.judge), registry=registry, activity=activity,
     )
 
 

@@ -373,9 +373,14 @@ def test_updates_publish_versions_that_serve(server_factory):
     assert re.fullmatch(r"shared-v1-[0-9a-f]{8}", request["adapter"]), "served under its version and its weights' digest"
 
 
-def test_no_request_fails_or_stalls_across_swaps(server_factory):
+def test_no_request_fails_or_stalls_across_swaps(server_factory, monkeypatch):
     import concurrent.futures
 
+    from nextstate.core import activity
+
+    # requests without a pause: the learner makes way for them (core/activity.py) in short turns
+    # here, so that four updates come within the test's minute
+    monkeypatch.setattr(activity, "MAKE_WAY_S", 0.05)
     server = learning_server(server_factory)
     client = server.client(server.key("alice"))
     stop = time.monotonic() + 60
@@ -1070,3 +1075,36 @@ async def test_the_empty_guard_pushes_down_a_reply_ending_before_it_begins(tiny_
     on, on_result = stepped(before / 4)  # the base model is already past it: the guard is on from the start
     assert off_result.guarded == 0 and on_result.guarded > 0
     assert first_stop(on) < min(before, first_stop(off)), (before, first_stop(on), first_stop(off))
+
+
+def test_training_makes_way_for_a_persons_request_between_layers(tiny_model_dir, monkeypatch):
+    """On a CPU a training pass beside a reply takes the cores the reply decodes on: the
+    learner's passes stop between layers while a request is served, for at most MAKE_WAY_S, and
+    then run as long before they stop again (an agent that never pauses still gets its update)."""
+    import threading
+
+    from nextstate.core import activity as activity_module
+    from nextstate.core.activity import Activity
+
+    monkeypatch.setattr(activity_module, "MAKE_WAY_S", 0.3)
+    activity = Activity()
+    trainer = LoraTrainer(tiny_model_dir, LearnerSettings(lora_r=4, lora_alpha=8))
+    trainer.between_layers = activity.make_way
+    layers = len(trainer._base.model.layers)
+    calls = []
+    trainer.between_layers = lambda: calls.append(1) or activity.make_way()
+    trainer._logprobs_each([make_sample([], prompt=PROMPT).model_copy(update={"response_ids": [5, 6], "old_logprobs": [-1.0] * 2,
+                                                                           "advantages": [1.0] * 2, "loss_mask": [1] * 2})])
+    assert len(calls) == layers, "once before each layer of a pass"
+    request = activity.request()
+    request.__enter__()  # a person's request is being served
+    threading.Timer(0.1, lambda: request.__exit__(None, None, None)).start()
+    started = time.monotonic()
+    activity.make_way()
+    assert 0.05 < time.monotonic() - started < 0.3, "it waited until the request ended"
+    with activity.request():
+        started = time.monotonic()
+        activity.make_way()  # a request that does not end: it waits MAKE_WAY_S, no longer
+        waited = time.monotonic() - started
+        activity.make_way()  # and then runs without waiting for as long
+        assert 0.25 < waited < 0.6 and time.monotonic() - started - waited < 0.05
