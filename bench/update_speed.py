@@ -10,7 +10,7 @@ them at every default, from a fresh adapter, as the learner service would, and t
 the gate reads (the serving version's figures before, the candidate's after). Twice: with the
 update's levers off (every row computed in a pass of its own, the base model reading every
 prompt from its start, every training pass reading its rows whole) and on (learner/micro_batches.py's
-shared rows, the base model's kept prompts, `LoraTrainer._base_hidden`, the long prompts' starts
+shared rows, the base model's kept prompts, `ResponseReader._base_hidden`, the long prompts' starts
 read once per weights without gradients, learner/prompt_prefix.py). Both start from the same seed; their losses and KLs
 are printed side by side, so a lever that changed the update would show.
 
