@@ -488,3 +488,19 @@ def test_the_base_models_readings_are_kept_and_read_back_as_they_were_read(tiny_
     assert again == fresh == mended == json.loads(json.dumps(first)), "read back as read (JSON's lists for tuples)"
     assert len(first["held_texts"]) == len(HELD_OUT_TASKS) and set(first["reference"]) == set(TASKS)
     assert other["held_texts"] != first["held_texts"], "a longer reply is another reading"
+
+
+def test_every_bench_that_saves_a_result_can_draw_it_again():
+    """bench/report.py redraws a saved result with its bench module's own `plot` and
+    `headline`: a bench split into a package must still offer them at its top."""
+    import importlib
+    import pathlib
+
+    for path in sorted(pathlib.Path(__file__).parents[1].joinpath("bench").iterdir()):
+        name = path.stem if path.suffix == ".py" else path.name if (path / "__init__.py").is_file() else None
+        if not name or name.startswith("_"):
+            continue
+        source = path.read_text() if path.suffix == ".py" else (path / "cli.py").read_text() if (path / "cli.py").is_file() else ""
+        if "save(" in source and "from bench.report import" in source:
+            module = importlib.import_module(f"bench.{name}")
+            assert callable(getattr(module, "plot", None)) and callable(getattr(module, "headline", None)), name

@@ -62,7 +62,8 @@ Writes bench/results/personalization-<policy>[-<variant>][-<gpu>].json and a PNG
 `--report FILE...` prints saved results as the table BENCHMARKS.md quotes.
 """
 
-# The names other benches and the tests use, from the modules that hold them.
+# The names other benches and the tests use, from the modules that hold them; bench/report.py
+# draws a saved result with `plot` and `headline`.
 from bench.personalization.person import (  # noqa: F401
     ANSWER_HINT, AVOIDED_TOPIC, ChatModel, HELD_OUT_OUTINGS, HELD_OUT_TASKS, INSTRUCTIONS, KINDS, KIND_QUESTIONS, ModelScorer, ModelUser, NOT_AN_ANSWER, OUTINGS, Preference, PreferenceJudge, QUESTIONS, RuleScorer, RuleUser, TASKS, THANKS, avoided, instruction_for, missed, not_an_answer, react,
 )
@@ -73,5 +74,5 @@ from bench.personalization.evaluation import (  # noqa: F401
     GENERAL_TEXT, final_evaluation, final_seeds, held_out_nll, mean_repetition, reference_readings, sampled_replies, sampled_texts, task_list,
 )
 from bench.personalization.reports import (  # noqa: F401
-    headline, report, seeds_report, summarise,
+    headline, plot, report, seeds_report, summarise,
 )
