@@ -77,7 +77,7 @@ def arguments() -> argparse.ArgumentParser:
                         help=f"replies sampled per held-out question ({len(HELD_OUT_TASKS)} questions the user never "
                              "asks) from each version as it begins serving (0: none)")
     parser.add_argument("--defaults", action="store_true",
-                        help="every server setting at its default (batch, lr, LoRA, KL, votes): what a newcomer gets")
+                        help="every server setting at its default (batch, lr, LoRA, votes): what a newcomer gets")
     parser.add_argument("--feedback", action="store_true",
                         help="the user also rates every reply with POST /v1/feedback (a correction when it misses); "
                              "without --judge-url the server's own default judge is kept (the served model)")
