@@ -12,24 +12,21 @@ An environment's verifiable outcome (`POST /v1/sessions/{id}/outcome`, paper §4
 explicit signal: each judged, untrained step of its session gets o + mean(PRM votes).
 
 The rating is on disk before anything else happens with it, and one lock per reply
-(`Judge.turn_lock`) orders it with any judgement of the same turn, so the person's word wins.
+(`SampleDesk.turn_lock`) orders it with any judgement of the same turn, so the person's word wins.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Coroutine
-from contextlib import AbstractAsyncContextManager
-from typing import Any, Protocol, TypeVar
+from typing import Protocol
 from nextstate.core.records import RecordWriter
 from nextstate.core.stores.samples import SampleStore
 from nextstate.core.settings import JudgeSettings
 from nextstate.core.types import FeedbackResult, FeedbackStatus, Sample, Turn
 from nextstate.judge.advantages import token_advantages, with_outcome
 from nextstate.judge.inbox import JudgeInbox
+from nextstate.judge.samples import SampleDesk
 from nextstate.judge.teacher import TeacherSignal
-
-T = TypeVar("T")
 
 
 def feedback_weights(mode: str, has_correction: bool, w_binary: float, w_opd: float) -> tuple[float, float]:
@@ -42,26 +39,13 @@ def feedback_weights(mode: str, has_correction: bool, w_binary: float, w_opd: fl
 
 
 class RatingJudge(Protocol):
-    """The few things explicit feedback asks of the judge (judge/service.py's `Judge` does them)."""
+    """What explicit feedback asks of the judge itself (judge/service.py's `Judge`); the rest
+    it shares with every sample's path through the desk (judge/samples.py)."""
 
     settings: JudgeSettings
 
-    def spawn(self, work: Coroutine[Any, Any, Any]) -> Any:
-        """Run `work` in the background, among the judge's own work (drained on shutdown)."""
-
-    def turn_lock(self, response_id: str | None) -> AbstractAsyncContextManager[Any]: ...
-
-    async def durable_write(self, fn: Callable[..., T], *args: Any) -> T: ...
-
     async def score_correction(self, turn: Turn, correction: str) -> TeacherSignal:
         """The OPD teacher's view of the turn's reply under the correction."""
-
-    def sample(self, turn: Turn, status: str, reason: str, reward: float = 0.0, advantages: list[float] | None = None,
-               track: str | None = None, **extra: Any) -> Sample: ...
-
-    async def store_sample(self, sample: Sample, transition_id: int | None = None) -> Sample: ...
-
-    def notify(self, sample: Sample) -> None: ...
 
     def count_rating(self) -> None: ...
 
@@ -69,8 +53,10 @@ class RatingJudge(Protocol):
 class ExplicitFeedback:
     """Ratings of replies and outcomes of episodes, turned into samples without votes."""
 
-    def __init__(self, judge: RatingJudge, inbox: JudgeInbox, store: SampleStore, records: RecordWriter) -> None:
+    def __init__(self, judge: RatingJudge, desk: SampleDesk, inbox: JudgeInbox, store: SampleStore,
+                 records: RecordWriter) -> None:
         self.judge = judge
+        self.desk = desk
         self.inbox = inbox
         self.store = store
         self.records = records
@@ -104,27 +90,27 @@ class ExplicitFeedback:
                 return self._recorded(user, response_id, rating, correction, existing, "already_trained")
             return FeedbackResult("not_found")  # unknown, another's, or a sample whose turn expired
         if existing is not None and existing.status == "consumed":
-            await self.judge.durable_write(self.store.set_feedback, user, response_id, rating, correction)
+            await self.desk.write(self.store.set_feedback, user, response_id, rating, correction)
             return self._recorded(user, response_id, rating, correction, existing, "already_trained")
-        await self.judge.durable_write(self.store.set_feedback, user, response_id, rating, correction)
-        self.judge.spawn(self._apply(turn, rating, correction))
+        await self.desk.write(self.store.set_feedback, user, response_id, rating, correction)
+        self.desk.spawn(self._apply(turn, rating, correction))
         return FeedbackResult("accepted", session_id=turn.session_id, turn_index=turn.turn_index)
 
     async def _apply(self, turn: Turn, rating: int, correction: str | None) -> FeedbackResult:
         assert turn.response_id is not None
-        async with self.judge.turn_lock(turn.response_id):
+        async with self.desk.turn_lock(turn.response_id):
             existing = await asyncio.to_thread(self.store.sample_for_response, turn.user, turn.response_id)
             if existing is not None and existing.status == "consumed":
                 return self._recorded(turn.user, turn.response_id, rating, correction, existing, "already_trained")
             sample = await self._sample(turn, rating, correction)
             if existing is not None and await asyncio.to_thread(self.store.replace_sample, existing.id, sample):
                 sample = sample.model_copy(update={"id": existing.id})
-                self.judge.notify(sample)
+                self.desk.notify(sample)
             elif existing is not None:  # trained while the correction was being scored
                 return self._recorded(turn.user, turn.response_id, rating, correction, existing, "already_trained")
             else:
                 found = await asyncio.to_thread(self.store.find_turn, turn.user, turn.response_id)
-                sample = await self.judge.store_sample(sample, found[0] if found else None)
+                sample = await self.desk.store(sample, found[0] if found else None)
         self.judge.count_rating()
         return self._recorded(turn.user, turn.response_id, rating, correction, sample, "applied")
 
@@ -136,7 +122,7 @@ class ExplicitFeedback:
             delta = teacher.delta(turn.response_logprobs, cfg.opd_clip)
         w_binary, w_opd = feedback_weights(cfg.mode, teacher is not None, cfg.w_binary, cfg.w_opd)
         advantages = token_advantages(len(turn.response_ids), float(rating), delta, w_binary, w_opd)
-        return self.judge.sample(
+        return self.desk.make(
             turn, "ready", "explicit feedback" + (" with a correction" if teacher is not None else ""), float(rating),
             advantages, track="personal", hint=correction, **(teacher.sample_fields(w_opd) if teacher else {}),
             feedback={"rating": rating, "correction": correction},

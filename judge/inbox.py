@@ -17,15 +17,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Coroutine
-from contextlib import AbstractAsyncContextManager
 from typing import Any, Protocol
 
 from nextstate.core.durable import Durable, StorageUnavailable
 from nextstate.core.stores.samples import LEASE_S, SampleStore
 from nextstate.core.tasks import Periodic
-from nextstate.core.types import Sample, Transition, Turn
+from nextstate.core.types import Transition, Turn
 from nextstate.judge.at_least_one import AtLeastOne
+from nextstate.judge.samples import SampleDesk
 
 log = logging.getLogger(__name__)
 
@@ -35,17 +34,15 @@ RENEW_S = LEASE_S / 4
 
 
 class InboxJudge(Protocol):
-    """What the inbox asks of the judge (judge/service.py's `Judge` does it), and no more: whether
-    and when it may judge, the judging itself, and a sample for an episode's last step."""
+    """What the inbox asks of the judge itself (judge/service.py's `Judge`), and no more: whether
+    and when it may judge, and the judging; the rest it shares with every sample's path through
+    the desk (judge/samples.py)."""
 
     implicit: bool  # next states are judged (False: the judge is off, or benched with no fallback)
-    calibrated: asyncio.Event  # set once its start-up check is over, passed or not
     guarantee: AtLeastOne  # the sessions whose turns are being judged (the at-least-one rule)
 
-    def spawn(self, work: Coroutine[Any, Any, Any]) -> Any:
-        """Run `work` in the background, among the judge's own work (drained on shutdown)."""
-
-    def turn_lock(self, response_id: str | None) -> AbstractAsyncContextManager[Any]: ...
+    async def verdict(self) -> bool:
+        """Wait for the start-up check's verdict; False when the server stops first."""
 
     async def quiet(self) -> None:
         """Wait for a moment when no user's request is being served."""
@@ -54,15 +51,11 @@ class InboxJudge(Protocol):
 
     def record_transition(self, transition: Transition) -> None: ...
 
-    def sample(self, turn: Turn, status: str, reason: str, reward: float = 0.0, advantages: list[float] | None = None,
-               track: str | None = None, **extra: Any) -> Sample: ...
-
-    async def store_sample(self, sample: Sample, transition_id: int | None = None) -> Sample: ...
-
 
 class JudgeInbox:
-    def __init__(self, judge: InboxJudge, store: SampleStore, here: bool = True) -> None:
+    def __init__(self, judge: InboxJudge, desk: SampleDesk, store: SampleStore, here: bool = True) -> None:
         self.judge = judge
+        self.desk = desk
         self.store = store
         self.here = here  # judged in this process; False: by `nextstate judge` processes
         self._judging: set[int] = set()  # transitions this process is judging now
@@ -110,7 +103,7 @@ class JudgeInbox:
             finally:
                 self._judging.discard(transition_id)
 
-        self.judge.spawn(judged())
+        self.desk.spawn(judged())
 
     async def aclose(self) -> None:
         """After the judge's own close: what it did not judge goes back to the inbox, free to take."""
@@ -139,21 +132,21 @@ class JudgeInbox:
         key = (turn.user, turn.session_id)
         if transition.revises:
             # its session settled and went on after all, replacing the next state judged then
-            self.judge.spawn(self._revise(transition, durable))
+            self.desk.spawn(self._revise(transition, durable))
             return durable
         if transition.next_state is None and transition.reason == "session_closed" and turn.track == "outcome":
             # An episode's last step: no next state to vote on, its next state is the outcome.
-            self.judge.spawn(self._last_step(transition, durable))
+            self.desk.spawn(self._last_step(transition, durable))
             return durable
         if transition.next_state is None or not self.judge.implicit:
             # Nothing to judge (and the session is over for the guarantee too), but kept so that
             # the turn can still be rated explicitly.
             if transition.reason == "session_closed":
                 self.judge.guarantee.session_over(key)
-            self.judge.spawn(self._keep(transition, durable))
+            self.desk.spawn(self._keep(transition, durable))
             return durable
         self.judge.guarantee.judging(key)
-        self.judge.spawn(self._accept(transition, durable, again))
+        self.desk.spawn(self._accept(transition, durable, again))
         return durable
 
     async def _take(self, transition: Transition, status: str = "pending") -> int | None:
@@ -191,9 +184,9 @@ class JudgeInbox:
             transition_id = await self._take(transition)
             if transition_id is None:
                 return
-            sample = self.judge.sample(transition.turn, "awaiting_outcome", "last step: its next state is the outcome",
-                                       0.0, track="outcome")
-            await self.judge.store_sample(sample, transition_id)
+            sample = self.desk.make(transition.turn, "awaiting_outcome", "last step: its next state is the outcome",
+                                    0.0, track="outcome")
+            await self.desk.store(sample, transition_id)
         except Exception:  # noqa: BLE001 - costs this step's sample only
             log.exception("could not keep the last step of an outcome episode")
         finally:
@@ -205,7 +198,7 @@ class JudgeInbox:
         turn = transition.turn
         judged = transition.next_state is not None and self.judge.implicit
         try:
-            async with self.judge.turn_lock(turn.response_id):  # not while its first judgement is being stored
+            async with self.desk.turn_lock(turn.response_id):  # not while its first judgement is being stored
                 transition_id = await self._writes.write(
                     self.store.revise_transition, transition, "pending" if judged else "unjudged"
                 )
@@ -252,7 +245,7 @@ class JudgeInbox:
             return
         await judge.quiet()
         turn = transition.turn
-        async with judge.turn_lock(turn.response_id):
+        async with self.desk.turn_lock(turn.response_id):
             rated, outcome = await asyncio.to_thread(self.store.judging_state, turn.user, turn.response_id, turn.session_id)
             if rated:
                 # its user rated it already: their word stands, no judge is asked

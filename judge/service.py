@@ -17,39 +17,35 @@ comes while its last turn is judged, and the steps land in the gaps between requ
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import re
 import statistics
 import time
-import weakref
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Awaitable, Callable
 from dataclasses import asdict
-from typing import Any, TypeVar
+from typing import Any
 
 from nextstate.core.agent_texts import CODING_AGENT_TOOL_PRM
 from nextstate.engine.base import Engine, UnknownAdapterError
 from nextstate.judge.at_least_one import AtLeastOne
-from nextstate.judge.advantages import step_reward, token_advantages, with_outcome
+from nextstate.judge.advantages import step_reward, token_advantages
 from nextstate.judge.client import JudgeClient
 from nextstate.judge.calibration import Calibration
 from nextstate.judge.context import FENCE_NOTE, Unwrap, prompt_values
 from nextstate.judge.hindsight import hindsight_hint, hindsight_placebo
 from nextstate.judge.parsing import majority_vote, parse_hint, parse_score, select_hint
 from nextstate.judge.prompts import PromptLibrary
+from nextstate.judge.samples import SampleDesk
 from nextstate.judge.stats import JudgeStats, Vote
 from nextstate.judge.teacher import TeacherSignal, teacher_logprobs, teacher_prompt_ids
 from nextstate.core.activity import Activity
-from nextstate.core.durable import Durable
 from nextstate.core.stores.samples import SampleStore
-from nextstate.core.tasks import BackgroundTasks
 from nextstate.core.settings import JudgeSettings
 from nextstate.core.types import NextState, Sample, Transition, Turn
 from nextstate.modelio.chat_template import ChatRenderer
 from nextstate.core.records import RecordWriter
 
 log = logging.getLogger(__name__)
-T = TypeVar("T")
 
 HINT_PROMPT = "opd_hint"
 # The PRM of personal agents (the default NEXTSTATE_PRM_PROMPT): one set to another keeps it for every step.
@@ -82,7 +78,6 @@ class Judge:
         self.renderer = renderer
         self.store = store
         self.records = records
-        self.on_sample = on_sample
         self.current_adapter = current_adapter  # a user's serving adapter now (the policy teacher's fallback)
         self.activity = activity or Activity()
         self.stats = JudgeStats()
@@ -95,13 +90,11 @@ class Judge:
         # the judge's calls in flight at once (NEXTSTATE_JUDGE_CONCURRENCY): votes, and the
         # teacher passes of ratings with a correction
         self.calls = asyncio.Semaphore(settings.judge_concurrency)
-        # a full or read-only disk holds samples here until it takes them again
-        self._samples = Durable("the sample store (judged samples)")
+        # the lock per reply, the durable writer and the background work it shares with
+        # ratings and the inbox (judge/samples.py)
+        self.desk = SampleDesk(settings.mode, store, on_sample)
         self._harness = [re.compile(p) for p in settings.harness_patterns]
         self._unwrap = Unwrap(settings.harness_wrappers)
-        # Work off the request path (calibration, judgements, ratings being applied): the inbox
-        # and explicit feedback start theirs here too, so one drain waits for all of it.
-        self.tasks = BackgroundTasks()
         self.guarantee = AtLeastOne()
         # Whether transitions are judged from their next state (implicit feedback); off when
         # judging is disabled, or the judge failed its calibration and no fallback teaches in
@@ -110,7 +103,6 @@ class Judge:
         # The judge failed its calibration and next states teach as hints of their own
         # (judge/hindsight.py): no votes are asked, the teacher reads the next state.
         self.hindsight = False
-        self._turn_locks: weakref.WeakValueDictionary[str, asyncio.Lock] = weakref.WeakValueDictionary()
         self.calibration = Calibration()
         # set once the calibration's verdict is in: implicit judging waits for it
         self.calibrated = asyncio.Event()
@@ -136,7 +128,7 @@ class Judge:
 
     async def drain(self, timeout: float | None = None) -> None:
         """Wait until every submitted transition is judged and stored, and every rating applied."""
-        await self.tasks.drain(timeout)
+        await self.desk.tasks.drain(timeout)
 
     async def verdict(self) -> bool:
         """Wait for the start-up check's verdict; False when the server stops first (what waits
@@ -155,7 +147,7 @@ class Judge:
         if self.checking is not None:
             self.checking.cancel()  # unconcluded: the next start asks again
         await self.drain(timeout)
-        await self.tasks.cancel()  # unfinished ones stay pending in the store
+        await self.desk.tasks.cancel()  # unfinished ones stay pending in the store
         await self.client.aclose()
 
     def report(self) -> dict[str, Any]:
@@ -167,15 +159,6 @@ class Judge:
         """Wait (up to `QUIET_WAIT_S`) for no user request to be in flight: each step of a
         judgement lands in a gap between requests."""
         await self.activity.quiet(QUIET_WAIT_S)
-
-    def turn_lock(self, response_id: str | None) -> contextlib.AbstractAsyncContextManager[Any]:
-        """One judgement at a time per reply: the judge's and a person's rating of it never race."""
-        if not response_id:
-            return contextlib.nullcontext()
-        lock = self._turn_locks.get(response_id)
-        if lock is None:
-            lock = self._turn_locks[response_id] = asyncio.Lock()
-        return lock
 
     async def judge(self, transition_id: int | None, transition: Transition, outcome: float | None) -> None:
         """Judge one transition and store its sample, closing its inbox entry (`transition_id`)
@@ -189,11 +172,11 @@ class Judge:
         except Exception as exc:  # noqa: BLE001 - a judge failure costs this sample only
             log.exception("judging failed")
             self.stats.errors += 1
-            sample = self.sample(transition.turn, status="dropped", reason=f"judge error: {type(exc).__name__}: {exc}")
+            sample = self.desk.make(transition.turn, status="dropped", reason=f"judge error: {type(exc).__name__}: {exc}")
         # the votes came back while users may be waiting: storing can wait for a quiet moment too
         await self.quiet()
         try:
-            stored = await self._samples.write(self.store.add_sample, sample, transition_id, with_outcome, True)
+            stored = await self.desk.store_judged(sample, transition_id)
         except Exception:  # noqa: BLE001 - beyond the disk waiting room, or a bug: logged, the rest goes on
             log.exception("could not store a sample")
             return
@@ -215,29 +198,7 @@ class Judge:
             },
             version=turn.policy_version,
         )
-        self.notify(sample)
-
-    async def store_sample(self, sample: Sample, transition_id: int | None = None) -> Sample:
-        """Store a sample made outside a judgement (a rating, an episode's last step), closing
-        its inbox entry if one is named, and tell the learner."""
-        stored = await self._samples.write(self.store.add_sample, sample, transition_id, with_outcome)
-        if stored is None:  # only a claimed judgement is ever refused
-            raise RuntimeError("the sample store refused an unclaimed sample")
-        self.notify(stored)
-        return stored
-
-    async def durable_write(self, fn: Callable[..., T], *args: Any) -> T:
-        """A write to the sample store that a full disk delays instead of losing (core/durable.py)."""
-        return await self._samples.write(fn, *args)
-
-    def notify(self, sample: Sample) -> None:
-        """A sample was stored or replaced: the learner may have a batch now."""
-        if self.on_sample is not None:
-            self.on_sample(sample)
-
-    def spawn(self, work: Coroutine[Any, Any, T]) -> asyncio.Task[T]:
-        """Background work of the judge's (a rating being applied): drained and cancelled with it."""
-        return self.tasks.spawn(work)
+        self.desk.notify(sample)
 
     async def score_correction(self, turn: Turn, correction: str) -> TeacherSignal:
         """A person's correction read by the OPD teacher, as one of the judge's calls (however
@@ -268,11 +229,11 @@ class Judge:
             # The agent's own retry or notice, not its user: the turn produced nothing usable.
             detail["harness_notice"] = notice
             if cfg.mode == "opd":
-                return self.sample(transition.turn, "dropped", "format failure (the agent's own notice); opd mode needs a hint")
+                return self.desk.make(transition.turn, "dropped", "format failure (the agent's own notice); opd mode needs a hint")
             n = len(turn.response_ids)
             w_binary = 1.0 if cfg.mode == "binary" else cfg.w_binary
             self.guarantee.accepted((turn.user, turn.session_id))
-            return self.sample(
+            return self.desk.make(
                 turn, "ready", "format failure (the agent's own notice)", -1.0,
                 token_advantages(n, -1.0, None, w_binary, 0.0),
             )
@@ -308,7 +269,7 @@ class Judge:
             reason = "outcome + mean votes" if outcome is not None else "waiting for the session's outcome"
             if teacher is not None:
                 common.update(teacher.sample_fields(cfg.w_opd))
-            return self.sample(transition.turn, status, reason, total, advantages, outcome=outcome, track="outcome", **common)
+            return self.desk.make(transition.turn, status, reason, total, advantages, outcome=outcome, track="outcome", **common)
 
         if cfg.mode == "binary":
             w_binary, w_opd = 1.0, 0.0
@@ -319,36 +280,36 @@ class Judge:
         if teacher is not None:
             common.update(teacher.sample_fields(w_opd))
         if cfg.mode == "opd" and hint is None:
-            return self.sample(transition.turn, "dropped", "no valid hint", 0.0, **common)
+            return self.desk.make(transition.turn, "dropped", "no valid hint", 0.0, **common)
         signal = (reward not in (None, 0)) or teacher is not None
         advantages = token_advantages(len(turn.response_ids), reward, delta, w_binary, w_opd)
         key = (turn.user, turn.session_id)
         if signal:
             self.guarantee.accepted(key)
             reason = "hint" if reward in (None, 0) else ("reward and hint" if teacher is not None else "reward")
-            return self.sample(transition.turn, "ready", reason, float(reward or 0), advantages, **common)
+            return self.desk.make(transition.turn, "ready", reason, float(reward or 0), advantages, **common)
         if self.guarantee.claim_neutral(key):
             # At-least-one guarantee: a session whose turns were all neutral still trains one
             # (zero advantage: only the KL term acts on it, as in the paper's pipeline).
-            return self.sample(transition.turn, "ready", "at-least-one guarantee (neutral)", 0.0, advantages, **common)
-        return self.sample(transition.turn, "dropped", "neutral: reward 0 and no hint", 0.0, **common)
+            return self.desk.make(transition.turn, "ready", "at-least-one guarantee (neutral)", 0.0, advantages, **common)
+        return self.desk.make(transition.turn, "dropped", "neutral: reward 0 and no hint", 0.0, **common)
 
     async def _hindsight(self, transition: Transition, outcome_track: bool, detail: dict[str, Any]) -> Sample:
         """A benched judge's sample: the next state is the hint, the teacher's token-level gap
         the only signal (judge/hindsight.py). No vote is asked, so there is no reward."""
         turn, cfg = transition.turn, self.settings
         if outcome_track:  # o + mean(votes) needs votes: such a step waits for a rating instead
-            return self.sample(turn, "dropped", "the judge is benched: an outcome step needs its votes")
+            return self.desk.make(turn, "dropped", "the judge is benched: an outcome step needs its votes")
         hint = hindsight_hint(transition.next_state, MAX_HINT_CHARS, self._unwrap)
         if hint is None:
-            return self.sample(turn, "dropped", "hindsight: the next state has no words to learn from")
+            return self.desk.make(turn, "dropped", "hindsight: the next state has no words to learn from")
         await self.quiet()
         # what copying the next state's words adds cancels against their placebo (judge/hindsight.py)
         placebo = hindsight_placebo(transition.next_state, MAX_HINT_CHARS, self._unwrap) or hint
         teacher = await self.contrasted_teacher(turn, hint, placebo, detail)
         w_opd = 1.0 if cfg.mode == "opd" else cfg.w_opd
         self.guarantee.accepted((turn.user, turn.session_id))
-        return self.sample(turn, "ready", "hindsight: the next state as the hint (the judge is benched)", 0.0,
+        return self.desk.make(turn, "ready", "hindsight: the next state as the hint (the judge is benched)", 0.0,
                            token_advantages(len(turn.response_ids), None, teacher.delta(turn.response_logprobs,
                                                                                         cfg.opd_clip), 0.0, w_opd),
                            hint=hint, **teacher.sample_fields(w_opd))
@@ -447,31 +408,6 @@ class Judge:
         # what is kept of a vote is bounded: a judge that rambles for megabytes costs a line
         return Vote(score, hint[:MAX_HINT_CHARS] if hint else hint, text[:MAX_VOTE_TEXT], error, seconds)
 
-    def sample(
-        self,
-        turn: Turn,
-        status: str,
-        reason: str,
-        reward: float = 0.0,
-        advantages: list[float] | None = None,
-        track: str | None = None,
-        **extra: Any,
-    ) -> Sample:
-        n = len(turn.response_ids)
-        if turn.logprobs_masked and status != "dropped":
-            # π_old would be the grammar's renormalised distribution, the learner's π_θ the
-            # model's own: the PPO ratio between them is meaningless (engine/base.py)
-            status, reason = "dropped", "logprobs taken under a grammar mask (the reply could not be scored again)"
-        accepted = status != "dropped"
-        return Sample(
-            user=turn.user, session_id=turn.session_id, turn_index=turn.turn_index, policy_version=turn.policy_version,
-            adapter=turn.adapter, mode=self.settings.mode, track=track or turn.track, status=status, reason=reason,
-            prompt_ids=turn.prompt_ids, response_ids=turn.response_ids, old_logprobs=turn.response_logprobs,
-            logprob_temperature=turn.logprob_temperature,
-            advantages=advantages if advantages is not None else [0.0] * n,
-            loss_mask=[1 if accepted else 0] * n, reward=reward, response_id=turn.response_id, created_at=time.time(),
-            **extra,
-        )
 
 
 async def _nothing() -> list[Vote]:

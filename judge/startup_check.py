@@ -44,7 +44,7 @@ class StartupCheck:
             log.info("judge: %s (the verdict of %s stands: same judge, cases and prompt)", known.detail,
                      time.strftime("%Y-%m-%d %H:%M", time.localtime(known.checked_at or 0)))
             return
-        judge.checking = judge.tasks.spawn(self.ask())
+        judge.checking = judge.desk.spawn(self.ask())
 
     def key(self) -> str | None:
         if not (self.prompts.directory / CALIBRATION_FILE).is_file():

@@ -31,7 +31,7 @@ from nextstate.learner.gate import PublishGate
 from nextstate.learner.readings import Readings
 from nextstate.learner.held_out import VersionFigures
 from nextstate.learner.memory_budget import Refusal
-from nextstate.learner.screening import NO_SIGNAL_IN_BATCH, NOT_FINITE, batch_teaches, drop_reason, finite
+from nextstate.learner.screening import NO_SIGNAL_IN_BATCH, NOT_FINITE, Screened, screen
 from nextstate.core.activity import Activity
 from nextstate.core.stores.versions import VersionRegistry
 from nextstate.learner.step_result import StepResult
@@ -198,21 +198,17 @@ class Learner:
         self.waiting = waiting
         return found
 
-    def _screen(self, ready: list[Sample]) -> list[Sample]:
-        """Drop, with the reason, ready samples that must not take a batch slot
-        (learner/screening.py). Returns the ones kept, oldest first."""
-        reasons: dict[str, list[int]] = {}
-        for sample in ready:
-            if sample.id is None:
-                continue
-            behind = self.policies.current(sample.user).version - sample.policy_version
-            if (why := drop_reason(sample, self.settings, behind)) is not None:
-                reasons.setdefault(why, []).append(sample.id)
-        for why, ids in reasons.items():
-            self.store.mark_dropped(ids, why)
-            log.info("learner: %d sample(s) dropped before training (%s)", len(ids), why)
-        dropped = {i for ids in reasons.values() for i in ids}
-        return [x for x in ready if x.id not in dropped]
+    def _screen(self, samples: list[Sample], batch: bool = False) -> Screened:
+        """Drop, with the reason, the samples that must not train (learner/screening.py): ready
+        ones before they take a batch slot, and a `batch` again once it has its final advantages."""
+        screened = screen(samples, self.settings,
+                          lambda x: self.policies.current(x.user).version - x.policy_version, batch)
+        for why, ids in screened.dropped.items():
+            if ids:
+                self.store.mark_dropped(ids, why)
+                log.log(logging.WARNING if why == NOT_FINITE else logging.INFO,
+                        "learner: %d sample(s) dropped %s (%s)", len(ids), "from a batch" if batch else "before training", why)
+        return screened
 
     async def update(self, scope: str, samples: list[Sample]) -> StepResult | None:
         """One update of `scope` on `samples`: screen → step (its KL line search) → gate →
@@ -254,8 +250,11 @@ class Learner:
         record: dict[str, Any] = {"step": step_index, "scope": scope, "sample_ids": [x.id for x in samples],
                                   "tries_before": max((x.tries for x in samples), default=0)}
         self._phase(scope, len(samples), "preparing")
-        batch = await self._screen_batch(scope, samples, record)
-        if batch is None:
+        screened = await asyncio.to_thread(self._screen, self.prepare_batch(samples), True)
+        record["dropped"] = screened.ids(NO_SIGNAL_IN_BATCH)
+        batch = screened.kept
+        if not batch:  # nothing in it could teach: its samples dropped, nothing published
+            record.update(version=None, published=False, skipped=NO_SIGNAL_IN_BATCH)
             self._finish(record, current.version)
             return None
         plan = await asyncio.to_thread(self.trainer.memory_plan, batch)
@@ -328,25 +327,6 @@ class Learner:
         log.warning("learner step %d (%s) not started: %s", record["step"], result.scope, result.skipped)
         self._finish(record, version)
         return result
-
-    async def _screen_batch(self, scope: str, samples: list[Sample], record: dict[str, Any]) -> list[Sample] | None:
-        """The batch with its final advantages, screened again now that it has them
-        (learner/screening.py); None (its samples dropped, the record saying why) when nothing
-        in it could teach."""
-        batch = self.prepare_batch(samples)
-        bad = [x.id for x in batch if not finite(x)]
-        record["dropped"] = bad
-        if bad:
-            await asyncio.to_thread(self.store.mark_dropped, bad, NOT_FINITE)
-            log.warning("learner %s: %d sample(s) with non-finite values dropped; the batch trains on", scope, len(bad))
-            batch = [x for x in batch if x.id not in bad]
-        if not batch_teaches(batch):
-            ids = [x.id for x in batch]
-            await asyncio.to_thread(self.store.mark_dropped, ids, NO_SIGNAL_IN_BATCH)
-            record.update(version=None, published=False, skipped=NO_SIGNAL_IN_BATCH)
-            log.info("learner step %d (%s): no signal in %d samples, nothing published", record["step"], scope, len(ids))
-            return None
-        return batch
 
     async def _publish(self, scope: str, step_index: int, ids: list[int], result: StepResult, record: dict[str, Any]) -> None:
         """Write the trained step as the scope's next version, mark its samples consumed, serve it."""

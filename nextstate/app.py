@@ -115,7 +115,7 @@ def build_services(settings: Settings, process: Process) -> Services:
 
     judge = build_judge(settings, engine, process.renderer, process.model_name, samples, records, policies, activity,
                         on_sample)
-    inbox = JudgeInbox(judge, samples, here=settings.judge.judge_in_process)
+    inbox = JudgeInbox(judge, judge.desk, samples, here=settings.judge.judge_in_process)
 
     def emit(transition: Transition) -> asyncio.Future[None]:
         metrics.transitions.labels(transition.reason).inc()
@@ -157,7 +157,7 @@ def build_services(settings: Settings, process: Process) -> Services:
         settings=settings, keys=stores.keys, records=records, metrics=metrics, sessions=sessions, policies=policies,
         samples=samples, turns=turns, chat=ChatCompletionServing(turns), messages=MessagesServing(turns),
         responses=ResponsesServing(turns, stores.responses), judge=judge,
-        feedback=ExplicitFeedback(judge, inbox, samples, records), learner=learner,
+        feedback=ExplicitFeedback(judge, judge.desk, inbox, samples, records), learner=learner,
         # a process that does not learn serves what the learner elsewhere publishes
         follower=None if learner is not None else build_follower(settings, engine, policies, registry),
         forget_user=lambda user: forget_online(services, user),

@@ -44,7 +44,7 @@ async def run_judge(settings: Settings, stop: asyncio.Event, engine_factory: Eng
         process.started(follower.aclose)
         judge = build_judge(settings, process.engine, process.renderer, process.model_name, samples, process.records,
                             policies)
-        inbox = JudgeInbox(judge, samples)
+        inbox = JudgeInbox(judge, judge.desk, samples)
         process.started(inbox.aclose)  # after the judge's own close: what it did not judge goes back
         process.started(judge.aclose)
         await StartupCheck(judge).start()
