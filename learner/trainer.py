@@ -298,13 +298,18 @@ class LoraTrainer(ResponseReader):
         stop on KL, read as a target). Returns why the step must be undone, or None."""
         c = self.settings
         self.model.train()
+        # With one optimizer step a pass, the next pass's forward reads the weights the KL check
+        # would: the check is taken from it (a pass's forward without gradients saved a pass).
+        merged = c.epoch_kl_share > 0 and c.minibatch >= len(u.samples)
         for epoch in range(c.ppo_epochs):
             for start in range(0, len(u.samples), c.minibatch):
                 if skipped := self._optimizer_step(u, range(start, min(start + c.minibatch, len(u.samples))), epoch,
-                                                   params, optimizer):
+                                                   params, optimizer, measure=merged and epoch > 0):
                     return skipped
+            if u.stopped:  # the pass's forward found the KL target reached: its step was not taken
+                break
             u.epochs += 1
-            if u.epochs < c.ppo_epochs and c.epoch_kl_share > 0:
+            if u.epochs < c.ppo_epochs and c.epoch_kl_share > 0 and not merged:
                 self.model.eval()
                 with u.timed("epoch_kl"):
                     u.epoch_kls.append(self._policy_kl(*self._kept(u.samples, u.dropped, u.before)))
@@ -316,23 +321,35 @@ class LoraTrainer(ResponseReader):
         return None
 
     def _optimizer_step(self, u: _Update, batch: range, epoch: int, params: list[torch.nn.Parameter],
-                        optimizer: torch.optim.Optimizer) -> str | None:
+                        optimizer: torch.optim.Optimizer, measure: bool = False) -> str | None:
         """One optimizer step on `batch`, a micro-batch of forward and backward passes at a
-        time, with the replay's pull; None, or why the step must be undone."""
+        time, with the replay's pull; None, or why the step must be undone. `measure`: the
+        forward passes also read the batch's policy KL since the update began (the whole batch
+        is in this step), and once it reaches the pass target the step is not taken
+        (`u.stopped`)."""
         c = self.settings
         batch_tokens = max(1, sum(sum(u.samples[i].loss_mask) for i in batch))
         optimizer.zero_grad(set_to_none=True)
         live = [i for i in batch if i not in u.dropped]
+        totals = dict(u.totals)
+        u.kl_sum = u.kl_tokens = 0.0
         for group in self._micro_batches([u.samples[i] for i in live]):
             members = [live[j] for j in group]
             with self.memory.meter() as meter:
-                if losses := self._losses(u, members, epoch, batch_tokens):
+                if losses := self._losses(u, members, epoch, batch_tokens, measure):
                     torch.stack(losses).sum().backward()
             self.memory.record(padded_tokens([self._row(u.samples[i]) for i in members]), meter.added)
             u.peak_added = max(u.peak_added, meter.added)
             u.done += 1
             if u.progress is not None:
                 u.progress(min(u.done, u.passes), u.passes)
+        if measure:
+            u.epoch_kls.append(u.kl_sum / max(1.0, u.kl_tokens))
+            if u.epoch_kls[-1] >= c.epoch_kl_share * self.step_sizes.max_kl:
+                u.stopped = True
+                u.totals = totals  # the step not taken leaves no trace in the record
+                optimizer.zero_grad(set_to_none=True)
+                return None
         if c.replay_coef > 0:  # its gradients are checked with the batch's below
             u.totals["replay"] += self.replay.backward(self.model, c.replay_coef, params, c.replay_grad_share)
         if len(u.dropped) == len(u.samples) or not math.isfinite(u.totals["loss"]) or any(
@@ -347,10 +364,12 @@ class LoraTrainer(ResponseReader):
         u.steps += 1
         return None
 
-    def _losses(self, u: _Update, members: list[int], epoch: int, batch_tokens: int) -> list[torch.Tensor]:
+    def _losses(self, u: _Update, members: list[int], epoch: int, batch_tokens: int,
+                measure: bool = False) -> list[torch.Tensor]:
         """Each sample's loss from one forward pass over `members`: PPO's clipped surrogate, the
         distillation towards its teacher's target, the empty-reply guard, as a share of the
-        batch's tokens. A sample whose loss is not finite is left out (`u.dropped`)."""
+        batch's tokens. A sample whose loss is not finite is left out (`u.dropped`). `measure`:
+        its policy KL from before the update is added up too (`u.kl_sum`, as `_policy_kl` reads it)."""
         c = self.settings
         outputs = self._response_logprobs([u.samples[i] for i in members],
                                           [t[1] if (t := u.teacher[i]) else None for i in members],
@@ -364,6 +383,9 @@ class LoraTrainer(ResponseReader):
             # a single sample must never dominate an update, whatever its reward
             adv = torch.tensor(s.advantages, device=self.device).clamp(-c.max_advantage, c.max_advantage)
             mask = torch.tensor(s.loss_mask, device=self.device, dtype=torch.float32)
+            if measure:
+                u.kl_sum += float((k3_kl(u.before[i], logprobs.detach()) * mask).sum())
+                u.kl_tokens += sum(s.loss_mask)
             pg, clipped = ppo_token_losses(logprobs, old, adv, EPS, EPS_HIGH)
             tok_loss = pg
             if answer.gathered is not None:
@@ -418,6 +440,9 @@ class _Update:
     steps: int = 0
     epochs: int = 0
     epoch_kls: list[float] = field(default_factory=list)  # the batch's policy KL after each pass but the last
+    kl_sum: float = 0.0  # ... being read by a pass's forward (`measure`), and its tokens
+    kl_tokens: float = 0.0
+    stopped: bool = False  # a pass's forward found the KL target reached: no more passes
     done: int = 0
     peak_added: int = 0
     policy_kl: float = 0.0

@@ -234,9 +234,17 @@ async def test_passes_over_a_batch_stop_once_its_kl_reaches_the_target(tiny_mode
     far = trainer(1.0, 1e9).step("shared", samples)
     assert far.epochs == 3 and len(far.epoch_kls) == 2 and all(0 < k < 1e9 for k in far.epoch_kls)
     assert far.policy_kl == pytest.approx(every.policy_kl, rel=1e-4), "the same three passes"
-    near = trainer(0.5, 2 * far.epoch_kls[0]).step("shared", samples)  # the first pass reaches 0.5 of this limit
+    stopped = trainer(0.5, 2 * far.epoch_kls[0])
+    near = stopped.step("shared", samples)  # the first pass reaches 0.5 of this limit
     assert near.epochs == 1 and near.epoch_kls == [pytest.approx(far.epoch_kls[0], rel=1e-4)]
     assert near.kl_tries == [{"scale": 1.0, "kl": near.epoch_kls[0]}], "its KL measured once"
+    # the KL was read by the second pass's forward, whose step was then not taken: the weights
+    # are the first pass's, and a read of them on its own gives the same KL
+    assert steps_taken(stopped._optimizers["shared"]) == 1
+    before = trainer(0.5, 1e9)._logprobs_each(samples)
+    stopped._activate("shared")
+    stopped.model.eval()
+    assert stopped._policy_kl(samples, before) == pytest.approx(near.epoch_kls[0], rel=1e-4)
 
 
 async def test_a_warmup_shortens_a_fresh_scopes_first_steps_and_counts_across_updates(tiny_model_dir, engine):
@@ -833,10 +841,9 @@ def test_a_long_prompt_is_read_once_per_weights_and_trains_only_near_the_replies
     whole, whole_lengths, _ = step(None)
     split, split_lengths, split_grads = step(6)
     assert whole.skipped is None and split.skipped is None
-    assert whole_lengths == [(2, 55)] * 4, "two passes, a KL check between them and one after"
+    assert whole_lengths == [(2, 55)] * 3, "two passes (the second reads the KL check between them) and a check after"
     # rows of 40 + 12 prompt tokens and 3 reply tokens: replies read from position 51, 6 before it train
-    assert split_lengths == [(1, 45), (2, 10), (1, 45), (2, 10), (2, 10), (1, 45), (2, 10)], \
-        "the prefix once per weights: the check after the first pass and the second pass share it"
+    assert split_lengths == [(1, 45), (2, 10)] * 3, "the prefix once per weights"
     assert split.mismatch == pytest.approx(whole.mismatch, abs=1e-6), "the first pass reads what a whole row reads"
 
     trainer, params = trainer_for(6)
