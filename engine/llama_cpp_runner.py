@@ -28,7 +28,6 @@ import ctypes
 import functools
 import json
 import os
-import shutil
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -132,7 +131,9 @@ class LlamaCppRunner:
         self.vocab = int(ll.llama_vocab_n_tokens(ll.llama_model_get_vocab(self.model)))
         self.batch = ll.llama_batch_init(BATCH_TOKENS, 0, 1)
         self.adapters = LlamaAdapters()
-        self._adapter_dir = Path(tempfile.mkdtemp(prefix="nextstate-lora-"))
+        # the GGUF LoRA files of loaded versions: removed at close or, for a runner never
+        # closed (a test, a failed start), when it is collected or the process exits
+        self._adapter_dir = tempfile.TemporaryDirectory(prefix="nextstate-lora-", ignore_cleanup_errors=True)
         self._current: str | None | bool = False  # the adapter set on the context (False: unknown)
         self._free = list(range(MAX_SEQUENCES - 1, -1, -1))
         self._kept: list[_Kept] = []
@@ -282,7 +283,7 @@ class LlamaCppRunner:
         if config.get("use_rslora") or config.get("use_dora"):
             raise EngineError("llama.cpp serves plain LoRA adapters (not rsLoRA or DoRA)")
         base = json.loads((self.model_dir / "config.json").read_text())
-        out = Path(tempfile.mkstemp(suffix=".gguf", dir=self._adapter_dir)[1])
+        out = Path(tempfile.mkstemp(suffix=".gguf", dir=self._adapter_dir.name)[1])
         out.write_bytes(gguf_adapter(path, base, float(config["lora_alpha"])))
         return out
 
@@ -317,7 +318,7 @@ class LlamaCppRunner:
         self.adapters.loaded.clear()
         ll.llama_free(self.ctx)
         ll.llama_model_free(self.model)
-        shutil.rmtree(self._adapter_dir, ignore_errors=True)
+        self._adapter_dir.cleanup()
 
     # ------------------------------------------------------------- llama.cpp
 

@@ -2,9 +2,9 @@
 
 Users come first. A user request is admitted while fewer than `max_active` user requests
 decode, whatever background work (the in-process judge) is waiting, and background work runs
-only once users have been quiet for `BACKGROUND_IDLE_GAP_S`, one short step at a time, the
-longest-waiting job first; while users keep the engine busy, one background step still runs
-every `BACKGROUND_MAX_WAIT_S`, so judging never starves. Calls that must wait for an adapter's
+only once users have been quiet for `BACKGROUND_IDLE_GAP_S`, one step at a time (a prompt in
+`BACKGROUND_IDLE_CHUNK`-token steps), the longest-waiting job first; while users keep the engine busy, one background step still runs
+every `BACKGROUND_MAX_WAIT_S` (a prompt in `BACKGROUND_CHUNK`-token steps), so judging never starves. Calls that must wait for an adapter's
 last user (unloads) are held here until no queued or running job still uses it.
 
 Pure bookkeeping: no model, no threads. The worker loop in `engine.local` owns the clock.
@@ -28,9 +28,13 @@ from nextstate.engine.base import SamplingParams
 # Background work runs only while no user request is decoding; while users keep it busy, one
 # background step runs per this many seconds, so it never starves.
 BACKGROUND_MAX_WAIT_S = 1.0
-# Background prompts are fed this many tokens per step, so a long judge prompt never holds
-# the model for more than a short step while a user request waits.
+# Background prompts are fed this many tokens per step beside a user's request, so a long
+# judge prompt never holds the model for more than a short step while a user request waits...
 BACKGROUND_CHUNK = 32
+# ... and this many while no user request is running: a prompt read in 32-token steps goes at a
+# fraction of the pace of larger ones (docs/benchmark-log.md, "The turn after a version"), and a
+# request that arrives meanwhile waits for one step at most.
+BACKGROUND_IDLE_CHUNK = 256
 # ... and starts only after no user request has decoded for this long.
 BACKGROUND_IDLE_GAP_S = 0.1
 
@@ -59,11 +63,13 @@ class Job:
     constraint: Any = None  # a JsonConstraint when sampling.json_schema is set
     output_ids: list[int] = field(default_factory=list)  # sampled so far
     batch: Any = None  # the DecodeBatch it decodes in, once its prompt is through
+    # background prompt tokens fed in its next step (the scheduler sets it each round)
+    chunk: int = BACKGROUND_CHUNK
 
     @property
     def prefill_chunk(self) -> int:
-        """Prompt tokens fed per step: all at once for users, in short steps in the background."""
-        return BACKGROUND_CHUNK if self.background else len(self.input_ids)
+        """Prompt tokens fed per step: all at once for users, in steps in the background."""
+        return self.chunk if self.background else len(self.input_ids)
 
     def deliver(self, item: Any) -> None:
         """Hand a token, a result or an error to the waiting coroutine (from the worker thread)."""
@@ -145,11 +151,15 @@ class Scheduler:
             if not background or now - self._last_user_step < BACKGROUND_IDLE_GAP_S:
                 return []
             self._last_background_step = now
-            return [min(background, key=lambda job: job.last_step)]
+            job = min(background, key=lambda job: job.last_step)
+            job.chunk = BACKGROUND_IDLE_CHUNK
+            return [job]
         self._last_user_step = now
         if background and now - self._last_background_step >= BACKGROUND_MAX_WAIT_S:
             self._last_background_step = now
-            return users + [min(background, key=lambda job: job.last_step)]
+            job = min(background, key=lambda job: job.last_step)
+            job.chunk = BACKGROUND_CHUNK
+            return users + [job]
         return users
 
     def defer(self, call: Call) -> None:

@@ -172,10 +172,36 @@ async def test_background_scoring_waits_for_user_requests(engine):
     assert len(await engine.score(PROMPT, 1, background=True)) == len(PROMPT) - 1  # idle: runs at once
 
 
-async def test_chunked_background_work_matches_foreground(engine):
-    from nextstate.engine.local import BACKGROUND_CHUNK
+def test_background_prompts_go_in_short_steps_only_beside_a_user():
+    """Alone, background work reads its prompt in large steps (32-token ones go at a fraction of
+    the pace); beside a user's request, in short ones, so the request waits a short step at most."""
+    from nextstate.engine.scheduler import (BACKGROUND_CHUNK, BACKGROUND_IDLE_CHUNK, BACKGROUND_IDLE_GAP_S,
+                                            BACKGROUND_MAX_WAIT_S, Job, Scheduler)
 
-    long_prompt = list(range(5, 5 + 3 * BACKGROUND_CHUNK + 7))
+    def job(background: bool) -> Job:
+        return Job(list(range(2000)), SamplingParams(max_new_tokens=1), None, None, None, background=background)
+
+    scheduler = Scheduler(max_active=4)
+    judge = job(True)
+    scheduler.add(judge)
+    scheduler.admit()
+    assert scheduler.runnable(now=1000.0) == [judge] and judge.prefill_chunk == BACKGROUND_IDLE_CHUNK
+    user = job(False)
+    scheduler.add(user)
+    scheduler.admit()
+    assert scheduler.runnable(now=1000.0 + BACKGROUND_MAX_WAIT_S) == [user, judge]
+    assert judge.prefill_chunk == BACKGROUND_CHUNK < BACKGROUND_IDLE_CHUNK
+    assert user.prefill_chunk == 2000  # a user's prompt in one step
+    scheduler.finish(user)
+    later = 1000.0 + BACKGROUND_MAX_WAIT_S + 2 * BACKGROUND_IDLE_GAP_S
+    assert scheduler.runnable(now=later) == [judge] and judge.prefill_chunk == BACKGROUND_IDLE_CHUNK
+
+
+async def test_chunked_background_work_matches_foreground(engine):
+    from nextstate.engine.scheduler import BACKGROUND_IDLE_CHUNK
+
+    # read in three full steps and a short one (no user request: the idle chunk)
+    long_prompt = [5 + i % 400 for i in range(3 * BACKGROUND_IDLE_CHUNK + 7)]
     foreground = await engine.score(long_prompt, 10)
     background = await engine.score(long_prompt, 10, background=True)
     assert len(background) == len(long_prompt) - 10
