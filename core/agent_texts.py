@@ -11,6 +11,7 @@ its released package, one tuple per harness and kind, joined per kind at the end
 
 from __future__ import annotations
 
+import json
 import re
 
 # ---------------------------------------------------------------- OpenClaw 2026.9 (tests/data/openclaw-2026.9.6)
@@ -97,3 +98,24 @@ def coding_agent(user_agent: str | None) -> str | None:
     if not user_agent:
         return None
     return next((name for name, pattern in CODING_AGENTS.items() if re.match(pattern, user_agent)), None)
+
+
+# Codex says what each request is for in its x-codex-turn-metadata header (a JSON object):
+# `request_kind` "turn" for the person's turns and their tool loop, other kinds for its own
+# requests (compacting the history, say), which are side turns.
+CODEX_TURN_METADATA = "x-codex-turn-metadata"
+CODEX_MAIN_KINDS = ("turn",)
+
+
+def harness_turn_type(headers: object) -> str | None:
+    """"side" when the harness's own headers say a request is its own (not the person's turn),
+    else None: the request's other hints decide."""
+    get = getattr(headers, "get", None)
+    raw = get(CODEX_TURN_METADATA) if get is not None else None
+    if not raw:
+        return None
+    try:
+        kind = json.loads(raw).get("request_kind")
+    except (ValueError, AttributeError):
+        return None  # not the JSON object Codex sends: no say
+    return "side" if isinstance(kind, str) and kind not in CODEX_MAIN_KINDS else None

@@ -283,7 +283,9 @@ class LlamaCppRunner:
         if config.get("use_rslora") or config.get("use_dora"):
             raise EngineError("llama.cpp serves plain LoRA adapters (not rsLoRA or DoRA)")
         base = json.loads((self.model_dir / "config.json").read_text())
-        out = Path(tempfile.mkstemp(suffix=".gguf", dir=self._adapter_dir.name)[1])
+        folder = Path(self._adapter_dir.name)
+        folder.mkdir(parents=True, exist_ok=True)  # a /tmp cleaner may have taken it while empty
+        out = Path(tempfile.mkstemp(suffix=".gguf", dir=folder)[1])
         out.write_bytes(gguf_adapter(path, base, float(config["lora_alpha"])))
         return out
 

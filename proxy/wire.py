@@ -11,7 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from nextstate.proxy.errors import invalid_request
 from nextstate.proxy.sessions import SESSION_ID_PATTERN
-from nextstate.core.agent_texts import coding_agent
+from nextstate.core.agent_texts import coding_agent, harness_turn_type
 
 _TRUE = {"1", "true", "yes", "on"}
 
@@ -66,7 +66,7 @@ class TurnHints:
     @classmethod
     def from_request(cls, headers: Any, body: Any) -> TurnHints:
         """Headers win over the body's nextstate extension fields (`session_id`, ...)."""
-        turn_type = headers.get("x-turn-type") or getattr(body, "turn_type", None)
+        turn_type = headers.get("x-turn-type") or getattr(body, "turn_type", None) or harness_turn_type(headers)
         if turn_type is not None:
             turn_type = turn_type.strip().lower()
             if turn_type not in ("main", "side"):

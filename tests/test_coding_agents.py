@@ -162,3 +162,18 @@ def test_harness_text_is_matched_and_left_out_of_what_the_judge_reads():
     title = rows("opencode")[0]["req_body"]["messages"]
     assert turns.matches(title) and not turns.matches(rows("opencode")[1]["req_body"]["messages"])
     assert turns.matches([{"role": "user", "content": "Your task is to create a detailed summary of the conversation so far."}])
+
+
+def test_codex_requests_of_its_own_kind_are_side_turns():
+    """Codex names each request's purpose in x-codex-turn-metadata: "turn" for the person's turn
+    and its tool loop (the captures' kind), any other (compacting the history, say) is its own."""
+    from nextstate.core.agent_texts import harness_turn_type
+    from nextstate.proxy.wire import TurnHints
+
+    captured = rows("codex")[0]["req_headers"]
+    assert json.loads(captured["x-codex-turn-metadata"])["request_kind"] == "turn"
+    assert harness_turn_type(captured) is None
+    own = {**captured, "x-codex-turn-metadata": captured["x-codex-turn-metadata"].replace('"turn"', '"compact"', 1)}
+    assert harness_turn_type(own) == "side" and TurnHints.from_request(own, None).turn_type == "side"
+    assert TurnHints.from_request({**own, "x-turn-type": "main"}, None).turn_type == "main", "the client's own word wins"
+    assert harness_turn_type({"x-codex-turn-metadata": "not json"}) is None
