@@ -220,7 +220,7 @@ class ResponseReader:
         return (sample.teacher_prompt_ids or [])[-room:] + sample.response_ids
 
     def _teacher_targets(
-        self, samples: list[Sample], reference: Sequence[int] = ()
+        self, samples: list[Sample], reference: Sequence[int] = (), at_base: bool = False
     ) -> tuple[list[tuple[torch.Tensor, torch.Tensor] | None], dict[int, torch.Tensor]]:
         """Per sample to distil (`distill_weight`): the target's log-probabilities over the
         base model's top `opd_topk` next tokens after the teacher's prompt and one bin for the
@@ -232,28 +232,35 @@ class ResponseReader:
         Also the policy's log-probabilities of the sampled tokens before the update for the
         samples in `reference` (the step's KL needs them for the samples its first optimizer
         step does not see), from the same forward pass as the target's policy side: one pass
-        per sample where these were two."""
+        per sample where these were two.
+
+        `at_base`: the weights are still the base model's (a scope's first update), so the
+        policy's pass is also the unhinted base model's wherever the hint is measured against
+        the sample's own prompt, and that pass is not made twice."""
         out: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * len(samples)
         todo = [i for i, s in enumerate(samples) if s.distill_weight and s.teacher_prompt_ids]
-        sides = self._base_sides(samples, todo) if todo else {}
+        shared = [i for i in todo if at_base and not samples[i].contrast_prompt_ids]
+        sides = self._base_sides(samples, todo, skip=shared) if todo else {}
         policy = self._policy_passes(samples, sorted(set(todo) | set(reference)), {i: ids for i, (ids, _, _) in sides.items()})
         for i, (ids, hinted, unhinted) in sides.items():
-            out[i] = (shifted_target(policy[i][1], hinted, unhinted), ids)
+            out[i] = (shifted_target(policy[i][1], hinted, policy[i][1] if i in shared else unhinted), ids)
         return out, {i: policy[i][0] for i in reference}
 
-    def _base_sides(self, samples: list[Sample], todo: list[int]) -> dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    def _base_sides(self, samples: list[Sample], todo: list[int], skip: Sequence[int] = ()
+                    ) -> dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]:
         """For samples[i], i in `todo`: the hint's side of the base model — the hinted base
         model's top K ids at each response position, their log-probabilities after the hinted
         prompt, and after the prompt the hint is measured against: the sample's own, or its
         hint's placebo (`contrast_prompt_ids`, judge/hindsight.py). The shift target's and the
-        `wish` figure's base model, which never changes. No gradients."""
+        `wish` figure's base model, which never changes. No gradients. The unhinted side of
+        the samples in `skip` is left out (None): the caller reads it elsewhere."""
         hinted = self._hinted_topk(samples, todo)
         ids = {i: top for i, (_, top) in hinted.items()}
         against = [s.model_copy(update={"prompt_ids": s.contrast_prompt_ids}) if s.contrast_prompt_ids else s
                    for s in samples]
         with self._base_model():
-            unhinted = self._gathered(against, todo, ids)
-        return {i: (ids[i], hinted[i][0], unhinted[i]) for i in todo}
+            unhinted = self._gathered(against, [i for i in todo if i not in skip], ids)
+        return {i: (ids[i], hinted[i][0], unhinted.get(i)) for i in todo}
 
     def _hinted_topk(self, samples: list[Sample], todo: list[int]) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
         """For samples[i], i in `todo` (each with a teacher's prompt): the base model's top

@@ -276,7 +276,8 @@ class LoraTrainer(ResponseReader):
             len(self._micro_batches(samples[start: start + c.minibatch])) for start in range(0, len(samples), c.minibatch)))
         self.model.eval()
         with u.timed("teacher"):
-            u.teacher, reference = self._teacher_targets(samples, range(c.minibatch, len(samples)))
+            u.teacher, reference = self._teacher_targets(samples, range(c.minibatch, len(samples)),
+                                                         at_base=self._at_base(scope))
         for i, lp in reference.items():
             u.before[i] = lp
         try:

@@ -117,6 +117,16 @@ def test_the_shifted_target_of_a_fresh_adapter_is_the_hinted_base_and_an_idle_hi
     sides = shift._base_sides(samples, [0, 1])
     for i, (target, ids) in enumerate(shift._teacher_targets(samples)[0]):
         assert torch.equal(ids, sides[i][0]) and torch.allclose(target, with_tail(sides[i][1]), atol=1e-5)
+    # so at the base the policy's pass stands for the unhinted base model's: one pass fewer, same targets
+    passes = []
+    hook = shift._backbone_and_head()[0].register_forward_pre_hook(lambda *_: passes.append(1))
+    for i, (target, ids) in enumerate(shift._teacher_targets(samples, at_base=True)[0]):
+        assert torch.equal(ids, sides[i][0]) and torch.allclose(target, with_tail(sides[i][1]), atol=1e-5)
+    shared = len(passes)
+    passes.clear()
+    shift._teacher_targets(samples)
+    hook.remove()
+    assert shared < len(passes)
     idle = [distilled(make_sample(toks), teacher_prompt=PROMPT) for toks in replies]
     # one pass: after it the policy has moved, and a further pass would distil back towards the target
     trainer = LoraTrainer(peaked_model_dir, LearnerSettings(lr=3e-2, lora_r=4, lora_alpha=8, opd_topk=16, ppo_epochs=1,
