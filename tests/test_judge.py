@@ -96,7 +96,9 @@ def test_teacher_is_the_base_model_under_the_enhanced_prompt(server_factory, jud
     )
     app = server.app
     rescored = server.call(teacher_logprobs(app.state.services.turns.engine, app.state.services.turns.renderer, turn, sample.hint, None))
-    assert rescored == pytest.approx(sample.teacher_logprobs, abs=1e-5)
+    # background reads go in short steps beside a user's request and in long ones alone, and
+    # llama.cpp sums a step's attention in its own order (tests/test_engine.py: within 1e-3)
+    assert rescored == pytest.approx(sample.teacher_logprobs, abs=1e-3)
 
 
 def test_with_the_topk_loss_the_judge_hands_the_learner_the_teachers_prompt(server_factory, judge):
