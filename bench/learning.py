@@ -27,6 +27,9 @@ from bench.models import bench_model, bench_server
 from bench.report import percentile, pyplot, save
 from nextstate.core.types import Sample
 
+# Seconds between a reply and the next request in the latency measurements.
+THINK_S = 2.0
+
 
 async def _first_token_probs(engine, prompt, adapter) -> list[float]:
     import math
@@ -101,8 +104,12 @@ def learning_curve(server, updates: int, batch: int, max_new: int) -> dict:
     }
 
 
-def latency_while_training(server, batch: int, max_new: int, requests: int) -> dict:
-    """Chat latency while idle, then while one training step of `batch` samples runs."""
+def latency_while_training(server, batch: int, max_new: int, requests: int, think_s: float = THINK_S) -> dict:
+    """Chat latency while idle, then while one training step of `batch` samples runs, each
+    request `think_s` after the last reply: a person reads and types between turns, and the
+    learner makes way while a request is in flight (core/activity.py), so back-to-back requests
+    would hold the update off for as long as they came and measure nothing a person meets. The
+    training side ends when the update's version serves."""
     chat, policies = server.app.state.services.turns, server.app.state.services.policies
     client = server.client(server.key("bench-user"))
     ask = dict(model="m", messages=[{"role": "user", "content": "Name a fruit."}], max_tokens=8, temperature=0,
@@ -114,6 +121,10 @@ def latency_while_training(server, batch: int, max_new: int, requests: int) -> d
             started = time.perf_counter()
             client.chat.completions.create(**ask)
             out.append(time.perf_counter() - started)
+            if stop is not None:
+                stop.wait(think_s)
+            else:
+                time.sleep(think_s)
         return out
 
     idle = measure(requests)
@@ -142,6 +153,8 @@ def latency_while_training(server, batch: int, max_new: int, requests: int) -> d
         "idle": {"requests": len(idle), "p50_ms": pct(idle, 0.5), "p99_ms": pct(idle, 0.99)},
         "while_training": {"requests": len(during), "p50_ms": pct(during, 0.5), "p99_ms": pct(during, 0.99)},
         "train_step_s": round(server.app.state.services.learner.steps[-1]["seconds"], 2),
+        "think_s": think_s,
+        "ratio_p50": round(percentile(during, 0.5) / percentile(idle, 0.5), 2),
     }
 
 
@@ -169,6 +182,7 @@ def main() -> None:
     parser.add_argument("--updates", type=int, default=None)
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--lr", type=float, default=None)
+    parser.add_argument("--think-s", type=float, default=THINK_S, help="pause between a reply and the next request")
     args = parser.parse_args()
 
     model_dir = bench_model(model=args.model, smol=args.smol, peaked=True)
@@ -186,7 +200,7 @@ def main() -> None:
             "learning_curve": learning_curve(server, updates, args.batch, max_new),
         }
         if not small:
-            result["latency_while_training"] = latency_while_training(server, args.batch, max_new, 30)
+            result["latency_while_training"] = latency_while_training(server, args.batch, max_new, 30, args.think_s)
     print(json.dumps(result, indent=2))
     save(result)
 
@@ -199,6 +213,8 @@ def headline(result: dict) -> str:
         t = result["latency_while_training"]
         text += (f"; chat p50/p99 idle {t['idle']['p50_ms']}/{t['idle']['p99_ms']} ms, "
                  f"training {t['while_training']['p50_ms']}/{t['while_training']['p99_ms']} ms")
+        if "ratio_p50" in t:
+            text += f" ({t['ratio_p50']}x idle p50, {t['think_s']:g} s between requests)"
     return text
 
 
