@@ -384,9 +384,6 @@ class LoraTrainer(ResponseReader):
             # a single sample must never dominate an update, whatever its reward
             adv = torch.tensor(s.advantages, device=self.device).clamp(-c.max_advantage, c.max_advantage)
             mask = torch.tensor(s.loss_mask, device=self.device, dtype=torch.float32)
-            if measure:
-                u.kl_sum += float((k3_kl(u.before[i], logprobs.detach()) * mask).sum())
-                u.kl_tokens += sum(s.loss_mask)
             pg, clipped = ppo_token_losses(logprobs, old, adv, EPS, EPS_HIGH)
             tok_loss = pg
             if answer.gathered is not None:
@@ -403,6 +400,9 @@ class LoraTrainer(ResponseReader):
                 u.dropped.add(i)  # this sample alone is left out; the batch trains on
                 continue
             losses.append(loss)
+            if measure:  # over the samples the step keeps, as `_policy_kl` reads them
+                u.kl_sum += float((k3_kl(u.before[i], logprobs.detach()) * mask).sum())
+                u.kl_tokens += sum(s.loss_mask)
             if epoch == 0:
                 u.totals["mismatch"] += float(((logprobs.detach() - old).abs() * mask).sum())
             u.totals["loss"] += float(loss.detach())
