@@ -278,8 +278,7 @@ class JudgeSettings(BaseSettings):
             the hint's shift of the base model's top `opd_topk` tokens (a reverse KL, after
             OpenClaw-RL's OEL track; learner/distillation.py), so the teacher can also show what
             it would have written instead. `sampled` (the paper's §4.2): the teacher's logprob
-            minus the sampler's, of each sampled token, is its advantage; `both` adds the two.
-            On SmolLM2 `topk` learnt an opening word and a length wish where `sampled` learnt
+            minus the sampler's, of each sampled token, is its advantage. On SmolLM2 `topk` learnt an opening word and a length wish where `sampled` learnt
             the length only (docs/benchmark-log.md). `opd_teacher=policy` (with `sampled`) lets
             the adapter that served the turn read the hint.
         judge_in_process: off in serving processes whose transitions `nextstate judge`
@@ -330,8 +329,8 @@ class JudgeSettings(BaseSettings):
     opd_teacher: Literal["base", "policy"] = Field(
         "base", description="Teacher = the base model, or the adapter that served the turn."
     )
-    opd_loss: Literal["sampled", "topk", "both"] = Field(
-        "topk", description="OPD as the sampled tokens' advantages, a reverse KL to the teacher's top-K distribution, or both."
+    opd_loss: Literal["sampled", "topk"] = Field(
+        "topk", description="OPD as a reverse KL to the teacher's top-K distribution, or as the sampled tokens' advantages."
     )
     prompts_dir: Path | None = Field(None, description="Judge prompt folder; unset = the bundled prompts.")
     outcome_min: float = Field(-1.0, description="Lowest outcome reward POST /v1/sessions/{id}/outcome accepts.")

@@ -322,14 +322,10 @@ class Judge:
 
     async def teacher(self, turn: Turn, hint: str, detail: dict[str, Any] | None = None) -> TeacherSignal:
         """The OPD teacher's view of the turn: with `opd_loss=topk` only its prompt (the learner
-        distils); else its logprobs of the response under the base model (and with `both` the
-        prompt too), or (`opd_teacher=policy`) the adapter that served the turn (or the scope's
-        current one, `on_policy_adapter`)."""
+        distils); else its logprobs of the response under the base model or (`opd_teacher=policy`)
+        the adapter that served the turn (or the scope's current one, `on_policy_adapter`)."""
         if self.settings.opd_loss == "topk":
             return TeacherSignal(prompt_ids=await teacher_prompt_ids(self.renderer, turn, hint))
-        if self.settings.opd_loss == "both":  # the prompt rendered once, for the scores and for the learner
-            prompt = await teacher_prompt_ids(self.renderer, turn, hint)
-            return TeacherSignal(await teacher_logprobs(self.engine, self.renderer, turn, hint, None, prompt), prompt)
         if self.settings.opd_teacher != "policy":
             return TeacherSignal(await teacher_logprobs(self.engine, self.renderer, turn, hint, None))
         return TeacherSignal(await self.on_policy_adapter(turn.user, turn.adapter, lambda adapter: teacher_logprobs(

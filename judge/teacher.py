@@ -45,10 +45,9 @@ async def teacher_prompt_ids(renderer: ChatRenderer, turn: Turn, hint: str) -> l
     return prompt.ids
 
 
-async def teacher_logprobs(engine: Engine, renderer: ChatRenderer, turn: Turn, hint: str, adapter: str | None,
-                           prompt: list[int] | None = None) -> list[float]:
-    """The response's logprobs after the teacher's prompt (`prompt`, when already rendered)."""
-    prompt = prompt if prompt is not None else await teacher_prompt_ids(renderer, turn, hint)
+async def teacher_logprobs(engine: Engine, renderer: ChatRenderer, turn: Turn, hint: str, adapter: str | None) -> list[float]:
+    """The response's logprobs after the teacher's prompt."""
+    prompt = await teacher_prompt_ids(renderer, turn, hint)
     scores = await engine.score(
         prompt + turn.response_ids, len(prompt), adapter=adapter, temperature=turn.logprob_temperature, background=True
     )
@@ -60,8 +59,8 @@ async def teacher_logprobs(engine: Engine, renderer: ChatRenderer, turn: Turn, h
 @dataclass(frozen=True)
 class TeacherSignal:
     """What a hint adds to a sample: the teacher's logprobs of the sampled tokens (`sampled`:
-    their gap to the sampler's is an advantage), the prompt the learner's teacher reads
-    (`topk`: the gap is a loss of its own, weighted in the sample), or both (`both`)."""
+    their gap to the sampler's is an advantage) or the prompt the learner's teacher reads
+    (`topk`: the gap is a loss of its own, weighted in the sample)."""
 
     logprobs: list[float] | None = None
     prompt_ids: list[int] | None = None

@@ -132,17 +132,6 @@ def test_a_judges_hint_is_measured_against_the_turns_own_prompt(server_factory, 
     assert correction.contrast_prompt_ids is None
 
 
-def test_with_both_losses_the_sample_carries_the_teachers_scores_and_its_prompt(server_factory, judge):
-    """NEXTSTATE_OPD_LOSS=both: the sampled tokens' gap is in the advantages, as with `sampled`,
-    and the hint's prompt goes with the sample for the learner's distillation, as with `topk`."""
-    server = judged_server(server_factory, judge, opd_loss="both", learn=False)
-    converse(server.client(server.key("alice")), SCRIPT)
-    correction = samples_by_turn(server)[1]
-    assert correction.teacher_logprobs is not None and len(correction.teacher_logprobs) == len(correction.response_ids)
-    assert correction.teacher_prompt_ids and correction.distill_weight == 1.0
-    assert correction.advantages != [-1.0] * len(correction.response_ids), "the teacher's gap is in them"
-
-
 def test_binary_mode_ignores_hints(server_factory, judge):
     server = judged_server(server_factory, judge, mode="binary")
     converse(server.client(server.key("alice")), SCRIPT)
