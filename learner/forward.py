@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -38,6 +39,22 @@ LOGITS_CHUNK_BYTES = 64 << 20
 # The base model's keys and values kept of the prompts it read (`_base_hidden`): an
 # agent's conversation, about 4.5k tokens of SmolLM2 at 46 KB each in fp32, twice over.
 BASE_KV_BYTES = 512 << 20
+
+
+@dataclass
+class BaseSides:
+    """The base model's side of one sample's distillation target: its log-probabilities of the
+    hinted base model's top K tokens with the hint (`hinted`) and without it (`unhinted`; None
+    where the unhinted base model is the policy itself, a fresh adapter's own prompt)."""
+
+    hinted: torch.Tensor
+    unhinted: torch.Tensor | None
+
+
+def completed(policy: torch.Tensor, sides: BaseSides) -> torch.Tensor:
+    """The distillation target from the policy's log-probabilities of the top K ids before the
+    update (learner/distillation.py `shifted_target`)."""
+    return shifted_target(policy, sides.hinted, policy if sides.unhinted is None else sides.unhinted)
 
 
 def logit_rows(vocab_size: int) -> int:
@@ -220,8 +237,8 @@ class ResponseReader:
         return (sample.teacher_prompt_ids or [])[-room:] + sample.response_ids
 
     def _teacher_targets(
-        self, samples: list[Sample], reference: Sequence[int] = (), at_base: bool = False
-    ) -> tuple[list[tuple[torch.Tensor, torch.Tensor] | None], dict[int, torch.Tensor]]:
+        self, samples: list[Sample], reference: Sequence[int] = (), at_base: bool = False, deferred: bool = False
+    ) -> tuple[list[tuple[torch.Tensor | None, torch.Tensor] | None], dict[int, torch.Tensor], dict[int, BaseSides]]:
         """Per sample to distil (`distill_weight`): the target's log-probabilities over the
         base model's top `opd_topk` next tokens after the teacher's prompt and one bin for the
         rest ([n, K + 1]), with those token ids ([n, K]), at each response position; None for
@@ -236,15 +253,23 @@ class ResponseReader:
 
         `at_base`: the weights are still the base model's (a scope's first update), so the
         policy's pass is also the unhinted base model's wherever the hint is measured against
-        the sample's own prompt, and that pass is not made twice."""
-        out: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * len(samples)
+        the sample's own prompt, and that pass is not made twice.
+
+        `deferred` (no `reference`: the update's first optimizer step sees every sample): the
+        policy's pass is not made here at all. That step's forward passes read the same weights
+        and gather the same top-K ids, so each target is completed from them (`completed`):
+        the targets come back None, with their base model's sides (the third value)."""
+        out: list[tuple[torch.Tensor | None, torch.Tensor] | None] = [None] * len(samples)
         todo = [i for i, s in enumerate(samples) if s.distill_weight and s.teacher_prompt_ids]
         shared = [i for i in todo if at_base and not samples[i].contrast_prompt_ids]
         sides = self._base_sides(samples, todo, skip=shared) if todo else {}
+        if deferred and not reference:
+            return ([(None, sides[i][0]) if i in sides else None for i in range(len(samples))], {},
+                    {i: BaseSides(hinted, unhinted) for i, (_, hinted, unhinted) in sides.items()})
         policy = self._policy_passes(samples, sorted(set(todo) | set(reference)), {i: ids for i, (ids, _, _) in sides.items()})
         for i, (ids, hinted, unhinted) in sides.items():
-            out[i] = (shifted_target(policy[i][1], hinted, policy[i][1] if i in shared else unhinted), ids)
-        return out, {i: policy[i][0] for i in reference}
+            out[i] = (completed(policy[i][1], BaseSides(hinted, unhinted)), ids)
+        return out, {i: policy[i][0] for i in reference}, {}
 
     def _base_sides(self, samples: list[Sample], todo: list[int], skip: Sequence[int] = ()
                     ) -> dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]:

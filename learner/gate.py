@@ -231,6 +231,7 @@ class PublishGate:
                 break
         if not verdict.passed:
             self.trainer.undo(scope)
+        self.trainer.forget_reads()  # up to a GiB of prompts' keys and values, not read again soon
         return verdict
 
     def _check(self, scope: str, held: HeldOut) -> GateVerdict:

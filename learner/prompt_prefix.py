@@ -18,7 +18,10 @@ On the four OpenClaw samples of bench.update_speed its cosine with the whole gra
 
 The prefix's keys and values also depend only on the weights: between two changes of the weights
 (an optimizer step, a shortening of the step) the KL check after a pass and the next pass read the
-same prefix, so it is kept until the weights change (`clear`). Rows of a micro-batch with the same
+same prefix, so it is kept until the weights change (`clear`); the publish gate reads the
+serving version's prompts before the update and the candidate's after it through the same kept
+prefixes (learner/readings.py), so the first pass and the gate's second read take them from each
+other. Rows of a micro-batch with the same
 prefix (one agent's turns, one setup) compute it once, and a longer prefix (another micro-batch's,
 split later) computes only what it adds to the longest one kept. Rows shorter than `MIN_PREFIX` before their
 window are read whole, as before: a chat turn's gradient is exact.
@@ -53,16 +56,25 @@ class PromptPrefixes:
 
     @contextlib.contextmanager
     def during_update(self) -> Iterator[None]:
-        """Rows are split only inside: outside an update the weights may change unseen."""
+        """Rows are split only inside. What was read at the weights the update starts from (the
+        gate's reading of the serving version) serves its first pass, and what its last pass
+        read stays for the gate's reading of the candidate: every change of the weights drops
+        them (`clear`, called by the trainer wherever the weights change)."""
         self._active = True
         try:
             yield
         finally:
             self._active = False
-            self.clear()
+
+    @property
+    def kept(self) -> PrefixCache:
+        """Prompts' keys and values at the weights now: the gate reads its candidate's prompts
+        through them, from what the update's last pass read (learner/readings.py)."""
+        return self._kept
 
     def clear(self) -> None:
-        """The weights changed: no kept prefix holds for them."""
+        """The weights changed (a step, a shortening, an undo, a load, another scope's adapter):
+        no kept prefix holds for them."""
         self._kept.drop(None)
 
     def split(self, reply_starts: Sequence[int]) -> int:

@@ -201,7 +201,7 @@ class Readings:
         missing = [(k, p) for k, p in zip(keys, prompts) if k not in self._base_replies]
         if missing:
             n = GATE_SAMPLED_REPLIES  # a prompt's sampled replies count one each in the mean
-            with self.trainer.model.disable_adapter():
+            with self.trainer._base_model():
                 answer = self.sampled([p for _, p in missing], max_new, n)
             per_prompt = [([self._repetition(r) for r in answer.ids[j * n:(j + 1) * n]], empty)
                           for j, empty in enumerate(answer.empty)]
@@ -261,10 +261,17 @@ class Readings:
         the sampled gate check's prefill on a CPU. Each prompt is read alone, from the longest
         prefix an earlier one of them shares with it (an agent's turns share its system prompt
         and conversation: four OpenClaw prompts are 4.5k tokens read, not 16k); its positions
-        start at 0 as generate gives them from the mask, so the replies are a full read's."""
+        start at 0 as generate gives them from the mask, so the replies are a full read's. The
+        base model's reads go through the keys and values it keeps (`_base_kv`, which never go
+        stale): a new scope's first update then finds the agent's prompts the gate read for
+        its serving side, and its teacher reads only the hints and replies. The adapter's reads
+        go through the prompt prefixes kept at its weights (learner/prompt_prefix.py): right
+        after an update, the candidate's prompts begin with what its last pass read."""
         if any(len(p) < 2 for p in prompts):
             return None  # a one-token prompt has nothing to read first: generate reads them all
-        kept = PrefixCache(GATE_KV_BYTES)
+        t = self.trainer
+        # the base model's kept reads never go stale; the adapter's hold until its weights change
+        kept = (t._base_kv if t._base_kv.budget > 0 else PrefixCache(GATE_KV_BYTES)) if t._reading_base else t._prefixes.kept
         base = self.trainer._base
         rows = [kv_cache.pad_left(read_through(kept, model, p[:-1], named_by=base), width - len(p)) for p in prompts]
         return kv_cache.to_cache(tuple((k.repeat_interleave(replies, 0), v.repeat_interleave(replies, 0))

@@ -29,7 +29,7 @@ import torch.utils.checkpoint
 from nextstate.core.settings import LearnerSettings
 from nextstate.core.types import Sample
 from nextstate.learner.distillation import topk_reverse_kl
-from nextstate.learner.forward import ResponseReader
+from nextstate.learner.forward import BaseSides, ResponseReader, completed
 from nextstate.learner.learning_rate import resolve_learning_rate, warmed_up
 from nextstate.learner.held_out import shipped_lines
 from nextstate.learner.memory_budget import MemoryBudget, Refusal
@@ -119,6 +119,7 @@ class LoraTrainer(ResponseReader):
         """Forget a scope's adapter and optimizer state (its user asked to be forgotten)."""
         name = adapter_name(scope)
         self._base_kv.drop(None)  # what the base model read of their prompts goes with them (entries name no user)
+        self._prefixes.clear()
         self._optimizers.pop(scope, None)
         self._before.pop(scope, None)
         self.step_sizes.forget(scope)
@@ -141,6 +142,8 @@ class LoraTrainer(ResponseReader):
 
     def _activate(self, scope: str) -> tuple[str, list[torch.nn.Parameter]]:
         name = self.ensure_scope(scope)
+        if self.model.active_adapters != [name]:
+            self._prefixes.clear()  # what was read, was read with another scope's weights
         self.model.set_adapter(name)
         return name, self._params(name)
 
@@ -175,6 +178,7 @@ class LoraTrainer(ResponseReader):
 
         name = self.ensure_scope(scope)
         set_peft_model_state_dict(self.model, load_file(str(path / ADAPTER_WEIGHTS)), adapter_name=name)
+        self._prefixes.clear()
         optimizer_file = path / OPTIMIZER_STATE
         if optimizer_file.is_file():
             self._optimizers[scope].load_state_dict(torch.load(optimizer_file, weights_only=True))
@@ -192,6 +196,11 @@ class LoraTrainer(ResponseReader):
                 p.lerp_(before, 1 - factor)
         self._prefixes.clear()
 
+    def forget_reads(self) -> None:
+        """Drop the prompts' keys and values kept at the weights now (learner/prompt_prefix.py):
+        the gate has read what it needed of them, and they hold memory until the next update."""
+        self._prefixes.clear()
+
     def undo(self, scope: str) -> None:
         """Put the scope's weights and optimizer state back to before the last step (its
         version could not be published, so training goes on from the last one that was)."""
@@ -203,6 +212,7 @@ class LoraTrainer(ResponseReader):
         with torch.no_grad():
             for p, before in zip(params, weights):
                 p.copy_(before)
+        self._prefixes.clear()
         self._optimizers[scope].load_state_dict(optimizer_state)
 
     def _policy_kl(self, samples: list[Sample], before: list[torch.Tensor]) -> float:
@@ -276,8 +286,9 @@ class LoraTrainer(ResponseReader):
             len(self._micro_batches(samples[start: start + c.minibatch])) for start in range(0, len(samples), c.minibatch)))
         self.model.eval()
         with u.timed("teacher"):
-            u.teacher, reference = self._teacher_targets(samples, range(c.minibatch, len(samples)),
-                                                         at_base=self._at_base(scope))
+            # one optimizer step a pass: its first forwards read the policy's side of the targets
+            u.teacher, reference, u.pending = self._teacher_targets(
+                samples, range(c.minibatch, len(samples)), at_base=self._at_base(scope), deferred=c.minibatch >= len(samples))
         for i, lp in reference.items():
             u.before[i] = lp
         try:
@@ -387,7 +398,9 @@ class LoraTrainer(ResponseReader):
             pg, clipped = ppo_token_losses(logprobs, old, adv, EPS, EPS_HIGH)
             tok_loss = pg
             if answer.gathered is not None:
-                distill = topk_reverse_kl(answer.gathered, u.teacher[i][0]) * mask
+                if (target := u.teacher[i][0]) is None:  # the update's first forward: the weights before it
+                    target = u.complete(i, answer.gathered.detach())
+                distill = topk_reverse_kl(answer.gathered, target) * mask
                 tok_loss = tok_loss + s.distill_weight * distill
                 u.totals["distill"] += float(distill.detach().sum())
                 u.totals["distilled"] += float(mask.sum())
@@ -431,7 +444,8 @@ class _Update:
     progress: Callable[[int, int], None] | None
     plan: int  # padded tokens a forward pass may hold (the memory plan)
     passes: int  # training passes planned (forward and backward over one micro-batch)
-    teacher: list[tuple[torch.Tensor, torch.Tensor] | None] = field(default_factory=list)
+    teacher: list[tuple[torch.Tensor | None, torch.Tensor] | None] = field(default_factory=list)
+    pending: dict[int, BaseSides] = field(default_factory=dict)  # targets the first forwards complete
     # the policy before the step, for its KL (`_policy_kl`): the first optimizer step's own
     # forward passes give it for free; samples it does not see need a pass of their own
     before: list[torch.Tensor | None] = field(default_factory=list)
@@ -454,6 +468,13 @@ class _Update:
 
     def __post_init__(self) -> None:
         self.before = [None] * len(self.samples)
+
+    def complete(self, i: int, policy: torch.Tensor) -> torch.Tensor:
+        """Sample i's distillation target from the policy's top-K log-probabilities before the
+        update, read by the update's first forward pass over it."""
+        target = completed(policy, self.pending.pop(i))
+        self.teacher[i] = (target, self.teacher[i][1])
+        return target
 
     @contextlib.contextmanager
     def timed(self, phase: str) -> Iterator[None]:

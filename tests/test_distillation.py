@@ -65,7 +65,7 @@ async def test_the_teacher_is_the_base_model_reading_the_hint_at_each_response_p
     trainer.logit_rows = 3  # several LM-head chunks per response
     *replies, plain = await generate(engine, 3, max_new=7)
     samples = [distilled(make_sample(toks, temperature=0.7)) for toks in replies]
-    targets, _ = trainer._teacher_targets(samples + [make_sample(plain)])
+    targets, _, _ = trainer._teacher_targets(samples + [make_sample(plain)])
     assert targets[2] is None, "a sample without a teacher's prompt is not distilled"
     for sample, (values, ids) in zip(samples, targets):
         expected = await engine.score(HINTED + sample.response_ids, len(HINTED), temperature=0.7)
@@ -168,7 +168,7 @@ def test_one_pass_before_the_step_gives_the_shift_targets_policy_side_and_the_kl
                                                             minibatch_size=1, max_kl=100.0, micro_batch_tokens=1,
                                                             replay_coef=0))  # its passes over prose are not counted here
     trainer.step("alice", samples)  # the adapter moves off the base model: policy and base differ
-    _, reference = trainer._teacher_targets(samples, [1, 2])
+    _, reference, _ = trainer._teacher_targets(samples, [1, 2])
     assert sorted(reference) == [1, 2]
     for got, want in zip((reference[1], reference[2]), trainer._logprobs_each(samples[1:])):
         assert torch.allclose(got, want, atol=1e-6)
@@ -192,3 +192,56 @@ def test_a_hindsight_hint_with_no_reward_trains_through_its_teacher(server_facto
     assert len(server.app.state.services.samples.samples("consumed")) == 4
     step = next(r for r in server.records() if r["kind"] == "train_step")
     assert step["distill_kl"] > 0 and step["mean_advantage"] == 0
+
+
+def test_an_update_whose_first_step_sees_every_sample_reads_the_targets_policy_side_from_that_steps_forwards(
+        peaked_model_dir, monkeypatch):
+    """With one optimizer step a pass (minibatch_size 0: the whole batch), the step's first
+    forward passes read the weights the targets' policy side is read at: no pass of its own is
+    made for it, and the update is the one the separate pass gave."""
+    from nextstate.engine.base import GeneratedToken
+
+    replies = [[GeneratedToken(t, -1.0) for t in reply] for reply in ([31, 40, 52, 33], [7, 8, 9, 10, 11], [60, 38, 41])]
+    samples = [distilled(make_sample(toks)) for toks in replies]
+    settings = LearnerSettings(lr=3e-2, lora_r=4, lora_alpha=8, opd_topk=16, minibatch_size=0, max_kl=100.0,
+                               replay_coef=0, ppo_epochs=2, epoch_kl_share=0)
+    results, passes = {}, {}
+    for deferred in (True, False):
+        trainer = LoraTrainer(peaked_model_dir, settings)
+        torch.manual_seed(0)  # the same adapter's start
+        trainer.step("alice", samples)  # off the base model: the policy's side is not the base model's
+        targets = trainer._teacher_targets
+        monkeypatch.setattr(trainer, "_teacher_targets", lambda *a, d=deferred, t=targets, **k: t(*a, **{**k, "deferred": d}))
+        rows: list[int] = []
+        trainer._backbone_and_head()[0].register_forward_pre_hook(
+            lambda m, args, kwargs, rows=rows: rows.append(kwargs["input_ids"].shape[0]), with_kwargs=True)
+        results[deferred], passes[deferred] = trainer.step("alice", samples), sum(rows)
+    assert passes[True] == passes[False] - len(samples), "one pass over each sample fewer"
+    for name in ("loss", "distill_kl", "policy_kl", "grad_norm"):
+        assert getattr(results[True], name) == pytest.approx(getattr(results[False], name), rel=1e-4, abs=1e-6), name
+
+
+def test_the_base_models_gate_reads_leave_the_teacher_only_the_hints_and_replies_to_read(peaked_model_dir):
+    """The gate reads a new scope's serving side (the base model) before its first update: those
+    prompts' keys and values stay with the base model's kept ones, so the teacher's hinted pass
+    reads only what follows each prompt's shared start, and its targets are the same."""
+    from nextstate.engine.base import GeneratedToken
+    from nextstate.learner.readings import Readings
+
+    replies = [[GeneratedToken(t, -1.0) for t in reply] for reply in ([31, 40, 52, 33], [7, 8, 9, 10, 11])]
+    samples = [distilled(make_sample(toks)) for toks in replies]
+    read, targets = {}, {}
+    for gate_first in (False, True):
+        trainer = LoraTrainer(peaked_model_dir, LearnerSettings(lora_r=4, lora_alpha=8, opd_topk=16))
+        trainer.ensure_scope("alice")
+        if gate_first:
+            Readings(trainer).base_figures([s.prompt_ids for s in samples], 4)
+        tokens: list[int] = []
+        hook = trainer._backbone_and_head()[0].register_forward_pre_hook(
+            lambda m, args, kwargs, tokens=tokens: tokens.append(kwargs["input_ids"].numel()), with_kwargs=True)
+        targets[gate_first] = trainer._teacher_targets(samples, at_base=True)[0]
+        hook.remove()
+        read[gate_first] = sum(tokens)
+    assert read[True] <= read[False] - (len(PROMPT) - 1), "the prompt the gate read is not read again"
+    for (before, ids), (after, same) in zip(targets[False], targets[True]):
+        assert torch.equal(ids, same) and torch.allclose(before, after, atol=1e-5)

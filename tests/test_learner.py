@@ -846,6 +846,16 @@ def test_a_long_prompt_is_read_once_per_weights_and_trains_only_near_the_replies
     assert split_lengths == [(1, 45), (2, 10)] * 3, "the prefix once per weights"
     assert split.mismatch == pytest.approx(whole.mismatch, abs=1e-6), "the first pass reads what a whole row reads"
 
+    # the gate's candidate reads its prompts from what the update's last pass read at its weights
+    trainer, _ = trainer_for(6)
+    trainer.step("shared", samples)
+    gate_reads = []
+    hook = trainer._backbone_and_head()[0].register_forward_pre_hook(
+        lambda m, args, kwargs: gate_reads.append(tuple(kwargs["input_ids"].shape)), with_kwargs=True)
+    Readings(trainer).sampled([s.prompt_ids for s in samples], 4, 1)
+    hook.remove()
+    assert sum(n for rows_, n in gate_reads if rows_ == 1) == 6 + 5, "the 45-token prefix is not read again"
+
     trainer, params = trainer_for(6)
     backbone, head = trainer._backbone_and_head()
     rows = torch.tensor([trainer._row(s) for s in samples])
@@ -937,13 +947,39 @@ def test_the_gates_sampled_replies_read_each_prompt_once_and_are_the_replies_of_
                                               with_kwargs=True)
     shared = readings.sampled(prompts, 12, 2)
     hook.remove()
-    # 8 tokens alone (17 is over twice 8); then 17, 20 and 25, the last reading only what follows the 20
-    assert [r for r in rows if r[0] == 1] == [(1, 7), (1, 16), (1, 19), (1, 5)], "all but the last token, once"
+    # 8 tokens alone (17 is over twice 8); then 17, 20 and 25, the 20 reading only what follows
+    # the 8 read before it (what the weights read stays until they change), the 25 what follows the 20
+    assert [r for r in rows if r[0] == 1] == [(1, 7), (1, 16), (1, 12), (1, 5)], "all but the last token, once"
     assert {r[0] for r in rows if r[0] > 1} == {2, 6}, "two replies a prompt, a batch of one prompt and one of three"
     monkeypatch.setattr(Readings, "_read_once", lambda *args: None)
     whole = readings.sampled(prompts, 12, 2)
     assert shared.ids == whole.ids
     assert shared.empty == pytest.approx(whole.empty, rel=1e-4)
+
+
+def test_what_the_adapter_read_of_a_prompt_is_kept_until_its_weights_change(tiny_model_dir, tmp_path):
+    """The gate reads a candidate's prompts through the prompt prefixes kept at its weights
+    (right after an update, what its last pass read); a step, a shortening, an undo, a load or
+    another scope's adapter drops them, so nothing is read off weights that are gone."""
+    from nextstate.engine.base import GeneratedToken
+
+    trainer = LoraTrainer(tiny_model_dir, LearnerSettings(lora_r=4, lora_alpha=8, lr=1e-2, max_kl=100.0))
+    readings = Readings(trainer)
+    kept = trainer._prefixes.kept
+    samples = [make_sample([GeneratedToken(t, -1.0) for t in (31, 40, 52)])]
+    trainer.step("alice", samples)
+    trainer.save("alice", tmp_path)
+    changes = {"a step": lambda: trainer.step("alice", samples), "a shorter step": lambda: trainer.shorten_step("alice", 0.5),
+               "an undo": lambda: trainer.undo("alice"), "a load": lambda: trainer.load("alice", tmp_path),
+               "another scope": lambda: trainer._activate("bob")}
+    for name, change in changes.items():
+        trainer._activate("alice")
+        readings.sampled([PROMPT], 4, 2)
+        assert len(kept) == 1, "the prompt read at these weights is kept"
+        readings.sampled([PROMPT], 4, 2)
+        assert len(kept) == 1
+        change()
+        assert len(kept) == 0, name
 
 
 def test_the_gates_sampled_replies_share_their_random_draws_between_candidate_and_base(tiny_model_dir):
