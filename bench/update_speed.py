@@ -11,8 +11,11 @@ the gate reads (the serving version's figures before, the candidate's after). Tw
 update's levers off (every row computed in a pass of its own, the base model reading every
 prompt from its start, every training pass reading its rows whole) and on (learner/micro_batches.py's
 shared rows, the base model's kept prompts, `ResponseReader._base_hidden`, the long prompts' starts
-read once per weights without gradients, learner/prompt_prefix.py). Both start from the same seed; their losses and KLs
-are printed side by side, so a lever that changed the update would show.
+read once per weights without gradients, learner/prompt_prefix.py). With the levers on, the base
+model's side of the first three samples' targets is read first, as the learner reads it while a
+batch fills (`read_ahead_s`, outside the total: it happens before the fourth rating). Both start
+from the same seed; their losses and KLs are printed side by side, so a lever that changed the
+update would show.
 
 Writes bench/results/update_speed-<model>.json: the seconds of each part, per run.
 """
@@ -82,6 +85,10 @@ def timed_update(model_dir: Path, samples, levers: bool, overrides: dict | None 
         prompts = gate_prompts(prompts + readings.everyday_prompts(GATE_PROMPTS))
         out: dict = {}
         mark = time.monotonic()
+        if levers:  # what the learner reads while the batch fills, before the last rating (LoraTrainer.read_ahead)
+            trainer.read_ahead(samples[:-1])
+        out["read_ahead_s"] = round(time.monotonic() - mark, 1)
+        mark = time.monotonic()
         readings.gate_figures("alice", [], prompts, GATE_NEW_TOKENS)  # the serving version: the base model
         out["gate_serving_s"] = round(time.monotonic() - mark, 1)
         result = trainer.step("alice", samples)
@@ -101,6 +108,7 @@ def headline(result: dict) -> str:
     runs = result["runs"]
     return "; ".join(f"levers {name}: update {r['step_s']:.0f} s ({', '.join(f'{k} {v:.0f}' for k, v in r['timings'].items())}), "
                      f"gate {r['gate_serving_s'] + r['gate_candidate_s']:.0f} s, total {r['total_s']:.0f} s"
+                     f" (read ahead before the last rating: {r.get('read_ahead_s', 0):.0f} s)"
                      for name, r in runs.items())
 
 

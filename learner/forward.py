@@ -12,6 +12,7 @@ read here too, since they are the base model reading a prompt with the hint.
 from __future__ import annotations
 
 import contextlib
+from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,6 +40,9 @@ LOGITS_CHUNK_BYTES = 64 << 20
 # The base model's keys and values kept of the prompts it read (`_base_hidden`): an
 # agent's conversation, about 4.5k tokens of SmolLM2 at 46 KB each in fp32, twice over.
 BASE_KV_BYTES = 512 << 20
+# Samples whose base model's side of the distillation target is kept (`_base_sides`): a few
+# hundred KB each (a reply's positions × the teacher's top K, three ways).
+SIDES_KEPT = 128
 
 
 @dataclass
@@ -109,6 +113,9 @@ class ResponseReader:
         # passes running now read the base model (`_base_model`)
         self._base_kv = PrefixCache(BASE_KV_BYTES)
         self._reading_base = False
+        # per sample id: the base model's side of its distillation target (`_base_sides`), read
+        # ahead while its batch fills (`read_ahead`)
+        self._sides_kept: OrderedDict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]] = OrderedDict()
         # an update's long prompts read once per weights, without gradients (learner/prompt_prefix.py)
         self._prefixes = PromptPrefixes()
         # called before each decoder layer of every pass (forward, and its recompute in the
@@ -278,14 +285,43 @@ class ResponseReader:
         prompt, and after the prompt the hint is measured against: the sample's own, or its
         hint's placebo (`contrast_prompt_ids`, judge/hindsight.py). The shift target's and the
         `wish` figure's base model, which never changes. No gradients. The unhinted side of
-        the samples in `skip` is left out (None): the caller reads it elsewhere."""
-        hinted = self._hinted_topk(samples, todo)
+        the samples in `skip` is left out (None): the caller reads it elsewhere.
+
+        A sample's side depends on the base model and the sample alone: it is kept by the
+        sample's id, and read ahead while its batch fills (`read_ahead`)."""
+        out: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]] = {}
+        for i in todo:
+            kept = self._sides_kept.get(samples[i].id) if samples[i].id is not None else None
+            if kept is not None and (i in skip or kept[2] is not None):
+                self._sides_kept.move_to_end(samples[i].id)
+                out[i] = (kept[0], kept[1], None if i in skip else kept[2])
+        missing = [i for i in todo if i not in out]
+        if not missing:
+            return out
+        hinted = self._hinted_topk(samples, missing)
         ids = {i: top for i, (_, top) in hinted.items()}
         against = [s.model_copy(update={"prompt_ids": s.contrast_prompt_ids}) if s.contrast_prompt_ids else s
                    for s in samples]
         with self._base_model():
-            unhinted = self._gathered(against, [i for i in todo if i not in skip], ids)
-        return {i: (ids[i], hinted[i][0], unhinted.get(i)) for i in todo}
+            unhinted = self._gathered(against, [i for i in missing if i not in skip], ids)
+        for i in missing:
+            out[i] = (ids[i], hinted[i][0], unhinted.get(i))
+            if samples[i].id is not None:
+                self._sides_kept[samples[i].id] = out[i]
+        while len(self._sides_kept) > SIDES_KEPT:
+            self._sides_kept.popitem(last=False)
+        return out
+
+    def read_ahead(self, samples: list[Sample]) -> int:
+        """The base model's side of each sample's distillation target, read now and kept for
+        its update (`_base_sides`): while a batch fills, the learner is idle, and on an agent's
+        samples these reads were a tenth of an update after the last rating. Returns how many
+        samples were read."""
+        todo = [i for i, s in enumerate(samples) if s.distill_weight and s.teacher_prompt_ids and s.id is not None
+                and (s.id not in self._sides_kept or self._sides_kept[s.id][2] is None)]
+        if todo:
+            self._base_sides(samples, todo)
+        return len(todo)
 
     def _hinted_topk(self, samples: list[Sample], todo: list[int]) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
         """For samples[i], i in `todo` (each with a teacher's prompt): the base model's top
@@ -331,7 +367,8 @@ class ResponseReader:
         """The base model (adapter off) for the passes inside, whose prompts' keys and values
         may then come from `_base_kv`: the base never changes, so what it computed for an
         agent's system prompt and conversation serves every later read of them."""
-        with self.model.disable_adapter():
+        # before any scope's adapter exists (a batch read ahead), the model is the base model
+        with self.model.disable_adapter() if self.model is not None else contextlib.nullcontext():
             self._reading_base = True
             try:
                 yield

@@ -171,12 +171,25 @@ class Learner:
                 log.exception("learner update failed")
 
     async def train_ready(self) -> bool:
-        """Run one update if some scope has a full batch; True if one ran."""
+        """Run one update if some scope has a full batch; True if one ran. With none, read ahead
+        for the batches that are filling."""
         scope, batch = await asyncio.to_thread(self._next_batch)
         if not batch:
+            async with self._lock:  # the trainer is one update's, a rollback's or a forget's at a time
+                await asyncio.to_thread(self._read_ahead)
             return False
         await self.update(scope, batch)
         return True
+
+    def _read_ahead(self) -> None:
+        """The base model's side of the ready samples' distillation targets, read while their
+        batch fills (`LoraTrainer.read_ahead`): the update after a person's last rating then
+        starts from its policy passes. Each scope's newest batch of ready samples, at most."""
+        if self.trainer is None:
+            return
+        for scope, samples, _ in ready_by_scope(self.store, self.settings, self.policies.per_user):
+            if read := self.trainer.read_ahead(samples[-self.settings.batch_size:]):
+                log.debug("learner %s: read ahead the base model's side of %d sample(s)", scope, read)
 
     def _next_batch(self) -> tuple[str, list[Sample]]:
         """The first scope with a batch to train (learner/batching.py), oldest samples first;

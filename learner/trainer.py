@@ -119,6 +119,7 @@ class LoraTrainer(ResponseReader):
         """Forget a scope's adapter and optimizer state (its user asked to be forgotten)."""
         name = adapter_name(scope)
         self._base_kv.drop(None)  # what the base model read of their prompts goes with them (entries name no user)
+        self._sides_kept.clear()
         self._prefixes.clear()
         self._optimizers.pop(scope, None)
         self._before.pop(scope, None)

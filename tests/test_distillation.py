@@ -245,3 +245,30 @@ def test_the_base_models_gate_reads_leave_the_teacher_only_the_hints_and_replies
     assert read[True] <= read[False] - (len(PROMPT) - 1), "the prompt the gate read is not read again"
     for (before, ids), (after, same) in zip(targets[False], targets[True]):
         assert torch.equal(ids, same) and torch.allclose(before, after, atol=1e-5)
+
+
+def test_the_base_models_side_of_the_targets_is_read_ahead_and_kept_by_sample(peaked_model_dir):
+    """While a batch fills, the learner reads the base model's side of each ready sample's
+    target (`read_ahead`); the update then reads none of it again, and its targets are the
+    ones read at the update. A sample without an id (never stored) is not kept."""
+    from nextstate.engine.base import GeneratedToken
+
+    replies = [[GeneratedToken(t, -1.0) for t in reply] for reply in ([31, 40, 52, 33], [7, 8, 9, 10, 11])]
+    samples = [distilled(make_sample(toks)).model_copy(update={"id": 10 + k}) for k, toks in enumerate(replies)]
+    passes, targets = {}, {}
+    for ahead in (False, True):
+        trainer = LoraTrainer(peaked_model_dir, LearnerSettings(lora_r=4, lora_alpha=8, opd_topk=16))
+        trainer.ensure_scope("alice")
+        if ahead:
+            assert trainer.read_ahead(samples) == 2 and trainer.read_ahead(samples) == 0, "once each"
+        rows: list[int] = []
+        hook = trainer._backbone_and_head()[0].register_forward_pre_hook(
+            lambda m, args, kwargs, rows=rows: rows.append(kwargs["input_ids"].shape[0]), with_kwargs=True)
+        targets[ahead] = trainer._teacher_targets(samples, at_base=True)[0]
+        hook.remove()
+        passes[ahead] = len(rows)
+    assert passes[True] < passes[False], "the hinted base model is not read again"
+    for (before, ids), (after, same) in zip(targets[False], targets[True]):
+        assert torch.equal(ids, same) and torch.allclose(before, after, atol=1e-5)
+    unstored = [s.model_copy(update={"id": None}) for s in samples]
+    assert trainer.read_ahead(unstored) == 0

@@ -358,6 +358,19 @@ def served_samples(server, n, user="alice", advantage=1.0, seed0=0):
     return [make_sample(toks, advantage=advantage, user=user, policy_version=ref.version) for toks in runs]
 
 
+def test_while_a_batch_fills_the_learner_reads_its_samples_base_side_ahead(server_factory):
+    """Three of a batch of four: no update yet, but the learner reads the base model's side of
+    their distillation targets meanwhile, so the update after the fourth starts without it."""
+    server = learning_server(server_factory)
+    hinted = PROMPT + [200, 201, 202]
+    samples = [s.model_copy(update={"teacher_prompt_ids": hinted, "distill_weight": 1.0})
+               for s in served_samples(server, 3)]
+    feed(server, samples)
+    learner = server.app.state.services.learner
+    wait_for(lambda: len(learner.trainer._sides_kept) == 3)
+    assert learner.steps == [] and learner.training is None
+
+
 def test_updates_publish_versions_that_serve(server_factory):
     server = learning_server(server_factory)
     client = server.client(server.key("alice"))
