@@ -184,11 +184,11 @@ class Learner:
     def _read_ahead(self) -> None:
         """The base model's side of the ready samples' distillation targets, read while their
         batch fills (`LoraTrainer.read_ahead`): the update after a person's last rating then
-        starts from its policy passes. Each scope's newest batch of ready samples, at most."""
+        starts from its policy passes. Each scope's next batch (its oldest ready samples), at most."""
         if self.trainer is None:
             return
         for scope, samples, _ in ready_by_scope(self.store, self.settings, self.policies.per_user):
-            if read := self.trainer.read_ahead(samples[-self.settings.batch_size:]):
+            if read := self.trainer.read_ahead(samples[: self.settings.batch_size]):
                 log.debug("learner %s: read ahead the base model's side of %d sample(s)", scope, read)
 
     def _next_batch(self) -> tuple[str, list[Sample]]:
