@@ -100,6 +100,7 @@ class Learner:
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
         self._lock = asyncio.Lock()  # one update or rollback at a time
+        self._closing = False  # read by the read ahead's thread (`_read_ahead`)
         self._held: IO[str] | None = None  # the adapters folder's learner lock
 
     # ---------------------------------------------------------------- lifecycle
@@ -116,6 +117,7 @@ class Learner:
         self._task = asyncio.create_task(self._run(), name="learner")
 
     async def aclose(self) -> None:
+        self._closing = True
         if self._task is not None:
             self._task.cancel()
             try:
@@ -184,12 +186,16 @@ class Learner:
     def _read_ahead(self) -> None:
         """The base model's side of the ready samples' distillation targets, read while their
         batch fills (`LoraTrainer.read_ahead`): the update after a person's last rating then
-        starts from its policy passes. Each scope's next batch (its oldest ready samples), at most."""
+        starts from its policy passes. Each scope's next batch (its oldest ready samples), at most,
+        a sample at a time: a closing learner stops between two (its thread cannot be cancelled)."""
         if self.trainer is None:
             return
         for scope, samples, _ in ready_by_scope(self.store, self.settings, self.policies.per_user):
-            if read := self.trainer.read_ahead(samples[: self.settings.batch_size]):
-                log.debug("learner %s: read ahead the base model's side of %d sample(s)", scope, read)
+            for sample in samples[: self.settings.batch_size]:
+                if self._closing:
+                    return
+                if self.trainer.read_ahead([sample]):
+                    log.debug("learner %s: read ahead the base model's side of sample %s", scope, sample.id)
 
     def _next_batch(self) -> tuple[str, list[Sample]]:
         """The first scope with a batch to train (learner/batching.py), oldest samples first;
