@@ -111,7 +111,7 @@ def wish_share(trainer, scope: str | None, preference: Preference, n: int) -> fl
                                 for r in replies)
 
     if scope is None:
-        with trainer.model.disable_adapter():
+        with trainer._base_model():
             return sample()
     trainer._activate(scope)
     return sample()

@@ -271,7 +271,11 @@ class Readings:
             return None  # a one-token prompt has nothing to read first: generate reads them all
         t = self.trainer
         # the base model's kept reads never go stale; the adapter's hold until its weights change
-        kept = (t._base_kv if t._base_kv.budget > 0 else PrefixCache(GATE_KV_BYTES)) if t._reading_base else t._prefixes.kept
+        # (a caller that turned the adapter off by hand reads through a cache of its own)
+        if t._reading_base:
+            kept = t._base_kv if t._base_kv.budget > 0 else PrefixCache(GATE_KV_BYTES)
+        else:
+            kept = t._prefixes.kept if _adapter_on(model) else PrefixCache(GATE_KV_BYTES)
         base = self.trainer._base
         rows = [kv_cache.pad_left(read_through(kept, model, p[:-1], named_by=base), width - len(p)) for p in prompts]
         return kv_cache.to_cache(tuple((k.repeat_interleave(replies, 0), v.repeat_interleave(replies, 0))
@@ -284,6 +288,15 @@ class Readings:
             self._everyday = [self.trainer._chat().render([{"role": "user", "content": q}]).ids
                               for q in shipped_lines("everyday_questions.txt")]
         return self._everyday[:n]
+
+
+def _adapter_on(model: torch.nn.Module) -> bool:
+    """Whether `model`'s LoRA layers apply their adapter now (peft's `disable_adapter()` turns
+    them off without the trainer knowing)."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    layers = [m for m in model.modules() if isinstance(m, BaseTunerLayer)]
+    return bool(layers) and not any(m.disable_adapters for m in layers)
 
 
 def _until_stop(model: torch.nn.Module, row: list[int]) -> list[int]:

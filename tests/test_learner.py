@@ -993,6 +993,10 @@ def test_what_the_adapter_read_of_a_prompt_is_kept_until_its_weights_change(tiny
         assert len(kept) == 1
         change()
         assert len(kept) == 0, name
+    trainer._activate("alice")
+    with trainer.model.disable_adapter():  # the base model, turned on by hand: not the adapter's weights
+        readings.sampled([PROMPT], 4, 2)
+    assert len(kept) == 0
 
 
 def test_the_gates_sampled_replies_share_their_random_draws_between_candidate_and_base(tiny_model_dir):
