@@ -14,7 +14,6 @@ from __future__ import annotations
 import contextlib
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -45,20 +44,17 @@ BASE_KV_BYTES = 512 << 20
 SIDES_KEPT = 128
 
 
-@dataclass
-class BaseSides:
-    """The base model's side of one sample's distillation target: its log-probabilities of the
-    hinted base model's top K tokens with the hint (`hinted`) and without it (`unhinted`; None
-    where the unhinted base model is the policy itself, a fresh adapter's own prompt)."""
-
-    hinted: torch.Tensor
-    unhinted: torch.Tensor | None
+# A sample's base model side of its distillation target (`_base_sides`): the hinted base model's
+# top K ids, their log-probabilities with the hint and without it (None where the unhinted base
+# model is the policy itself: a fresh adapter reading the sample's own prompt).
+BaseSides = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]
 
 
 def completed(policy: torch.Tensor, sides: BaseSides) -> torch.Tensor:
     """The distillation target from the policy's log-probabilities of the top K ids before the
     update (learner/distillation.py `shifted_target`)."""
-    return shifted_target(policy, sides.hinted, policy if sides.unhinted is None else sides.unhinted)
+    _, hinted, unhinted = sides
+    return shifted_target(policy, hinted, policy if unhinted is None else unhinted)
 
 
 def logit_rows(vocab_size: int) -> int:
@@ -115,7 +111,7 @@ class ResponseReader:
         self._reading_base = False
         # per sample id: the base model's side of its distillation target (`_base_sides`), read
         # ahead while its batch fills (`read_ahead`)
-        self._sides_kept: OrderedDict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]] = OrderedDict()
+        self._sides_kept: OrderedDict[int, BaseSides] = OrderedDict()
         # an update's long prompts read once per weights, without gradients (learner/prompt_prefix.py)
         self._prefixes = PromptPrefixes()
         # called before each decoder layer of every pass (forward, and its recompute in the
@@ -271,15 +267,13 @@ class ResponseReader:
         shared = [i for i in todo if at_base and not samples[i].contrast_prompt_ids]
         sides = self._base_sides(samples, todo, skip=shared) if todo else {}
         if deferred and not reference:
-            return ([(None, sides[i][0]) if i in sides else None for i in range(len(samples))], {},
-                    {i: BaseSides(hinted, unhinted) for i, (_, hinted, unhinted) in sides.items()})
+            return [(None, sides[i][0]) if i in sides else None for i in range(len(samples))], {}, sides
         policy = self._policy_passes(samples, sorted(set(todo) | set(reference)), {i: ids for i, (ids, _, _) in sides.items()})
-        for i, (ids, hinted, unhinted) in sides.items():
-            out[i] = (completed(policy[i][1], BaseSides(hinted, unhinted)), ids)
+        for i, side in sides.items():
+            out[i] = (completed(policy[i][1], side), side[0])
         return out, {i: policy[i][0] for i in reference}, {}
 
-    def _base_sides(self, samples: list[Sample], todo: list[int], skip: Sequence[int] = ()
-                    ) -> dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]:
+    def _base_sides(self, samples: list[Sample], todo: list[int], skip: Sequence[int] = ()) -> dict[int, BaseSides]:
         """For samples[i], i in `todo`: the hint's side of the base model — the hinted base
         model's top K ids at each response position, their log-probabilities after the hinted
         prompt, and after the prompt the hint is measured against: the sample's own, or its
@@ -289,7 +283,7 @@ class ResponseReader:
 
         A sample's side depends on the base model and the sample alone: it is kept by the
         sample's id, and read ahead while its batch fills (`read_ahead`)."""
-        out: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]] = {}
+        out: dict[int, BaseSides] = {}
         for i in todo:
             kept = self._sides_kept.get(samples[i].id) if samples[i].id is not None else None
             if kept is not None and (i in skip or kept[2] is not None):

@@ -270,12 +270,11 @@ class Readings:
         if any(len(p) < 2 for p in prompts):
             return None  # a one-token prompt has nothing to read first: generate reads them all
         t = self.trainer
-        # the base model's kept reads never go stale; the adapter's hold until its weights change
-        # (a caller that turned the adapter off by hand reads through a cache of its own)
-        if t._reading_base:
-            kept = t._base_kv if t._base_kv.budget > 0 else PrefixCache(GATE_KV_BYTES)
+        # the adapter's reads hold until its weights change; the base model's never go stale
+        if _adapter_on(model):
+            kept = t._prefixes.kept
         else:
-            kept = t._prefixes.kept if _adapter_on(model) else PrefixCache(GATE_KV_BYTES)
+            kept = t._base_kv if t._base_kv.budget > 0 else PrefixCache(GATE_KV_BYTES)
         base = self.trainer._base
         rows = [kv_cache.pad_left(read_through(kept, model, p[:-1], named_by=base), width - len(p)) for p in prompts]
         return kv_cache.to_cache(tuple((k.repeat_interleave(replies, 0), v.repeat_interleave(replies, 0))
@@ -291,8 +290,8 @@ class Readings:
 
 
 def _adapter_on(model: torch.nn.Module) -> bool:
-    """Whether `model`'s LoRA layers apply their adapter now (peft's `disable_adapter()` turns
-    them off without the trainer knowing)."""
+    """Whether `model`'s LoRA layers apply their adapter now: off (peft's `disable_adapter()`,
+    however it was entered) or with no adapter at all, it is the base model reading."""
     from peft.tuners.tuners_utils import BaseTunerLayer
 
     layers = [m for m in model.modules() if isinstance(m, BaseTunerLayer)]
