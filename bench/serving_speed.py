@@ -13,6 +13,11 @@ that is the pace to compare with. Three figures per side, the ones `llama-bench`
 * **decode** tokens/s at batch 4: four such streams at once, all their tokens over the time
   from the first token of the first to the last token of the last.
 
+The `local-llama.cpp` side adds what a server's cache holds around a person's turn (`kept`):
+decode tokens/s of her next turn on her kept 4k conversation at the default cache size, alone,
+beside three 4k reads of the house (unsalted, as the judge's and the teacher's are) and beside
+three of other people (salted): llama.cpp attends over every used cell of a unified cache.
+
 Every side runs in a process of its own, one after the other, with as many threads as the
 machine has cores, so that no side's idle threads spin beside another's (OpenMP's busy wait
 made an earlier attempt at this comparison worthless). Each figure is the best of `--repeats`
@@ -123,6 +128,48 @@ async def measure_engine(engine, long_ids: list[int], short: list[list[int]], re
             "runs": {"prefill": prefill, "decode_1": one, f"decode_{BATCH}": four}}
 
 
+async def decode_beside(engine, long_ids: list[int], others: str | None, repeats: int) -> float:
+    """Decode tokens/s of a person's next turn on her kept conversation, with three other 4k
+    reads kept: none (`others` None), the house's ("house": unsalted, in the background, as
+    the judge's votes and the teacher's reads) or other people's ("people")."""
+    from nextstate.engine.base import SamplingParams
+
+    async def stream(ids: list[int], params: SamplingParams, background: bool = False) -> list[float]:
+        return [time.perf_counter() async for _ in engine.generate(ids, params, background=background)]
+
+    hers = SamplingParams(max_new_tokens=DECODE_TOKENS, temperature=0.0, cache_salt="her")
+    await stream(long_ids, SamplingParams(max_new_tokens=1, temperature=0.0, cache_salt="her"))
+    for i in range(3 if others else 0):  # each starts elsewhere in the prompt: no shared prefix
+        ids = long_ids[i + 1:] + long_ids[: i + 1]
+        salt = f"someone-{i}" if others == "people" else None
+        await stream(ids, SamplingParams(max_new_tokens=1, temperature=0.0, cache_salt=salt), background=others == "house")
+    rates = []
+    for r in range(repeats):  # each turn a little further on, reading only what is new
+        times = await stream(long_ids + short_reply(r), hers)
+        rates.append((len(times) - 1) / (times[-1] - times[0]))
+    return best(rates)
+
+
+def short_reply(turn: int) -> list[int]:
+    """A few new tokens of a next turn (the same ones each time: the prefix is kept)."""
+    return [17, 18, 19, 20][: turn + 1]
+
+
+async def measure_kept(model_dir: Path, gguf: Path, long_ids: list[int], repeats: int) -> dict:
+    """`decode_beside_*`: her turn's decode at the default cache size, by what else is kept."""
+    from nextstate.core.settings import EngineSettings
+    from nextstate.engine.local import LocalEngine
+
+    figures = {}
+    for others in (None, "house", "people"):
+        engine = await LocalEngine.open(model_dir, gguf=gguf, kv_cache_mb=EngineSettings().kv_cache_mb)
+        try:
+            figures[f"decode_beside_{others or 'nothing'}"] = await decode_beside(engine, long_ids, others, repeats)
+        finally:
+            await engine.close()
+    return figures
+
+
 def run_local(model_dir: Path, runtime: str, long_ids, short, repeats: int) -> dict:
     from nextstate.core.settings import Settings
     from nextstate.engine.local import LocalEngine
@@ -139,9 +186,11 @@ def run_local(model_dir: Path, runtime: str, long_ids, short, repeats: int) -> d
             if runtime == "llama.cpp":
                 figures["mismatch"] = policy_mismatch(model_dir, long_ids[:MISMATCH_TOKENS],
                                                       await engine.score(long_ids[:MISMATCH_TOKENS], 1))
-            return figures
         finally:
             await engine.close()
+        if runtime == "llama.cpp":
+            figures["kept"] = await measure_kept(model_dir, gguf, long_ids, repeats)
+        return figures
 
     return asyncio.run(go())
 
@@ -264,6 +313,9 @@ def headline(result: dict) -> str:
         if ref and side != "llama.cpp" and "error" not in ref:
             ratio = " / ".join(f"{figures[k] / ref[k]:.2f}" for k in ("prefill", "decode_1", f"decode_{BATCH}"))
             text += f" (× llama.cpp: {ratio})"
+        if "kept" in figures:
+            text += "; a kept 4k turn's decode " + ", ".join(
+                f"{key.removeprefix('decode_')} {value:g}" for key, value in figures["kept"].items())
         parts.append(f"{side}: {text}")
     return f"tokens/s on {result['threads']} threads, {result['prompt_tokens']}-token prompt — " + "; ".join(parts)
 

@@ -8,12 +8,17 @@ scheduler, streaming and adapters work as they do there:
 * **The same policy.** It serves a float16 GGUF copy of the model folder the learner trains
   (`modelio.gguf_model`), and every logprob comes from the logits through `engine.token_steps`,
   the definition the learner uses; llama.cpp's own samplers are not used.
-* **Sequences in one cache.** Every generation has a sequence of its own in llama.cpp's unified
-  KV cache; a finished one stays as a prefix for the next request of the same adapter and
-  salt (a conversation's next turn, the judge's pass over it), which takes it over by sharing
-  its cells (`llama_memory_seq_cp`), not copying them; a running one shares what it has read
-  so far the same way. The least recently used are dropped when
-  the cache or the sequence ids run out.
+* **Sequences in one cache per side.** Every generation has a sequence of its own in a llama.cpp
+  unified KV cache; a finished one stays as a prefix for the next request of the same adapter
+  and salt (a conversation's next turn), which takes it over by sharing its cells
+  (`llama_memory_seq_cp`), not copying them; a running one shares what it has read so far the
+  same way. The least recently used are dropped when the cache or the sequence ids run out.
+* **The house's work in a context of its own.** llama.cpp attends over every used cell of a
+  unified cache, whichever sequence holds it: one 4k conversation decodes 36 tokens/s alone and
+  24 beside three other kept 4k reads (docs/benchmark-log.md, "The judge's reads in a cache of
+  their own"). Work with no salt (the judge's votes, the teacher's hinted reads) shares no
+  prefix with a person's anyway, so it runs in a second context on the same weights, and a
+  person's turn attends over the people's cells only.
 * **Adapters by group.** llama.cpp applies LoRA adapters to the whole context, so one decoding
   step makes one pass per adapter among its rows. A published version is written as a GGUF
   LoRA (`modelio.gguf_lora`, what `nextstate export --format gguf` writes) and loaded beside
@@ -47,9 +52,12 @@ from nextstate.modelio.logprobs import token_logprobs
 BATCH_TOKENS = 512
 # Sequence ids: running generations plus finished ones kept as prefixes.
 MAX_SEQUENCES = 64
-# The unified cache holds at most this many full context windows (SmolLM2: 4 × 8k tokens,
-# 755 MB in float16): llama.cpp allocates all of it at start.
+# The people's unified cache holds at most this many full context windows (SmolLM2: 4 × 8k
+# tokens, 755 MB in float16): llama.cpp allocates all of it at start.
 MAX_WINDOWS = 4
+# The house's (unsalted work's) cache: one window at least, two where NEXTSTATE_KV_CACHE_MB
+# leaves room beyond the people's (a teacher read and the judge's votes on another turn at once).
+HOUSE_WINDOWS = 2
 
 
 def available() -> bool:
@@ -76,6 +84,7 @@ class SequenceBatch:
     every row of a job's batch at once."""
 
     background: bool
+    context: _Context
     rows: list[Job] = field(default_factory=list)
 
 
@@ -117,34 +126,30 @@ class LlamaCppRunner:
         cells = min(max(kv_cache_mb * 2**20 // cell_bytes, window if not self.keep_prefixes else BATCH_TOKENS),
                     MAX_WINDOWS * window)
         threads = threads or len(os.sched_getaffinity(0))
-        ctx_params = ll.llama_context_default_params()
-        ctx_params.n_ctx = cells
-        ctx_params.n_batch = ctx_params.n_ubatch = BATCH_TOKENS
-        ctx_params.n_seq_max = MAX_SEQUENCES
-        ctx_params.kv_unified = True  # one pool of cells: a long prompt may use what others do not
-        ctx_params.n_threads = ctx_params.n_threads_batch = threads
-        ctx_params.flash_attn_type = ll.LLAMA_FLASH_ATTN_TYPE_ENABLED  # fastest here (bench.serving_speed)
-        self.ctx = ll.llama_init_from_model(self.model, ctx_params)
-        if not self.ctx:
-            raise EngineError(f"llama.cpp could not make a context of {cells} tokens")
-        self.memory = ll.llama_get_memory(self.ctx)
+        house = min(max(kv_cache_mb * 2**20 // cell_bytes - cells, window), HOUSE_WINDOWS * window)
+        self.people = _Context(ll, self.model, cells, threads, "people")
+        try:
+            self.house = _Context(ll, self.model, house, threads, "the house")
+        except EngineError:
+            self.people.close()
+            raise
         self.vocab = int(ll.llama_vocab_n_tokens(ll.llama_model_get_vocab(self.model)))
         self.batch = ll.llama_batch_init(BATCH_TOKENS, 0, 1)
         self.adapters = LlamaAdapters()
         # the GGUF LoRA files of loaded versions: removed at close or, for a runner never
         # closed (a test, a failed start), when it is collected or the process exits
         self._adapter_dir = tempfile.TemporaryDirectory(prefix="nextstate-lora-", ignore_cleanup_errors=True)
-        self._current: str | None | bool = False  # the adapter set on the context (False: unknown)
-        self._free = list(range(MAX_SEQUENCES - 1, -1, -1))
-        self._kept: list[_Kept] = []
-        self._live: dict[int, Job] = {}  # sequence → the job running in it
-        self._batches: dict[bool, SequenceBatch] = {}
+        self._batches: dict[tuple[bool, bool], SequenceBatch] = {}
         self.constraints = ConstraintCompiler(model_dir)
         self.stats = RunnerStats()
         self.info = EngineInfo(
             model_name=model_dir.name, max_context=min(window, cells), device="cpu", dtype="float16",
             vocab_size=self.vocab,
         )
+
+    def _context(self, job: Job) -> _Context:
+        """A person's work (salted) in the people's cache; the rest in the house's."""
+        return self.house if job.sampling.cache_salt is None else self.people
 
     # ------------------------------------------------------------- one job: prefill, scoring
 
@@ -156,21 +161,22 @@ class LlamaCppRunner:
                 job.constraint = self.constraints.compile(job.sampling.json_schema)
             except (ConstraintError, ValueError) as exc:
                 raise EngineRejected(str(exc)) from exc
+        context = self._context(job)
         if job.cache is None:
-            job.cache = self._take_sequence()
-            self._live[job.cache] = job
+            job.cache = context.take_sequence()
+            context.live[job.cache] = job
         prompt_len = len(job.input_ids)
         if job.fed < prompt_len:
-            self._reuse_prefix(job)
+            self._reuse_prefix(context, job)
             ids = job.input_ids[job.fed : job.fed + job.prefill_chunk]
             first = job.fed
             scored_from = job.score_from - 1 if job.score_from is not None else first + len(ids) - 1
-            logits = self._feed(job.cache, job.adapter, ids, first, max(first, scored_from))
+            logits = self._feed(context, job.cache, job.adapter, ids, first, max(first, scored_from))
             job.fed += len(ids)
             self.stats.prompt_tokens_computed += len(ids)
         else:
             first = prompt_len + len(job.output_ids) - 1
-            logits = self._feed(job.cache, job.adapter, [job.last_token], first, first)
+            logits = self._feed(context, job.cache, job.adapter, [job.last_token], first, first)
         job.last_step = time.monotonic()
         if job.score_from is not None:
             offset = max(first, job.score_from - 1) - first
@@ -179,14 +185,15 @@ class LlamaCppRunner:
             return False  # more of the prompt to feed before the first token
         finished = take_token(job, logits[-1], self.info.max_context)
         if not finished and self.batching:
-            batch = self._batches.get(job.background)
+            key = (job.background, context is self.house)
+            batch = self._batches.get(key)
             if batch is None:
-                batch = self._batches[job.background] = SequenceBatch(job.background)
+                batch = self._batches[key] = SequenceBatch(job.background, context)
             batch.rows.append(job)
             job.batch = batch
         return finished
 
-    def _reuse_prefix(self, job: Job) -> None:
+    def _reuse_prefix(self, context: _Context, job: Job) -> None:
         """Take over the longest prefix of the prompt that another sequence of the same adapter
         and salt holds beyond what `job` has read: a kept one, or one still running (votes on
         one judge prompt share their progress chunk by chunk, so it is read once, not m
@@ -196,10 +203,11 @@ class LlamaCppRunner:
             return
         ids = np.asarray(job.input_ids[:limit], dtype=np.int64)
         best, length = None, job.fed
-        sources = [(k.seq, k.tokens, k) for k in self._kept if k.adapter == job.adapter and k.salt == job.sampling.cache_salt]
-        for other in self._live.values():
-            if other is not job and other.adapter == job.adapter and other.sampling.cache_salt == job.sampling.cache_salt:
-                held = int(self.ll.llama_memory_seq_pos_max(self.memory, other.cache)) + 1
+        salt = job.sampling.cache_salt
+        sources = [(k.seq, k.tokens, k) for k in context.kept if k.adapter == job.adapter and k.salt == salt]
+        for other in context.live.values():
+            if other is not job and other.adapter == job.adapter and other.sampling.cache_salt == salt:
+                held = context.held(other.cache)
                 sources.append((other.cache, np.asarray((other.input_ids + other.output_ids)[:held], dtype=np.int64), None))
         for seq, tokens, kept in sources:
             n = min(len(tokens), len(ids))
@@ -214,8 +222,8 @@ class LlamaCppRunner:
         seq, kept = best
         if kept is not None:
             kept.used = time.monotonic()
-        self.ll.llama_memory_seq_rm(self.memory, job.cache, -1, -1)
-        self.ll.llama_memory_seq_cp(self.memory, seq, job.cache, 0, length)
+        self.ll.llama_memory_seq_rm(context.memory, job.cache, -1, -1)
+        self.ll.llama_memory_seq_cp(context.memory, seq, job.cache, 0, length)
         self.stats.prompt_tokens_reused += length - job.fed
         job.cached += length - job.fed
         job.fed = length
@@ -230,8 +238,8 @@ class LlamaCppRunner:
             groups.setdefault(job.adapter, []).append(job)
         finished = []
         for adapter, jobs in groups.items():
-            entries = [(job.last_token, len(job.input_ids) + len(job.output_ids) - 1, job.cache) for job in jobs]
-            rows = self._decode(adapter, [(t, p, s, True) for t, p, s in entries])
+            entries = [(job.last_token, len(job.input_ids) + len(job.output_ids) - 1, job.cache, True) for job in jobs]
+            rows = self._decode(batch.context, adapter, entries)
             now = time.monotonic()
             for job, logits in zip(jobs, rows):
                 job.last_step = now
@@ -247,33 +255,35 @@ class LlamaCppRunner:
         if job.batch is not None:
             job.batch.rows.remove(job)
             if not job.batch.rows:
-                self._batches.pop(job.batch.background, None)
+                self._batches.pop((job.batch.background, job.batch.context is self.house), None)
             job.batch = None
         seq, job.cache = job.cache, None
         if seq is None:
             return
-        self._live.pop(seq, None)
-        length = int(self.ll.llama_memory_seq_pos_max(self.memory, seq)) + 1
+        context = self._context(job)
+        context.live.pop(seq, None)
+        length = context.held(seq)
         ids = job.input_ids + job.output_ids
         if (not keep or not self.keep_prefixes or length <= 0 or length > len(ids)
                 or not (job.adapter is None or job.adapter in self.adapters)):
-            self._drop_sequence(seq)
+            context.drop_sequence(seq)
             return
         tokens = np.asarray(ids[:length], dtype=np.int64)
-        for kept in [k for k in self._kept if k.adapter == job.adapter and k.salt == job.sampling.cache_salt]:
+        salt = job.sampling.cache_salt
+        for kept in [k for k in context.kept if k.adapter == job.adapter and k.salt == salt]:
             # an earlier turn of the same conversation: the new sequence holds all it held
             if len(kept.tokens) <= length and np.array_equal(kept.tokens, tokens[: len(kept.tokens)]):
-                self._forget(kept)
-        self._kept.append(_Kept(seq, job.adapter, job.sampling.cache_salt, tokens))
+                context.forget(kept)
+        context.kept.append(_Kept(seq, job.adapter, salt, tokens))
 
     def score(self, ids: list[int], start: int, adapter: str | None, temperature: float) -> list[float]:
-        """Logprobs of ids[start:] in one pass of their own (nothing kept)."""
-        seq = self._take_sequence()
+        """Logprobs of ids[start:] in one pass of their own (nothing kept), in the house's cache."""
+        seq = self.house.take_sequence()
         try:
-            logits = self._feed(seq, adapter, ids[: len(ids) - 1], 0, start - 1)
+            logits = self._feed(self.house, seq, adapter, ids[: len(ids) - 1], 0, start - 1)
             return token_logprobs(logits, torch.tensor(ids[start:]), temperature).tolist()
         finally:
-            self._drop_sequence(seq)
+            self.house.drop_sequence(seq)
 
     def read_adapter(self, path: Path) -> Path:
         """A published PEFT adapter as a GGUF LoRA file (off the model thread)."""
@@ -302,54 +312,59 @@ class LlamaCppRunner:
             raise UnknownAdapterError(f"adapter {name!r} is not loaded")
         self.drop(name)
         adapter, files = self.adapters.loaded.pop(name)
-        if self._current == name:
-            self._set_adapter(None)
+        for context in (self.people, self.house):
+            if context.adapter == name:
+                self._set_adapter(context, None)
         self.ll.llama_adapter_lora_free(adapter)
         files.unlink(missing_ok=True)
 
     def drop(self, adapter: str | None) -> None:
         """Forget the kept prefixes computed under `adapter`."""
-        for kept in [k for k in self._kept if k.adapter == adapter]:
-            self._forget(kept)
+        for context in (self.people, self.house):
+            for kept in [k for k in context.kept if k.adapter == adapter]:
+                context.forget(kept)
 
     def close(self) -> None:
         ll = self.ll
         ll.llama_batch_free(self.batch)
+        for context in (self.people, self.house):
+            context.close()
         for adapter, _ in self.adapters.loaded.values():
             ll.llama_adapter_lora_free(adapter)
         self.adapters.loaded.clear()
-        ll.llama_free(self.ctx)
         ll.llama_model_free(self.model)
         self._adapter_dir.cleanup()
 
     # ------------------------------------------------------------- llama.cpp
 
-    def _feed(self, seq: int, adapter: str | None, ids: list[int], first: int, logits_from: int) -> torch.Tensor:
+    def _feed(self, context: _Context, seq: int, adapter: str | None, ids: list[int], first: int,
+              logits_from: int) -> torch.Tensor:
         """Put `ids` (at positions first…) through the model in sequence `seq`; the logits of
         the positions from `logits_from` on, one row each."""
         rows = []
         for start in range(0, len(ids), BATCH_TOKENS):
             part = ids[start : start + BATCH_TOKENS]
             entries = [(t, first + start + i, seq, first + start + i >= logits_from) for i, t in enumerate(part)]
-            rows.extend(self._decode(adapter, entries))
+            rows.extend(self._decode(context, adapter, entries))
         return torch.stack(rows) if rows else torch.empty(0, self.vocab)
 
-    def _decode(self, adapter: str | None, entries: list[tuple[int, int, int, bool]]) -> list[torch.Tensor]:
+    def _decode(self, context: _Context, adapter: str | None,
+                entries: list[tuple[int, int, int, bool]]) -> list[torch.Tensor]:
         """One llama_decode of (token, position, sequence, wants logits) entries; the logits
         rows asked for, copied (llama.cpp reuses its buffer). When the cache is full, the
         least recently used kept prefixes make room."""
         ll, batch = self.ll, self.batch
-        self._set_adapter(adapter)
+        self._set_adapter(context, adapter)
         batch.n_tokens = len(entries)
         for i, (token, pos, seq, logits) in enumerate(entries):
             batch.token[i], batch.pos[i], batch.n_seq_id[i] = token, pos, 1
             batch.seq_id[i][0], batch.logits[i] = seq, logits
         while True:
-            status = ll.llama_decode(self.ctx, batch)
+            status = ll.llama_decode(context.ctx, batch)
             if status == 0:
                 break
-            if status == 1 and self._kept:  # no room: the memory is as it was; make some
-                self._forget(min(self._kept, key=lambda k: k.used))
+            if status == 1 and context.kept:  # no room: the memory is as it was; make some
+                context.forget(min(context.kept, key=lambda k: k.used))
                 continue
             if status == 1:
                 raise EngineRejected("the prompt does not fit the engine's KV cache (NEXTSTATE_KV_CACHE_MB)")
@@ -358,41 +373,71 @@ class LlamaCppRunner:
         out = []
         for i, (_, _, _, logits) in enumerate(entries):
             if logits:
-                row = np.ctypeslib.as_array(ll.llama_get_logits_ith(self.ctx, i), shape=(self.vocab,))
+                row = np.ctypeslib.as_array(ll.llama_get_logits_ith(context.ctx, i), shape=(self.vocab,))
                 out.append(torch.from_numpy(row.copy()))
         return out
 
-    def _set_adapter(self, name: str | None) -> None:
-        if self._current is not False and self._current == name:
+    def _set_adapter(self, context: _Context, name: str | None) -> None:
+        if context.adapter is not False and context.adapter == name:
             return
         ll = self.ll
         if name is None:
-            status = ll.llama_set_adapters_lora(self.ctx, None, 0, None)
+            status = ll.llama_set_adapters_lora(context.ctx, None, 0, None)
         else:
             if name not in self.adapters:
                 raise UnknownAdapterError(f"adapter {name!r} is not loaded")
             handles = (ll.llama_adapter_lora_p_ctypes * 1)(self.adapters.loaded[name][0])
-            status = ll.llama_set_adapters_lora(self.ctx, handles, 1, (ctypes.c_float * 1)(1.0))
+            status = ll.llama_set_adapters_lora(context.ctx, handles, 1, (ctypes.c_float * 1)(1.0))
         if status != 0:
             raise EngineError(f"llama.cpp could not apply adapter {name!r}")
-        self._current = name
+        context.adapter = name
 
-    def _take_sequence(self) -> int:
-        if not self._free:
-            if not self._kept:
+
+class _Context:
+    """One llama.cpp context on the shared weights: its unified KV cache, the sequences running
+    in it and those kept for their prefixes."""
+
+    def __init__(self, ll, model, cells: int, threads: int, name: str) -> None:
+        self.ll = ll
+        params = ll.llama_context_default_params()
+        params.n_ctx = cells
+        params.n_batch = params.n_ubatch = BATCH_TOKENS
+        params.n_seq_max = MAX_SEQUENCES
+        params.kv_unified = True  # one pool of cells: a long prompt may use what others do not
+        params.n_threads = params.n_threads_batch = threads
+        params.flash_attn_type = ll.LLAMA_FLASH_ATTN_TYPE_ENABLED  # fastest here (bench.serving_speed)
+        self.ctx = ll.llama_init_from_model(model, params)
+        if not self.ctx:
+            raise EngineError(f"llama.cpp could not make a context of {cells} tokens for {name}")
+        self.memory = ll.llama_get_memory(self.ctx)
+        self.adapter: str | None | bool = False  # the adapter set on the context (False: unknown)
+        self.free = list(range(MAX_SEQUENCES - 1, -1, -1))
+        self.kept: list[_Kept] = []
+        self.live: dict[int, Job] = {}  # sequence → the job running in it
+
+    def held(self, seq: int) -> int:
+        """How many positions sequence `seq` holds."""
+        return int(self.ll.llama_memory_seq_pos_max(self.memory, seq)) + 1
+
+    def take_sequence(self) -> int:
+        if not self.free:
+            if not self.kept:
                 raise EngineError("no free llama.cpp sequence (too many generations at once)")
-            self._forget(min(self._kept, key=lambda k: k.used))
-        seq = self._free.pop()
+            self.forget(min(self.kept, key=lambda k: k.used))
+        seq = self.free.pop()
         self.ll.llama_memory_seq_rm(self.memory, seq, -1, -1)
         return seq
 
-    def _drop_sequence(self, seq: int) -> None:
+    def drop_sequence(self, seq: int) -> None:
         self.ll.llama_memory_seq_rm(self.memory, seq, -1, -1)
-        self._free.append(seq)
+        self.free.append(seq)
 
-    def _forget(self, kept: _Kept) -> None:
-        self._kept.remove(kept)
-        self._drop_sequence(kept.seq)
+    def forget(self, kept: _Kept) -> None:
+        self.kept.remove(kept)
+        self.drop_sequence(kept.seq)
+
+    def close(self) -> None:
+        self.ll.llama_free(self.ctx)
 
 
 def _pad_rows(logits: torch.Tensor, offset: int) -> torch.Tensor:

@@ -3,8 +3,9 @@
 tests/test_engine.py runs the engine's own contract on both runtimes; here, what only llama.cpp
 needs checking: that its float16 GGUF copy serves the learner's policy (logprobs, greedy tokens,
 adapters) within the bound the SGLang and vLLM contract holds, that rows of several adapters
-decode together, that kept prefixes stay within their salt and adapter, and that a cache too
-small for what it keeps makes room instead of failing.
+decode together, that kept prefixes stay within their salt and adapter, that the house's
+unsalted work keeps to a cache of its own, and that a cache too small for what it keeps makes
+room instead of failing.
 """
 
 from __future__ import annotations
@@ -103,6 +104,28 @@ async def test_a_full_cache_drops_old_prefixes_and_serves_on(tiny_model_dir):
         with pytest.raises(Exception, match="does not fit"):
             await collect(llama, params, prompt=too_long)
         assert [t.token_id for t in await collect(llama, params, prompt=prompts[0])] == first[0], "serving goes on"
+    finally:
+        await llama.close()
+
+
+async def test_the_houses_work_takes_no_room_from_a_persons_conversation(tiny_model_dir):
+    """Unsalted work (the judge's votes, the teacher's reads) runs in a context of its own: it
+    cannot push a person's kept conversation out, and her decoding attends over none of its cells."""
+    llama = await open_engine(tiny_model_dir, "llama.cpp", kv_cache_mb=1)  # 4,096 cells a side
+    try:
+        runner = llama.runner
+        hers = SamplingParams(max_new_tokens=4, temperature=0.0, cache_salt="alice")
+        conversation = [5 + j % 300 for j in range(2500)]
+        turn = await collect(llama, hers, prompt=conversation)
+        judged = [[7 + (i + j) % 350 for j in range(2500)] for i in range(3)]  # 7,500 tokens: no room beside hers
+        for prompt in judged:
+            await collect(llama, SamplingParams(max_new_tokens=4, temperature=0.0), prompt=prompt)
+            await llama.score(prompt, 2000, background=True)
+        assert {k.salt for k in runner.people.kept} == {"alice"}
+        assert runner.house.kept and {k.salt for k in runner.house.kept} == {None}
+        follow = conversation + [t.token_id for t in turn] + [9, 10]
+        again = await collect(llama, hers, prompt=follow)
+        assert again[0].cached_prompt_tokens == len(conversation) + len(turn) - 1, "her conversation was kept"
     finally:
         await llama.close()
 
