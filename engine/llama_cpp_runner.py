@@ -270,8 +270,11 @@ class LlamaCppRunner:
             return
         tokens = np.asarray(ids[:length], dtype=np.int64)
         salt = job.sampling.cache_salt
-        for kept in [k for k in context.kept if k.adapter == job.adapter and k.salt == salt]:
-            # an earlier turn of the same conversation: the new sequence holds all it held
+        for kept in [k for k in context.kept if k.salt == salt and (k.adapter == job.adapter or salt is not None)]:
+            # An earlier turn of the same conversation: the new sequence holds all it held. Of a
+            # person's, also one read under another policy: her conversation went on under this
+            # one (a new version's first turn, its warm-up), and kept, the old read would only
+            # lengthen every step she decodes (llama.cpp attends over all used cells).
             if len(kept.tokens) <= length and np.array_equal(kept.tokens, tokens[: len(kept.tokens)]):
                 context.forget(kept)
         context.kept.append(_Kept(seq, job.adapter, salt, tokens))

@@ -121,11 +121,28 @@ async def test_the_houses_work_takes_no_room_from_a_persons_conversation(tiny_mo
         for prompt in judged:
             await collect(llama, SamplingParams(max_new_tokens=4, temperature=0.0), prompt=prompt)
             await llama.score(prompt, 2000, background=True)
+        await llama._call(lambda: None)  # the worker released the last job before it takes this
         assert {k.salt for k in runner.people.kept} == {"alice"}
         assert runner.house.kept and {k.salt for k in runner.house.kept} == {None}
         follow = conversation + [t.token_id for t in turn] + [9, 10]
         again = await collect(llama, hers, prompt=follow)
         assert again[0].cached_prompt_tokens == len(conversation) + len(turn) - 1, "her conversation was kept"
+    finally:
+        await llama.close()
+
+
+async def test_her_conversation_read_by_a_new_version_forgets_the_old_versions_read(tiny_model_dir, adapters):
+    llama = await open_engine(tiny_model_dir, "llama.cpp")
+    try:
+        await llama.load_adapter("a", str(adapters["a"]))
+        hers = SamplingParams(max_new_tokens=4, temperature=0.0, cache_salt="alice")
+        turn = await collect(llama, hers)
+        conversation = PROMPT + [t.token_id for t in turn]
+        await collect(llama, SamplingParams(max_new_tokens=1, cache_salt="bob"))
+        await collect(llama, SamplingParams(max_new_tokens=1, cache_salt="alice"), "a", prompt=conversation)
+        await llama._call(lambda: None)  # the worker released the last job before it takes this
+        kept = {(k.salt, k.adapter) for k in llama.runner.people.kept}
+        assert kept == {("alice", "a"), ("bob", None)}, "her base read is gone, his is not"
     finally:
         await llama.close()
 
