@@ -40,8 +40,10 @@ LOGITS_CHUNK_BYTES = 64 << 20
 # agent's conversation, about 4.5k tokens of SmolLM2 at 46 KB each in fp32, twice over.
 BASE_KV_BYTES = 512 << 20
 # Samples whose base model's side of the distillation target is kept (`_base_sides`): a few
-# hundred KB each (a reply's positions × the teacher's top K, three ways).
-SIDES_KEPT = 128
+# hundred KB each (a reply's positions × the teacher's top K, three ways). Enough for the
+# batches being filled and the held-out turns with a hint of recent users (the `wish` figure,
+# NEXTSTATE_HELD_OUT_MAX = 32 each), which every gate check reads again.
+SIDES_KEPT = 512
 
 
 # A sample's base model side of its distillation target (`_base_sides`): the hinted base model's

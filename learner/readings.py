@@ -103,8 +103,6 @@ class Readings:
         self._base_replies: OrderedDict[tuple, tuple[list[float | None], float]] = OrderedDict()
         # the base model's side of the held-out figures: per sample id, and the probe
         self._base_held_out: OrderedDict[int, torch.Tensor] = OrderedDict()
-        # per held-out turn with a hint: (the hinted base model's top-K ids, their log-probabilities, the unhinted base's)
-        self._base_hint_moves: OrderedDict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = OrderedDict()
         self._base_probe_nll: float | None = None
         self._probe: list[list[int]] | None = None
         self._everyday: list[list[int]] | None = None  # the gate's shipped prompts, rendered once
@@ -148,15 +146,7 @@ class Readings:
         todo = [i for i, s in enumerate(held_out) if s.teacher_prompt_ids and s.id is not None]
         if not todo:
             return [None] * len(held_out)
-        missing = [i for i in todo if held_out[i].id not in self._base_hint_moves]
-        if missing:
-            for i, sides in self.trainer._base_sides(held_out, missing).items():
-                self._base_hint_moves[held_out[i].id] = sides
-        for i in todo:
-            self._base_hint_moves.move_to_end(held_out[i].id)
-        while len(self._base_hint_moves) > BASE_HELD_OUT_KEPT:
-            self._base_hint_moves.popitem(last=False)
-        kept = {i: self._base_hint_moves[held_out[i].id] for i in todo}
+        kept = self.trainer._base_sides(held_out, todo)  # kept by sample id, as a training target's are
         version = ({i: unhinted for i, (_, _, unhinted) in kept.items()} if at_base
                    else self.trainer._gathered(held_out, todo, {i: ids for i, (ids, _, _) in kept.items()}))
         return [HintMove(kept[i][1], kept[i][2], version[i]) if i in kept else None for i in range(len(held_out))]

@@ -81,10 +81,13 @@ async def test_a_hinted_held_out_turn_gives_a_wish_of_zero_on_a_fresh_adapter_an
     trainer = LoraTrainer(tiny_model_dir, LearnerSettings(lr=2e-2, lora_r=4, lora_alpha=8, max_kl=100.0, replay_coef=0))
     readings = Readings(trainer)
     held = [distilled(make_sample(t)).model_copy(update={"id": i + 1}) for i, t in enumerate(await generate(engine, 4))]
+    read, hinted_topk = [], trainer._hinted_topk
+    trainer._hinted_topk = lambda samples, todo: read.extend(todo) or hinted_topk(samples, todo)
     assert readings.version_figures("alice", held, probe=False).wish == pytest.approx(0.0, abs=1e-5)
     for _ in range(3):
         trainer.step("alice", held)  # distilled on them (a held-out turn never is: here, to move it)
     assert readings.version_figures("alice", held, probe=False).wish > 0.1
+    assert sorted(read) == [0, 1, 2, 3], "the hinted base model read each turn once, for the readings and the steps"
 
 
 async def test_a_version_is_scored_against_the_base_model_and_forgets_nothing_at_first(tiny_model_dir, engine):
