@@ -504,3 +504,21 @@ def test_every_bench_that_saves_a_result_can_draw_it_again():
         if "save(" in source and "from bench.report import" in source:
             module = importlib.import_module(f"bench.{name}")
             assert callable(getattr(module, "plot", None)) and callable(getattr(module, "headline", None)), name
+
+
+async def test_a_kept_turns_decode_is_measured_beside_each_kind_of_kept_read(tiny_model_dir):
+    """bench.serving_speed's `kept` figures: her turn reads only what is new, and the three other
+    reads are kept where the figure says, the house's in a context of its own."""
+    from bench.serving_speed import decode_beside
+    from tests.test_engine import open_engine
+
+    long_ids = [5 + j % 300 for j in range(600)]
+    for others, people, house in ((None, 2, 0), ("house", 2, 3), ("people", 5, 0)):  # her two turns, and the others
+        engine = await open_engine(tiny_model_dir, "llama.cpp")
+        try:
+            assert await decode_beside(engine, long_ids, others, repeats=2) > 0
+            await engine._call(lambda: None)  # the worker released the last job before it takes this
+            assert (len(engine.runner.people.kept), len(engine.runner.house.kept)) == (people, house)
+            assert engine.runner.stats.prompt_tokens_reused >= 2 * len(long_ids), "her turns read only what is new"
+        finally:
+            await engine.close()
