@@ -15,7 +15,7 @@ scheduler, streaming and adapters work as they do there:
   same way. The least recently used are dropped when the cache or the sequence ids run out.
 * **The house's work in a context of its own.** llama.cpp attends over every used cell of a
   unified cache, whichever sequence holds it: one 4k conversation decodes 36 tokens/s alone and
-  24 beside three other kept 4k reads (docs/benchmark-log.md, "The judge's reads in a cache of
+  24 beside three other kept 4k reads (docs/benchmark-log.md, "The house's reads in a cache of
   their own"). Work with no salt (the judge's votes, the teacher's hinted reads) shares no
   prefix with a person's anyway, so it runs in a second context on the same weights, and a
   person's turn attends over the people's cells only.
