@@ -139,7 +139,8 @@ class LlamaCppRunner:
         # the GGUF LoRA files of loaded versions: removed at close or, for a runner never
         # closed (a test, a failed start), when it is collected or the process exits
         self._adapter_dir = tempfile.TemporaryDirectory(prefix="nextstate-lora-", ignore_cleanup_errors=True)
-        self._batches: dict[tuple[bool, bool], SequenceBatch] = {}
+        self._contexts = (self.people, self.house)
+        self._batches: dict[tuple[bool, _Context], SequenceBatch] = {}  # by (background, context)
         self.constraints = ConstraintCompiler(model_dir)
         self.stats = RunnerStats()
         self.info = EngineInfo(
@@ -185,7 +186,7 @@ class LlamaCppRunner:
             return False  # more of the prompt to feed before the first token
         finished = take_token(job, logits[-1], self.info.max_context)
         if not finished and self.batching:
-            key = (job.background, context is self.house)
+            key = (job.background, context)
             batch = self._batches.get(key)
             if batch is None:
                 batch = self._batches[key] = SequenceBatch(job.background, context)
@@ -255,7 +256,7 @@ class LlamaCppRunner:
         if job.batch is not None:
             job.batch.rows.remove(job)
             if not job.batch.rows:
-                self._batches.pop((job.batch.background, job.batch.context is self.house), None)
+                self._batches.pop((job.batch.background, job.batch.context), None)
             job.batch = None
         seq, job.cache = job.cache, None
         if seq is None:
@@ -315,7 +316,7 @@ class LlamaCppRunner:
             raise UnknownAdapterError(f"adapter {name!r} is not loaded")
         self.drop(name)
         adapter, files = self.adapters.loaded.pop(name)
-        for context in (self.people, self.house):
+        for context in self._contexts:
             if context.adapter == name:
                 self._set_adapter(context, None)
         self.ll.llama_adapter_lora_free(adapter)
@@ -323,14 +324,14 @@ class LlamaCppRunner:
 
     def drop(self, adapter: str | None) -> None:
         """Forget the kept prefixes computed under `adapter`."""
-        for context in (self.people, self.house):
+        for context in self._contexts:
             for kept in [k for k in context.kept if k.adapter == adapter]:
                 context.forget(kept)
 
     def close(self) -> None:
         ll = self.ll
         ll.llama_batch_free(self.batch)
-        for context in (self.people, self.house):
+        for context in self._contexts:
             context.close()
         for adapter, _ in self.adapters.loaded.values():
             ll.llama_adapter_lora_free(adapter)

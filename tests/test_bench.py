@@ -510,14 +510,14 @@ async def test_a_kept_turns_decode_is_measured_beside_each_kind_of_kept_read(tin
     """bench.serving_speed's `kept` figures: her turn reads only what is new, and the three other
     reads are kept where the figure says, the house's in a context of its own."""
     from bench.serving_speed import decode_beside
-    from tests.test_engine import open_engine
+    from tests.test_engine import open_engine, settled
 
     long_ids = [5 + j % 300 for j in range(600)]
     for others, people, house in ((None, 2, 0), ("house", 2, 3), ("people", 5, 0)):  # her two turns, and the others
         engine = await open_engine(tiny_model_dir, "llama.cpp")
         try:
             assert await decode_beside(engine, long_ids, others, repeats=2) > 0
-            await engine._call(lambda: None)  # the worker released the last job before it takes this
+            await settled(engine)
             assert (len(engine.runner.people.kept), len(engine.runner.house.kept)) == (people, house)
             assert engine.runner.stats.prompt_tokens_reused >= 2 * len(long_ids), "her turns read only what is new"
         finally:

@@ -38,6 +38,12 @@ async def collect(engine, sampling, adapter=None, prompt=PROMPT):
     return [tok async for tok in engine.generate(prompt, sampling, adapter)]
 
 
+async def settled(engine) -> None:
+    """Wait until the engine's worker has released every job already answered: a call queued
+    now runs only after the round that delivered their last token, release included."""
+    await engine._call(lambda: None)
+
+
 async def test_sampling_logprobs_match_a_full_forward_pass(engine):
     """What we record as old logprobs must equal what the learner will recompute."""
     for temperature in (0.0, 0.7, 1.0):

@@ -16,7 +16,7 @@ import json
 import pytest
 
 from nextstate.engine.base import SamplingParams
-from tests.test_engine import collect, open_engine
+from tests.test_engine import collect, open_engine, settled
 from tests.test_engine_contract import ENUM_TOOL, write_adapters
 from tests.tiny_model import SERVED_TOLERANCE as TOLERANCE
 
@@ -36,6 +36,15 @@ async def pair(tiny_model_dir):
 @pytest.fixture
 def adapters(tiny_model_dir, tmp_path):
     return write_adapters(tiny_model_dir, tmp_path)
+
+
+@pytest.fixture
+async def adapted(tiny_model_dir, adapters):
+    """llama.cpp with adapter "a" loaded."""
+    llama = await open_engine(tiny_model_dir, "llama.cpp")
+    await llama.load_adapter("a", str(adapters["a"]))
+    yield llama
+    await llama.close()
 
 
 async def test_served_logprobs_are_the_learners_within_the_bound(pair, adapters):
@@ -72,22 +81,18 @@ async def test_rows_of_several_adapters_decode_together_as_alone(pair, adapters)
     assert llama.runner.stats.forward_passes - passes < sum(len(r) for r in alone), "rows shared passes"
 
 
-async def test_a_kept_prefix_serves_only_its_salt_and_adapter(tiny_model_dir, adapters):
-    llama = await open_engine(tiny_model_dir, "llama.cpp")
-    try:
-        await llama.load_adapter("a", str(adapters["a"]))
-        first = SamplingParams(max_new_tokens=4, temperature=0.0, cache_salt="alice")
-        turn = await collect(llama, first)
-        follow = PROMPT + [t.token_id for t in turn] + [7, 8, 9]
-        again = await collect(llama, first, prompt=follow)
-        assert again[0].cached_prompt_tokens == len(PROMPT) + len(turn) - 1, "her next turn reads only what is new"
-        other = await collect(llama, SamplingParams(max_new_tokens=4, temperature=0.0, cache_salt="bob"), prompt=follow)
-        assert other[0].cached_prompt_tokens == 0, "another user's salt shares nothing"
-        adapted = await collect(llama, first, "a", prompt=follow)
-        assert adapted[0].cached_prompt_tokens == 0, "keys and values of another policy are not reused"
-        assert [t.token_id for t in again] == [t.token_id for t in other]
-    finally:
-        await llama.close()
+async def test_a_kept_prefix_serves_only_its_salt_and_adapter(adapted):
+    llama = adapted
+    first = SamplingParams(max_new_tokens=4, temperature=0.0, cache_salt="alice")
+    turn = await collect(llama, first)
+    follow = PROMPT + [t.token_id for t in turn] + [7, 8, 9]
+    again = await collect(llama, first, prompt=follow)
+    assert again[0].cached_prompt_tokens == len(PROMPT) + len(turn) - 1, "her next turn reads only what is new"
+    other = await collect(llama, SamplingParams(max_new_tokens=4, temperature=0.0, cache_salt="bob"), prompt=follow)
+    assert other[0].cached_prompt_tokens == 0, "another user's salt shares nothing"
+    by_adapter = await collect(llama, first, "a", prompt=follow)
+    assert by_adapter[0].cached_prompt_tokens == 0, "keys and values of another policy are not reused"
+    assert [t.token_id for t in again] == [t.token_id for t in other]
 
 
 async def test_a_full_cache_drops_old_prefixes_and_serves_on(tiny_model_dir):
@@ -121,7 +126,7 @@ async def test_the_houses_work_takes_no_room_from_a_persons_conversation(tiny_mo
         for prompt in judged:
             await collect(llama, SamplingParams(max_new_tokens=4, temperature=0.0), prompt=prompt)
             await llama.score(prompt, 2000, background=True)
-        await llama._call(lambda: None)  # the worker released the last job before it takes this
+        await settled(llama)
         assert {k.salt for k in runner.people.kept} == {"alice"}
         assert runner.house.kept and {k.salt for k in runner.house.kept} == {None}
         follow = conversation + [t.token_id for t in turn] + [9, 10]
@@ -131,20 +136,16 @@ async def test_the_houses_work_takes_no_room_from_a_persons_conversation(tiny_mo
         await llama.close()
 
 
-async def test_her_conversation_read_by_a_new_version_forgets_the_old_versions_read(tiny_model_dir, adapters):
-    llama = await open_engine(tiny_model_dir, "llama.cpp")
-    try:
-        await llama.load_adapter("a", str(adapters["a"]))
-        hers = SamplingParams(max_new_tokens=4, temperature=0.0, cache_salt="alice")
-        turn = await collect(llama, hers)
-        conversation = PROMPT + [t.token_id for t in turn]
-        await collect(llama, SamplingParams(max_new_tokens=1, cache_salt="bob"))
-        await collect(llama, SamplingParams(max_new_tokens=1, cache_salt="alice"), "a", prompt=conversation)
-        await llama._call(lambda: None)  # the worker released the last job before it takes this
-        kept = {(k.salt, k.adapter) for k in llama.runner.people.kept}
-        assert kept == {("alice", "a"), ("bob", None)}, "her base read is gone, his is not"
-    finally:
-        await llama.close()
+async def test_her_conversation_read_by_a_new_version_forgets_the_old_versions_read(adapted):
+    llama = adapted
+    hers = SamplingParams(max_new_tokens=4, temperature=0.0, cache_salt="alice")
+    turn = await collect(llama, hers)
+    conversation = PROMPT + [t.token_id for t in turn]
+    await collect(llama, SamplingParams(max_new_tokens=1, cache_salt="bob"))
+    await collect(llama, SamplingParams(max_new_tokens=1, cache_salt="alice"), "a", prompt=conversation)
+    await settled(llama)
+    kept = {(k.salt, k.adapter) for k in llama.runner.people.kept}
+    assert kept == {("alice", "a"), ("bob", None)}, "her base read is gone, his is not"
 
 
 async def test_a_forced_tool_call_is_the_schemas_json(pair):
