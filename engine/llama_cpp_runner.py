@@ -13,6 +13,12 @@ scheduler, streaming and adapters work as they do there:
   and salt (a conversation's next turn), which takes it over by sharing its cells
   (`llama_memory_seq_cp`), not copying them; a running one shares what it has read so far the
   same way. The least recently used are dropped when the cache or the sequence ids run out.
+* **One read per conversation.** A turn that holds an earlier turn's whole prompt supersedes
+  its read (agents send a reply back as text, re-rendered with other tokens, so the replies
+  are not compared), and so does a new version's read of her conversation: llama.cpp attends
+  up to the cache's highest used cell, and a version's read placed beyond her old one decoded
+  her next turn at 28-30 tokens/s instead of 41-43 (docs/benchmark-log.md, "One read per
+  conversation").
 * **The house's work in a context of its own.** llama.cpp attends over every used cell of a
   unified cache, whichever sequence holds it: one 4k conversation decodes 36 tokens/s alone and
   24 beside three other kept 4k reads (docs/benchmark-log.md, "The house's reads in a cache of
@@ -75,6 +81,7 @@ class _Kept:
     adapter: str | None
     salt: str | None
     tokens: np.ndarray
+    prompt: int  # how many of `tokens` were the prompt (the rest: the reply sampled)
     used: float = field(default_factory=time.monotonic)
 
 
@@ -163,12 +170,15 @@ class LlamaCppRunner:
             except (ConstraintError, ValueError) as exc:
                 raise EngineRejected(str(exc)) from exc
         context = self._context(job)
-        if job.cache is None:
+        starting = job.cache is None
+        if starting:
             job.cache = context.take_sequence()
             context.live[job.cache] = job
         prompt_len = len(job.input_ids)
         if job.fed < prompt_len:
             self._reuse_prefix(context, job)
+            if starting:
+                self._forget_superseded(context, job, job.input_ids)
             ids = job.input_ids[job.fed : job.fed + job.prefill_chunk]
             first = job.fed
             scored_from = job.score_from - 1 if job.score_from is not None else first + len(ids) - 1
@@ -270,15 +280,24 @@ class LlamaCppRunner:
             context.drop_sequence(seq)
             return
         tokens = np.asarray(ids[:length], dtype=np.int64)
+        self._forget_superseded(context, job, tokens)
+        context.kept.append(_Kept(seq, job.adapter, job.sampling.cache_salt, tokens, min(len(job.input_ids), length)))
+
+    def _forget_superseded(self, context: _Context, job: Job, tokens) -> None:
+        """Forget the kept reads `job` supersedes: those of its salt whose whole prompt `tokens`
+        begins with (an earlier turn of the same conversation; its reply is re-rendered by the
+        client with other tokens, so only the prompt is compared) and, of a person's, also those
+        read under another policy (her conversation goes on under this one: a new version's
+        warm-up or first turn). Kept, they would only lengthen every step she decodes: llama.cpp
+        attends over the cache up to its highest used cell. Done as the job starts, after it
+        took over what it shares, so its new cells can fill the ones freed (llama.cpp places
+        new tokens from the cache's start when enough before its head are free); and again as
+        it ends, for reads that finished meanwhile."""
         salt = job.sampling.cache_salt
+        ids = np.asarray(tokens, dtype=np.int64)
         for kept in [k for k in context.kept if k.salt == salt and (k.adapter == job.adapter or salt is not None)]:
-            # An earlier turn of the same conversation: the new sequence holds all it held. Of a
-            # person's, also one read under another policy: her conversation went on under this
-            # one (a new version's first turn, its warm-up), and kept, the old read would only
-            # lengthen every step she decodes (llama.cpp attends over all used cells).
-            if len(kept.tokens) <= length and np.array_equal(kept.tokens, tokens[: len(kept.tokens)]):
+            if kept.prompt <= len(ids) and np.array_equal(kept.tokens[: kept.prompt], ids[: kept.prompt]):
                 context.forget(kept)
-        context.kept.append(_Kept(seq, job.adapter, salt, tokens))
 
     def score(self, ids: list[int], start: int, adapter: str | None, temperature: float) -> list[float]:
         """Logprobs of ids[start:] in one pass of their own (nothing kept), in the house's cache."""

@@ -148,6 +148,22 @@ async def test_her_conversation_read_by_a_new_version_forgets_the_old_versions_r
     assert kept == {("alice", "a"), ("bob", None)}, "her base read is gone, his is not"
 
 
+async def test_her_next_turn_forgets_the_last_ones_read_though_its_reply_was_re_rendered(adapted):
+    """Agents send a sampled reply back as text, which the chat template renders with other
+    tokens: the next turn holds the last one's prompt, not its reply, and that is enough."""
+    llama = adapted
+    hers = SamplingParams(max_new_tokens=4, temperature=0.0, cache_salt="alice")
+    reply = [t.token_id for t in await collect(llama, hers)]
+    elsewhere = [*PROMPT[:10], 300, 301, 302]  # another conversation of hers, on the same system prompt
+    await collect(llama, hers, prompt=elsewhere)
+    re_rendered = [*reply[:-1], reply[-1] + 1]
+    follow = await collect(llama, hers, prompt=PROMPT + re_rendered + [7, 8, 9])
+    assert follow[0].cached_prompt_tokens == len(PROMPT) + len(reply) - 1, "what it shares is still read once"
+    await settled(llama)
+    kept = sorted(len(k.tokens) for k in llama.runner.people.kept)
+    assert kept == [len(elsewhere) + 4 - 1, len(PROMPT) + len(reply) + 3 + 4 - 1], "one read per conversation"
+
+
 async def test_a_forced_tool_call_is_the_schemas_json(pair):
     _, llama = pair
     schema = json.dumps(ENUM_TOOL["function"]["parameters"])
