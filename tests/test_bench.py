@@ -513,7 +513,8 @@ async def test_a_kept_turns_decode_is_measured_beside_each_kind_of_kept_read(tin
     from tests.test_engine import open_engine, settled
 
     long_ids = [5 + j % 300 for j in range(600)]
-    for others, people, house in ((None, 2, 0), ("house", 2, 3), ("people", 5, 0)):  # her two turns, and the others
+    # her turns hold one read (each next turn holds the last one's whole prompt), and the others
+    for others, people, house in ((None, 1, 0), ("house", 1, 3), ("people", 4, 0)):
         engine = await open_engine(tiny_model_dir, "llama.cpp")
         try:
             assert await decode_beside(engine, long_ids, others, repeats=2) > 0
