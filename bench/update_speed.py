@@ -12,8 +12,9 @@ update's levers off (every row computed in a pass of its own, the base model rea
 prompt from its start, every training pass reading its rows whole) and on (learner/micro_batches.py's
 shared rows, the base model's kept prompts, `ResponseReader._base_hidden`, the long prompts' starts
 read once per weights without gradients, learner/prompt_prefix.py). With the levers on, the base
-model's side of the first three samples' targets is read first, as the learner reads it while a
-batch fills (`read_ahead_s`, outside the total: it happens before the fourth rating). Both start
+model's side of the first three samples' targets and the gate's base replies to their prompts are
+read first, as the learner reads them while a batch fills (`read_ahead_s`, outside the total: it
+happens before the fourth rating). Both start
 from the same seed; their losses and KLs are printed side by side, so a lever that changed the
 update would show.
 
@@ -87,6 +88,10 @@ def timed_update(model_dir: Path, samples, levers: bool, overrides: dict | None 
         mark = time.monotonic()
         if levers:  # what the learner reads while the batch fills, before the last rating (LoraTrainer.read_ahead)
             trainer.read_ahead(samples[:-1])
+            # and the gate's base replies to the prompts known then (PublishGate.read_ahead)
+            ahead = gate_prompts([s.prompt_ids for s in samples[:-1]])
+            for prompt in readings.base_missing(gate_prompts(ahead + readings.everyday_prompts(GATE_PROMPTS)), GATE_NEW_TOKENS):
+                readings.base_figures([prompt], GATE_NEW_TOKENS)
         out["read_ahead_s"] = round(time.monotonic() - mark, 1)
         mark = time.monotonic()
         readings.gate_figures("alice", [], prompts, GATE_NEW_TOKENS)  # the serving version: the base model

@@ -43,6 +43,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import asdict, dataclass, field
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from nextstate.core.stores.samples import SampleStore
@@ -198,16 +199,41 @@ class PublishGate:
         when the gate is off."""
         if not self.settings.publish_gate:
             return None
-        recent = self.store.recent_samples(GATE_SAMPLES, scope if self.per_user else None, {x.id for x in batch})
+        recent, turns, prompts = self._held_out(scope, batch)
         liked = [x for x in recent if x.reward > 0][:GATE_LIKED]
-        turns = self.held_out_turns(scope)
-        prompts = gate_prompts([x.prompt_ids for x in recent + turns + batch])
-        if len(prompts) < GATE_PROMPTS:  # a new scope: its two to four prompts would be noise
-            prompts = gate_prompts(prompts + self.readings.everyday_prompts(GATE_PROMPTS))
         liked = liked if len(liked) >= MIN_HELD_OUT else []
         serving = self.readings.gate_figures(scope, liked, prompts, GATE_NEW_TOKENS)
         serving.version = self.readings.version_figures(scope, turns, probe=False)  # only its gain is compared
         return HeldOut(liked, prompts, serving, turns)
+
+    def _held_out(self, scope: str, batch: list[Sample]) -> tuple[list[Sample], list[Sample], list[list[int]]]:
+        """The scope's recent samples outside `batch`, its held-out turns, and the gate's prompts."""
+        recent = self.store.recent_samples(GATE_SAMPLES, scope if self.per_user else None, {x.id for x in batch})
+        turns = self.held_out_turns(scope)
+        prompts = gate_prompts([x.prompt_ids for x in recent + turns + batch])
+        if len(prompts) < GATE_PROMPTS:  # a new scope: its two to four prompts would be noise
+            prompts = gate_prompts(prompts + self.readings.everyday_prompts(GATE_PROMPTS))
+        return recent, turns, prompts
+
+    def read_ahead(self, scope: str, ready: list[Sample], closing: Callable[[], bool] = lambda: False) -> int:
+        """The serving side of a new scope's first check, read while its batch fills: a scope
+        still at the base model is scored by the base model's replies and held-out figures, which
+        are kept per prompt and per turn (learner/readings.py), so after the last rating only what
+        that rating added is read. On four OpenClaw turns the serving side was 15-25 s after the
+        last rating, most of it three prompts known before it. A prompt at a time, stopping when
+        `closing()`: the learner's thread cannot be cancelled. Returns how many prompts were
+        answered."""
+        if not self.settings.publish_gate or not self.trainer._at_base(scope):
+            return 0
+        _, turns, prompts = self._held_out(scope, ready)
+        todo = self.readings.base_missing(prompts, GATE_NEW_TOKENS)
+        for prompt in todo:
+            if closing():
+                return 0
+            self.readings.base_figures([prompt], GATE_NEW_TOKENS)
+        if turns and not closing():
+            self.readings.version_figures(scope, turns, probe=False)  # its base side is kept by turn
+        return len(todo)
 
     def held_out_turns(self, scope: str) -> list[Sample]:
         """The turns of the scope's users that no version trains on (one user's, per user)."""

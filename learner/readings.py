@@ -184,10 +184,14 @@ class Readings:
         replies = self.sampled(prompts, max_new, GATE_SAMPLED_REPLIES)
         return GateFigures(mean(per_token), mean([self._repetition(r) for r in replies.ids]), empty=mean(replies.empty))
 
+    def base_missing(self, prompts: list[list[int]], max_new: int) -> list[list[int]]:
+        """The prompts whose base replies `base_figures` has not kept yet."""
+        return [p for p in prompts if _reply_key(p, max_new) not in self._base_replies]
+
     def base_figures(self, prompts: list[list[int]], max_new: int) -> tuple[float | None, float | None]:
         """The base model's repetition and chance of an empty reply on these prompts; the base
         never changes, so each prompt is answered once."""
-        keys = [(hash(tuple(p)), len(p), max_new) for p in prompts]  # a digest: prompts run to thousands of tokens
+        keys = [_reply_key(p, max_new) for p in prompts]
         missing = [(k, p) for k, p in zip(keys, prompts) if k not in self._base_replies]
         if missing:
             n = GATE_SAMPLED_REPLIES  # a prompt's sampled replies count one each in the mean
@@ -277,6 +281,11 @@ class Readings:
             self._everyday = [self.trainer._chat().render([{"role": "user", "content": q}]).ids
                               for q in shipped_lines("everyday_questions.txt")]
         return self._everyday[:n]
+
+
+def _reply_key(prompt: list[int], max_new: int) -> tuple:
+    """What a base reply is kept under: a digest, since prompts run to thousands of tokens."""
+    return hash(tuple(prompt)), len(prompt), max_new
 
 
 def _adapter_on(model: torch.nn.Module) -> bool:

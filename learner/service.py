@@ -184,18 +184,22 @@ class Learner:
         return True
 
     def _read_ahead(self) -> None:
-        """The base model's side of the ready samples' distillation targets, read while their
-        batch fills (`LoraTrainer.read_ahead`): the update after a person's last rating then
-        starts from its policy passes. Each scope's next batch (its oldest ready samples), at most,
-        a sample at a time: a closing learner stops between two (its thread cannot be cancelled)."""
+        """The base model's side of the ready samples' distillation targets, and of a new
+        scope's gate check, read while their batch fills (`LoraTrainer.read_ahead`,
+        `PublishGate.read_ahead`): the update after a person's last rating then starts from its
+        policy passes. Each scope's next batch (its oldest ready samples), at most, a sample or a
+        prompt at a time: a closing learner stops between two (its thread cannot be cancelled)."""
         if self.trainer is None:
             return
         for scope, samples, _ in ready_by_scope(self.store, self.settings, self.policies.per_user):
-            for sample in samples[: self.settings.batch_size]:
+            batch = samples[: self.settings.batch_size]
+            for sample in batch:
                 if self._closing:
                     return
                 if self.trainer.read_ahead([sample]):
                     log.debug("learner %s: read ahead the base model's side of sample %s", scope, sample.id)
+            if self.gate and (answered := self.gate.read_ahead(scope, batch, lambda: self._closing)):
+                log.debug("learner %s: read ahead the gate's base replies to %d prompt(s)", scope, answered)
 
     def _next_batch(self) -> tuple[str, list[Sample]]:
         """The first scope with a batch to train (learner/batching.py), oldest samples first;

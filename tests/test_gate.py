@@ -132,6 +132,34 @@ def test_a_step_that_went_too_far_is_tried_at_half_its_length(server_factory, mo
     assert min(serving, first) - 1e-6 <= second <= max(serving, first) + 1e-6, "half the step scores between"
 
 
+def test_a_new_scopes_gate_reads_the_base_replies_it_can_while_the_batch_fills(server_factory):
+    """Three ready samples of a batch of four: the base model's replies to the gate's prompts
+    known so far are read ahead (a new scope is served by the base model); after the fourth
+    rating the check answers only that rating's new prompt."""
+    server = learning_server(server_factory, publish_gate=True)
+    learner = server.app.state.services.learner
+    readings = learner.gate.readings
+    feed(server, served_samples(server, 3))
+    wait_for(lambda: len(readings._base_replies) == 8, timeout=120)  # their one prompt and 7 everyday ones
+    assert learner.steps == [] and learner.training is None
+    answered = []
+    real = readings.sampled
+
+    def sampled(prompts, max_new, n):
+        if readings.trainer._reading_base:  # the base model's side, not the candidate's
+            answered.extend(prompts)
+        return real(prompts, max_new, n)
+
+    readings.sampled = sampled
+    new_prompt = list(range(40, 60))
+    fourth = served_samples(server, 1, seed0=9)[0].model_copy(update={"prompt_ids": new_prompt})
+    feed(server, [fourth])
+    wait_for(lambda: server.app.state.services.policies.current("alice").version == 1, timeout=120)
+    assert answered == [new_prompt], "the base model answered the new prompt once, and nothing it had read ahead"
+    first = learner.steps[0]["gate"]
+    assert first["prompts"] == 8 and first["base_repetition"] is not None
+
+
 def asyncio_to_thread(fn, *args):
     import asyncio
 
