@@ -42,8 +42,8 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import asdict, dataclass, field
 from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from nextstate.core.stores.samples import SampleStore
@@ -217,22 +217,20 @@ class PublishGate:
 
     def read_ahead(self, scope: str, ready: list[Sample], closing: Callable[[], bool] = lambda: False) -> int:
         """The serving side of a new scope's first check, read while its batch fills: a scope
-        still at the base model is scored by the base model's replies and held-out figures, which
-        are kept per prompt and per turn (learner/readings.py), so after the last rating only what
-        that rating added is read. On four OpenClaw turns the serving side was 15-25 s after the
+        still at the base model is scored by the base model's replies, which are kept per prompt
+        (learner/readings.py), so after the last rating only the prompt that rating added is
+        answered. On four OpenClaw turns the serving side was 15-25 s after the
         last rating, most of it three prompts known before it. A prompt at a time, stopping when
         `closing()`: the learner's thread cannot be cancelled. Returns how many prompts were
         answered."""
-        if not self.settings.publish_gate or not self.trainer._at_base(scope):
+        if not self.settings.publish_gate or not self.trainer.serves_base(scope):
             return 0
-        _, turns, prompts = self._held_out(scope, ready)
+        _, _, prompts = self._held_out(scope, ready)
         todo = self.readings.base_missing(prompts, GATE_NEW_TOKENS)
         for prompt in todo:
             if closing():
                 return 0
             self.readings.base_figures([prompt], GATE_NEW_TOKENS)
-        if turns and not closing():
-            self.readings.version_figures(scope, turns, probe=False)  # its base side is kept by turn
         return len(todo)
 
     def held_out_turns(self, scope: str) -> list[Sample]:

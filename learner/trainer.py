@@ -156,6 +156,13 @@ class LoraTrainer(ResponseReader):
         name = self.ensure_scope(scope)
         return all(not p.any() for n, p in self.model.named_parameters() if "lora_B" in n and f".{name}." in n)
 
+    def serves_base(self, scope: str) -> bool:
+        """`_at_base`, without making the scope an adapter: one the trainer has not met yet (a
+        new user's batch filling) is read as the base model."""
+        if self.model is None or adapter_name(scope) not in self.model.peft_config:
+            return True
+        return self._at_base(scope)
+
     # ---------------------------------------------------------------- persistence
 
     def save(self, scope: str, path: Path) -> None:

@@ -142,6 +142,7 @@ def test_a_new_scopes_gate_reads_the_base_replies_it_can_while_the_batch_fills(s
     feed(server, served_samples(server, 3))
     wait_for(lambda: len(readings._base_replies) == 8, timeout=120)  # their one prompt and 7 everyday ones
     assert learner.steps == [] and learner.training is None
+    assert learner.trainer._optimizers == {}, "no adapter is made for a batch still filling"
     answered = []
     real = readings.sampled
 
