@@ -215,20 +215,20 @@ class PublishGate:
             prompts = gate_prompts(prompts + self.readings.everyday_prompts(GATE_PROMPTS))
         return recent, turns, prompts
 
-    def read_ahead(self, scope: str, ready: list[Sample], closing: Callable[[], bool] = lambda: False) -> int:
+    def read_ahead(self, scope: str, ready: list[Sample], stop: Callable[[], bool] = lambda: False) -> int:
         """The serving side of a new scope's first check, read while its batch fills: a scope
         still at the base model is scored by the base model's replies, which are kept per prompt
         (learner/readings.py), so after the last rating only the prompt that rating added is
         answered. On four OpenClaw turns the serving side was 15-25 s after the
-        last rating, most of it three prompts known before it. A prompt at a time, stopping when
-        `closing()`: the learner's thread cannot be cancelled. Returns how many prompts were
+        last rating, most of it three prompts known before it. A prompt at a time, stopping once
+        `stop()` (the learner closes, or a sample arrives that may fill the batch). Returns how many prompts were
         answered."""
         if not self.settings.publish_gate or not self.trainer.serves_base(scope):
             return 0
         _, _, prompts = self._held_out(scope, ready)
         todo = self.readings.base_missing(prompts, GATE_NEW_TOKENS)
         for prompt in todo:
-            if closing():
+            if stop():
                 return 0
             self.readings.base_figures([prompt], GATE_NEW_TOKENS)
         return len(todo)

@@ -188,17 +188,23 @@ class Learner:
         scope's gate check, read while their batch fills (`LoraTrainer.read_ahead`,
         `PublishGate.read_ahead`): the update after a person's last rating then starts from its
         policy passes. Each scope's next batch (its oldest ready samples), at most, a sample or a
-        prompt at a time: a closing learner stops between two (its thread cannot be cancelled)."""
+        prompt at a time: a closing learner, or a new ready sample, stops it between two (its
+        thread cannot be cancelled, and a last rating that came while the gate's replies were read
+        ahead waited for all of them). What is left is read by the update, or by the next read-ahead."""
         if self.trainer is None:
             return
+
+        def stop() -> bool:  # closing, or a new sample that may fill a batch: the update goes first
+            return self._closing or self._wake.is_set()
+
         for scope, samples, _ in ready_by_scope(self.store, self.settings, self.policies.per_user):
             batch = samples[: self.settings.batch_size]
             for sample in batch:
-                if self._closing:
+                if stop():
                     return
                 if self.trainer.read_ahead([sample]):
                     log.debug("learner %s: read ahead the base model's side of sample %s", scope, sample.id)
-            if self.gate and (answered := self.gate.read_ahead(scope, batch, lambda: self._closing)):
+            if self.gate and (answered := self.gate.read_ahead(scope, batch, stop)):
                 log.debug("learner %s: read ahead the gate's base replies to %d prompt(s)", scope, answered)
 
     def _next_batch(self) -> tuple[str, list[Sample]]:

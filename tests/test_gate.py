@@ -205,3 +205,29 @@ def test_the_gate_reads_an_agents_turns_whole_and_unrelated_long_prompts_at_thei
     chosen = gate_prompts([[k] + system + [1, 2] for k in range(3)] + [system + [3]])
     assert [len(p) for p in chosen] == [GATE_PROMPT_TOKENS] * 2
     assert chosen[0][-2:] == [1, 2] and chosen[1][-1] == 3
+
+
+def test_a_sample_that_arrives_stops_the_read_ahead_between_two_reads(monkeypatch):
+    """The read-ahead holds the trainer; a rating that may fill a batch must not wait for all of
+    it: it stops at the next sample or prompt (learner/service.py `_read_ahead`)."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from nextstate.learner import service
+
+    read, wake = [], asyncio.Event()
+
+    def trainer_read(samples):
+        read.append(samples[0].id)
+        if len(read) == 2:
+            wake.set()  # the learner is notified of a new ready sample meanwhile
+        return 1
+
+    samples = [SimpleNamespace(id=i) for i in range(4)]
+    monkeypatch.setattr(service, "ready_by_scope", lambda *args: [("alice", samples, False)])
+    gate_calls = []
+    learner = SimpleNamespace(trainer=SimpleNamespace(read_ahead=trainer_read), _closing=False, _wake=wake,
+                              settings=SimpleNamespace(batch_size=4), policies=SimpleNamespace(per_user=True),
+                              store=None, gate=SimpleNamespace(read_ahead=lambda *a: gate_calls.append(a) or 0))
+    service.Learner._read_ahead(learner)
+    assert read == [0, 1] and gate_calls == [], "stopped after the read that was running"
