@@ -219,10 +219,10 @@ class PublishGate:
         """The serving side of a new scope's first check, read while its batch fills: a scope
         still at the base model is scored by the base model's replies, which are kept per prompt
         (learner/readings.py), so after the last rating only the prompt that rating added is
-        answered. On four OpenClaw turns the serving side was 15-25 s after the
-        last rating, most of it three prompts known before it. A prompt at a time, stopping once
-        `stop()` (the learner closes, or a sample arrives that may fill the batch). Returns how many prompts were
-        answered."""
+        answered. On four OpenClaw turns the serving side took 15-25 s after the last rating, most
+        of it on three prompts known before it. A prompt at a time, stopping once `stop()` (the
+        learner closes, or a sample arrives that may fill the batch). Returns how many prompts
+        were answered."""
         if not self.settings.publish_gate or not self.trainer.serves_base(scope):
             return 0
         _, _, prompts = self._held_out(scope, ready)
