@@ -14,9 +14,8 @@ shared rows, the base model's kept prompts, `ResponseReader._base_hidden`, the l
 read once per weights without gradients, learner/prompt_prefix.py). With the levers on, the base
 model's side of the first three samples' targets and the gate's base replies to their prompts are
 read first, as the learner reads them while a batch fills (`read_ahead_s`, outside the total: it
-happens before the fourth rating). Both start
-from the same seed; their losses and KLs are printed side by side, so a lever that changed the
-update would show.
+happens before the fourth rating). Both start from the same seed; their losses and KLs are
+printed side by side, so a lever that changed the update would show.
 
 Writes bench/results/update_speed-<model>.json: the seconds of each part, per run.
 """
@@ -82,16 +81,16 @@ def timed_update(model_dir: Path, samples, levers: bool, overrides: dict | None 
         if not levers:
             trainer._base_kv.budget = 0
             trainer._prefixes.grad_tokens = None
-        prompts = gate_prompts([s.prompt_ids for s in samples])
-        prompts = gate_prompts(prompts + readings.everyday_prompts(GATE_PROMPTS))
+
+        def the_gates(batch) -> list[list[int]]:  # the batch's prompts, topped up as a new scope's are
+            return gate_prompts(gate_prompts([s.prompt_ids for s in batch]) + readings.everyday_prompts(GATE_PROMPTS))
+
+        prompts = the_gates(samples)
         out: dict = {}
         mark = time.monotonic()
         if levers:  # what the learner reads while the batch fills, before the last rating (LoraTrainer.read_ahead)
             trainer.read_ahead(samples[:-1])
-            # and the gate's base replies to the prompts known then (PublishGate.read_ahead)
-            ahead = gate_prompts([s.prompt_ids for s in samples[:-1]])
-            for prompt in readings.base_missing(gate_prompts(ahead + readings.everyday_prompts(GATE_PROMPTS)), GATE_NEW_TOKENS):
-                readings.base_figures([prompt], GATE_NEW_TOKENS)
+            readings.base_ahead(the_gates(samples[:-1]), GATE_NEW_TOKENS)  # and the gate's (PublishGate.read_ahead)
         out["read_ahead_s"] = round(time.monotonic() - mark, 1)
         mark = time.monotonic()
         readings.gate_figures("alice", [], prompts, GATE_NEW_TOKENS)  # the serving version: the base model

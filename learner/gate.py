@@ -223,15 +223,9 @@ class PublishGate:
         of it on three prompts known before it. A prompt at a time, stopping once `stop()` (the
         learner closes, or a sample arrives that may fill the batch). Returns how many prompts
         were answered."""
-        if not self.settings.publish_gate or not self.trainer.serves_base(scope):
+        if not self.settings.publish_gate or not self.trainer._at_base(scope):
             return 0
-        _, _, prompts = self._held_out(scope, ready)
-        todo = self.readings.base_missing(prompts, GATE_NEW_TOKENS)
-        for prompt in todo:
-            if stop():
-                return 0
-            self.readings.base_figures([prompt], GATE_NEW_TOKENS)
-        return len(todo)
+        return self.readings.base_ahead(self._held_out(scope, ready)[2], GATE_NEW_TOKENS, stop)
 
     def held_out_turns(self, scope: str) -> list[Sample]:
         """The turns of the scope's users that no version trains on (one user's, per user)."""

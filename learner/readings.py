@@ -12,6 +12,7 @@ from __future__ import annotations
 import re
 import warnings
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -184,9 +185,16 @@ class Readings:
         replies = self.sampled(prompts, max_new, GATE_SAMPLED_REPLIES)
         return GateFigures(mean(per_token), mean([self._repetition(r) for r in replies.ids]), empty=mean(replies.empty))
 
-    def base_missing(self, prompts: list[list[int]], max_new: int) -> list[list[int]]:
-        """The prompts whose base replies `base_figures` has not kept yet."""
-        return [p for p in prompts if _reply_key(p, max_new) not in self._base_replies]
+    def base_ahead(self, prompts: list[list[int]], max_new: int, stop: Callable[[], bool] = lambda: False) -> int:
+        """`base_figures` of the prompts not kept yet, read ahead of the check that needs them, a
+        prompt at a time until `stop()`. Returns how many were answered."""
+        answered = 0
+        for prompt in [p for p in prompts if _reply_key(p, max_new) not in self._base_replies]:
+            if stop():
+                break
+            self.base_figures([prompt], max_new)
+            answered += 1
+        return answered
 
     def base_figures(self, prompts: list[list[int]], max_new: int) -> tuple[float | None, float | None]:
         """The base model's repetition and chance of an empty reply on these prompts; the base

@@ -150,18 +150,14 @@ class LoraTrainer(ResponseReader):
 
     def _at_base(self, scope: str) -> bool:
         """Whether the scope's weights are still the base model's (every LoRA B zero, as peft
-        makes them: a scope's first update, or one undone back to the start). Its figures are
-        then the base model's, which are computed once and kept; on an agent's 5-8k-token
+        makes them: a scope's first update, or one undone back to the start; a scope the trainer
+        has not met yet, a new user's batch filling, without making it an adapter). Its figures
+        are then the base model's, which are computed once and kept; on an agent's 5-8k-token
         prompts that spares a new user's first update minutes of a CPU."""
-        name = self.ensure_scope(scope)
-        return all(not p.any() for n, p in self.model.named_parameters() if "lora_B" in n and f".{name}." in n)
-
-    def serves_base(self, scope: str) -> bool:
-        """`_at_base`, without making the scope an adapter: one the trainer has not met yet (a
-        new user's batch filling) is read as the base model."""
-        if self.model is None or adapter_name(scope) not in self.model.peft_config:
+        name = adapter_name(scope)
+        if self.model is None or name not in self.model.peft_config:
             return True
-        return self._at_base(scope)
+        return all(not p.any() for n, p in self.model.named_parameters() if "lora_B" in n and f".{name}." in n)
 
     # ---------------------------------------------------------------- persistence
 
