@@ -296,7 +296,10 @@ class LoraTrainer(ResponseReader):
         for i, lp in reference.items():
             u.before[i] = lp
         try:
-            u.skipped = self._passes(u, params, optimizer)
+            try:
+                u.skipped = self._passes(u, params, optimizer)
+            finally:  # the passes read the prompts' prefixes as the update began (learner/prompt_prefix.py)
+                self._prefixes.clear()
             self.model.eval()
             if not u.skipped:
                 with u.timed("kl_fit"):
@@ -376,7 +379,6 @@ class LoraTrainer(ResponseReader):
         for group in optimizer.param_groups:
             group["lr"] = warmed_up(self.lr, steps_taken(optimizer), c.lr_warmup_steps)
         optimizer.step()
-        self._prefixes.clear()
         u.steps += 1
         return None
 

@@ -816,9 +816,10 @@ async def test_turns_of_one_conversation_train_in_one_pass_as_in_one_pass_each(t
     assert all(torch.allclose(a, b, atol=1e-6, rtol=1e-4) for a, b in zip(apart_grads, shared_grads))
 
 
-def test_a_long_prompt_is_read_once_per_weights_and_trains_only_near_the_replies(tiny_model_dir, monkeypatch):
+def test_a_long_prompt_is_read_once_per_update_and_trains_only_near_the_replies(tiny_model_dir, monkeypatch):
     """learner/prompt_prefix.py: an agent-size prompt's start is read without gradients, once
-    for the rows that share it and once between two changes of the weights; the rest reads it
+    for the rows that share it, once for the update's passes and once at the trained weights
+    (the KL line search, whose read the gate's then takes); the rest reads it
     through a cache that activation checkpointing's second run sees unchanged. Losses are those
     of one pass over each whole row; the gradient is the one with the prefix's keys and values
     held fixed, computed here without checkpointing."""
@@ -856,7 +857,8 @@ def test_a_long_prompt_is_read_once_per_weights_and_trains_only_near_the_replies
     assert whole.skipped is None and split.skipped is None
     assert whole_lengths == [(2, 55)] * 3, "two passes (the second reads the KL check between them) and a check after"
     # rows of 40 + 12 prompt tokens and 3 reply tokens: replies read from position 51, 6 before it train
-    assert split_lengths == [(1, 45), (2, 10)] * 3, "the prefix once per weights"
+    assert split_lengths == [(1, 45), (2, 10), (2, 10), (1, 45), (2, 10)], \
+        "the prefix once for both passes (read at the update's start), once after them"
     assert split.mismatch == pytest.approx(whole.mismatch, abs=1e-6), "the first pass reads what a whole row reads"
 
     # the gate's candidate reads its prompts from what the update's last pass read at its weights
