@@ -9,7 +9,8 @@ recent samples of its scope that it did not train on (the readings: learner/read
   fall more than `gate_max_gain_drop` below the serving version's, turn by turn, past two
   standard errors;
 * **forgetting**: its perplexity on the shipped general-text probe may not rise more than
-  `gate_max_forgetting` over the base model's;
+  `gate_max_forgetting` over the base model's (read a part at a time, until the passages read
+  put it clearly inside the limit: learner/readings.py `_probe_nll`);
 * **likelihood**: the mean per-token log-probability of the held-out replies that were
   rewarded may not fall by more than `gate_max_likelihood_drop` nats from the serving
   version's: what users liked stays likely;
@@ -255,7 +256,7 @@ class PublishGate:
     def _check(self, scope: str, held: HeldOut) -> GateVerdict:
         started = time.monotonic()
         candidate = self.readings.gate_figures(scope, held.liked, held.prompts, GATE_NEW_TOKENS)
-        candidate.version = self.readings.version_figures(scope, held.turns)
+        candidate.version = self.readings.version_figures(scope, held.turns, max_forgetting=self.settings.gate_max_forgetting)
         base, base_empty = self.readings.base_figures(held.prompts, GATE_NEW_TOKENS) if held.prompts else (None, None)
         s = self.settings
         verdict = verdict_from_figures(

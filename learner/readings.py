@@ -9,6 +9,8 @@ Calls block on the model and are meant for the learner's worker thread.
 
 from __future__ import annotations
 
+import math
+import random
 import re
 import warnings
 from collections import OrderedDict
@@ -43,6 +45,10 @@ BASE_REPLIES_KEPT = 256
 BASE_HELD_OUT_KEPT = 4096
 # What one gate read keeps of the prompts it read, for the next of them that shares a start.
 GATE_KV_BYTES = 1 << 30
+# The gate reads the general-text probe this many passages at a time, and stops once the
+# forgetting's upper bound (PROBE_Z standard errors of the passages read) is inside its limit.
+PROBE_STEP = 15
+PROBE_Z = 3.0
 
 
 @dataclass
@@ -104,16 +110,19 @@ class Readings:
         self._base_replies: OrderedDict[tuple, tuple[list[float | None], float]] = OrderedDict()
         # the base model's side of the held-out figures: per sample id, and the probe
         self._base_held_out: OrderedDict[int, torch.Tensor] = OrderedDict()
-        self._base_probe_nll: float | None = None
+        self._base_probe: list[tuple[float, int]] | None = None  # per passage: NLL summed, tokens
         self._probe: list[list[int]] | None = None
         self._everyday: list[list[int]] | None = None  # the gate's shipped prompts, rendered once
 
     # ---------------------------------------------------------------- what a version gained and forgot
 
-    def version_figures(self, scope: str, held_out: list[Sample], probe: bool = True) -> VersionFigures:
+    def version_figures(self, scope: str, held_out: list[Sample], probe: bool = True,
+                        max_forgetting: float | None = None) -> VersionFigures:
         """The scope's weights as they are now, scored on `held_out` and (`probe`) the
         general-text probe (learner/held_out.py). The gate scores the serving version without
-        the probe: its forgetting is compared with nothing, and the probe is most of the cost."""
+        the probe: its forgetting is compared with nothing, and the probe is most of the cost.
+        With `max_forgetting` (the gate's limit) the probe stops once its passages so far put
+        the forgetting clearly inside it (`_probe_nll`)."""
         t = self.trainer
         t._activate(scope)
         t.model.eval()
@@ -122,21 +131,23 @@ class Readings:
             now = t._logprobs_each(held_out) if held_out and not at_base else []
             base: list[torch.Tensor | None] = [self._base_held_out.get(s.id) if s.id is not None else None for s in held_out]
             missing = [i for i, b in enumerate(base) if b is None]
-            if missing or (probe and self._base_probe_nll is None):
+            if missing or (probe and self._base_probe is None):
                 with t._base_model():
                     for i, lp in zip(missing, t._logprobs_each([held_out[i] for i in missing]) if missing else []):
                         base[i] = lp
                         if held_out[i].id is not None:
                             self._base_held_out[held_out[i].id] = lp
-                    if probe and self._base_probe_nll is None:
-                        self._base_probe_nll = self._probe_nll()
-            probe_nll = (self._base_probe_nll if at_base else self._probe_nll()) if probe else None
+                    if probe and self._base_probe is None:
+                        self._base_probe = self._probe_nlls(self._probe_order())
+            probe_nll = base_nll = None
+            if probe:
+                probe_nll, base_nll = self._probe_nll(None if at_base else max_forgetting, at_base)
             moves = self._hint_moves(held_out, at_base)
         if at_base:
             now = [b for b in base if b is not None]  # every one filled above
         while len(self._base_held_out) > BASE_HELD_OUT_KEPT:
             self._base_held_out.popitem(last=False)
-        return held_out_figures(held_out, now, base, probe_nll, self._base_probe_nll, moves)  # type: ignore[arg-type]
+        return held_out_figures(held_out, now, base, probe_nll, base_nll, moves)  # type: ignore[arg-type]
 
     def _hint_moves(self, held_out: list[Sample], at_base: bool = False) -> list[HintMove | None]:
         """Per held-out turn with a teacher's prompt (a hint or correction): the hinted base
@@ -152,23 +163,63 @@ class Readings:
                    else self.trainer._gathered(held_out, todo, {i: ids for i, (ids, _, _) in kept.items()}))
         return [HintMove(kept[i][1], kept[i][2], version[i]) if i in kept else None for i in range(len(held_out))]
 
-    def _probe_nll(self) -> float:
-        """Mean NLL per token of the general-text probe under the active weights (no grad)."""
-        t = self.trainer
+    def _probe_order(self) -> list[int]:
+        """The probe's passages in a fixed shuffled order, so that any first part of it is a fair
+        sample of the whole (the file keeps passages of a kind together)."""
         if self._probe is None:
-            self._probe = t._encoded(probe_passages())
-        total, tokens = 0.0, 0
-        for group in micro_batches([ids[:-1] for ids in self._probe], t._pass_tokens):
-            rows = [self._probe[i] for i in group]
+            self._probe = self.trainer._encoded(probe_passages())
+        order = list(range(len(self._probe)))
+        random.Random(0).shuffle(order)
+        return order
+
+    def _probe_nll(self, max_forgetting: float | None, at_base: bool = False) -> tuple[float, float]:
+        """Mean NLL per token of the general-text probe under the active weights and under the
+        base model, over the same passages: all of them, or, with `max_forgetting`, the first
+        PROBE_STEP at a time until the forgetting plus PROBE_Z standard errors of the passages
+        read (paired with the base model's, a ratio estimate) is under it. A version far inside
+        the limit — every update so far — is known from a third of the probe (the gate's check:
+        7 s instead of 20 on two cores); one near it is read whole."""
+        base = self._base_probe
+        assert base is not None
+        order, total = self._probe_order(), len(base)
+        step = PROBE_STEP if max_forgetting is not None else total
+        read: list[tuple[float, int]] = [] if not at_base else list(base)
+        while len(read) < total:
+            read += self._probe_nlls(order[len(read): len(read) + step])
+            if len(read) < total and self._inside(read, base, max_forgetting):
+                break
+        tokens = sum(n for _, n in read)
+        return sum(v for v, _ in read) / tokens, sum(v for v, _ in base[: len(read)]) / tokens
+
+    @staticmethod
+    def _inside(read: list[tuple[float, int]], base: list[tuple[float, int]], limit: float | None) -> bool:
+        """Whether the passages read put exp(ΔNLL + PROBE_Z·SE) − 1 under `limit`."""
+        n = len(read)
+        if limit is None or n < 2:
+            return False
+        tokens = sum(t for _, t in read)
+        diffs = [v - b for (v, _), (b, _) in zip(read, base)]
+        shift = sum(diffs) / tokens
+        spread = sum((d - shift * t) ** 2 for d, (_, t) in zip(diffs, read)) * n / (n - 1)
+        return math.exp(shift + PROBE_Z * math.sqrt(spread) / tokens) - 1 < limit
+
+    def _probe_nlls(self, passages: list[int]) -> list[tuple[float, int]]:
+        """Each of the probe's `passages` (indices, in `_probe_order`): its NLL summed over its
+        tokens under the active weights (no grad), and how many tokens."""
+        t = self.trainer
+        assert self._probe is not None
+        chosen = [self._probe[i] for i in passages]
+        out: list[tuple[float, int]] = [(0.0, 0)] * len(chosen)
+        for group in micro_batches([ids[:-1] for ids in chosen], t._pass_tokens):
+            rows = [chosen[i] for i in group]
 
             def at(logits: torch.Tensor, i: int, part: slice) -> torch.Tensor:
                 return token_logprobs(logits, torch.tensor(rows[i][1:], device=t.device)[part], 1.0)
 
-            for pieces in t._over_responses([r[:-1] for r in rows], [len(r) - 1 for r in rows], at):
+            for i, pieces in zip(group, t._over_responses([r[:-1] for r in rows], [len(r) - 1 for r in rows], at)):
                 scores = torch.cat(pieces)
-                total -= float(scores.sum())
-                tokens += scores.numel()
-        return total / max(1, tokens)
+                out[i] = (-float(scores.sum()), scores.numel())
+        return out
 
     # ---------------------------------------------------------------- the publish gate's replies
 

@@ -101,6 +101,42 @@ async def test_a_version_is_scored_against_the_base_model_and_forgets_nothing_at
     assert moved.gain > 0 and moved.kl > 0 and moved.forgetting != 0
 
 
+def test_the_probe_stops_once_its_passages_put_the_forgetting_well_inside_the_limit():
+    """The gate's forgetting check reads the probe PROBE_STEP passages at a time (a fixed shuffle
+    of them, a fair sample at every length) and stops once the estimate plus PROBE_Z standard
+    errors is under the limit; a version near or over it is read whole."""
+    from nextstate.learner.readings import PROBE_STEP
+
+    base = [(100.0 + 7 * (i % 5), 50 + i % 3) for i in range(60)]  # per passage: NLL summed, tokens
+    steady = [(b + 0.01 * t, t) for b, t in base]  # every passage 0.01 nats/token worse: exp(0.01) - 1 = 1%
+    assert Readings._inside(steady[:PROBE_STEP], base, 0.05)
+    assert not Readings._inside(steady[:PROBE_STEP], base, 0.005), "over a limit of 0.5%"
+    assert not Readings._inside(steady[:PROBE_STEP], base, None), "no limit: read whole"
+    noisy = [(b + (6.0 if i % 2 else -5.5), t) for i, (b, t) in enumerate(base)]  # a small mean, a wide spread
+    assert not Readings._inside(noisy[:PROBE_STEP], base, 0.05), "the spread leaves the limit in reach"
+
+
+async def test_the_gate_reads_part_of_the_probe_for_a_version_far_inside_its_limit(tiny_model_dir, engine):
+    from nextstate.learner.readings import PROBE_STEP
+
+    trainer = LoraTrainer(tiny_model_dir, LearnerSettings(lr=5e-3, lora_r=4, lora_alpha=8))
+    readings = Readings(trainer)
+    held = [make_sample(t).model_copy(update={"id": i + 1}) for i, t in enumerate(await generate(engine, 3))]
+    readings.version_figures("alice", held)  # the base model's side of the probe, kept
+    trainer.step("alice", held)
+    read, nlls = [], readings._probe_nlls
+    readings._probe_nlls = lambda passages: read.append(len(passages)) or nlls(passages)
+    whole = readings.version_figures("alice", held)
+    assert read == [len(probe_passages())], "no limit given: the whole probe"
+    read.clear()
+    early = readings.version_figures("alice", held, max_forgetting=10.0)
+    assert read == [PROBE_STEP], "far inside the limit after the first passages"
+    assert early.forgetting == pytest.approx(whole.forgetting, abs=0.05) and early.gain == whole.gain
+    read.clear()
+    readings.version_figures("alice", held, max_forgetting=0.0)
+    assert sum(read) == len(probe_passages()), "a limit of 0 is never cleared early: read whole"
+
+
 async def test_a_scope_still_at_the_base_model_is_scored_from_the_base_models_kept_figures(tiny_model_dir, engine):
     """A new user's first update: the serving weights are the base model's, whose figures the
     gate computes for its base side anyway (kept). They are not computed a second time through
