@@ -27,6 +27,7 @@ class Activity:
         self._idle_now = threading.Event()  # the same, for threads
         self._idle_now.set()
         self._ran_since = 0.0  # when `make_way` last stopped waiting without the quiet
+        self._learning = 0  # updates (and their reads ahead) computing now
 
     @contextlib.contextmanager
     def request(self) -> Iterator[None]:
@@ -40,6 +41,22 @@ class Activity:
             if self._serving == 0:
                 self._idle.set()
                 self._idle_now.set()
+
+    @contextlib.contextmanager
+    def learning(self) -> Iterator[None]:
+        """The learner computes (an update, or what it reads ahead for one): the engine's
+        background work (the judge's calls, a version's warm-up reads) holds back meanwhile
+        (`learning_now`), as it does beside a person's request. On two cores a judge's votes
+        beside an update each ran at half pace; the version a person waits for comes first.
+        Entered and left on the event loop."""
+        self._learning += 1
+        try:
+            yield
+        finally:
+            self._learning -= 1
+
+    def learning_now(self) -> bool:
+        return self._learning > 0
 
     def make_way(self) -> None:
         """Block the calling thread while a request is served (the learner calls it between its

@@ -173,3 +173,12 @@ class AdapterServer(Protocol):
     async def unload_leftovers(self, root: Path, keep: set[str]) -> list[str]:
         """Unload what the server holds from under `root` that this client did not load."""
         ...
+
+
+@runtime_checkable
+class SharedCores(Protocol):
+    """What an engine on this process's own cores (the embedded one) does besides: its
+    background work holds back while `held()` (the learner computing beside it), as it does
+    beside a person's request. Checked once, when the serving process is wired (`isinstance`)."""
+
+    def hold_background(self, held: Callable[[], bool]) -> None: ...

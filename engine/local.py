@@ -143,6 +143,9 @@ class LocalEngine:
     def adapters(self) -> list[str]:
         return self.runner.adapters.names
 
+    def hold_background(self, held: Callable[[], bool]) -> None:
+        self._scheduler.held = held
+
     async def close(self) -> None:
         self._stopping = True
         self._jobs.put(None)

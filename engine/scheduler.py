@@ -4,7 +4,8 @@ Users come first. A user request is admitted while fewer than `max_active` user 
 decode, whatever background work (the in-process judge) is waiting, and background work runs
 only once users have been quiet for `BACKGROUND_IDLE_GAP_S`, one step at a time (a prompt in
 `BACKGROUND_IDLE_CHUNK`-token steps), the longest-waiting job first; while users keep the engine busy, one background step still runs
-every `BACKGROUND_MAX_WAIT_S` (a prompt in `BACKGROUND_CHUNK`-token steps), so judging never starves. Calls that must wait for an adapter's
+every `BACKGROUND_MAX_WAIT_S` (a prompt in `BACKGROUND_CHUNK`-token steps), so judging never starves;
+and so it does while `held()`, the learner computing beside serving (core/activity.py `learning`). Calls that must wait for an adapter's
 last user (unloads) are held here until no queued or running job still uses it.
 
 Pure bookkeeping: no model, no threads. The worker loop in `engine.local` owns the clock.
@@ -101,8 +102,11 @@ class Call:
 
 
 class Scheduler:
-    def __init__(self, max_active: int) -> None:
+    def __init__(self, max_active: int, held: Callable[[], bool] = lambda: False) -> None:
         self.max_active = max_active
+        # True while something else takes the cores first (the learner's update): background
+        # work then runs as beside a user's request, a short step per BACKGROUND_MAX_WAIT_S
+        self.held = held
         self.waiting: deque[Job] = deque()
         self.active: list[Job] = []
         self.deferred: list[Call] = []
@@ -150,9 +154,12 @@ class Scheduler:
             # at most one short step.
             if not background or now - self._last_user_step < BACKGROUND_IDLE_GAP_S:
                 return []
+            held = self.held()
+            if held and now - self._last_background_step < BACKGROUND_MAX_WAIT_S:
+                return []
             self._last_background_step = now
             job = min(background, key=lambda job: job.last_step)
-            job.chunk = BACKGROUND_IDLE_CHUNK
+            job.chunk = BACKGROUND_CHUNK if held else BACKGROUND_IDLE_CHUNK
             return [job]
         self._last_user_step = now
         if background and now - self._last_background_step >= BACKGROUND_MAX_WAIT_S:

@@ -178,10 +178,17 @@ class Learner:
         scope, batch = await asyncio.to_thread(self._next_batch)
         if not batch:
             async with self._lock:  # the trainer is one update's, a rollback's or a forget's at a time
-                await asyncio.to_thread(self._read_ahead)
+                with self._computing():
+                    await asyncio.to_thread(self._read_ahead)
             return False
-        await self.update(scope, batch)
+        with self._computing():
+            await self.update(scope, batch)
         return True
+
+    def _computing(self) -> contextlib.AbstractContextManager:
+        """Beside serving, the engine's background work holds back while this runs
+        (`Activity.learning`): the version a person waits for takes the cores first."""
+        return self.activity.learning() if self.activity is not None else contextlib.nullcontext()
 
     def _read_ahead(self) -> None:
         """The base model's side of the ready samples' distillation targets, and of a new

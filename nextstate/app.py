@@ -20,6 +20,7 @@ from nextstate.assembly import (
 )
 from nextstate import __version__
 from nextstate.core.activity import Activity
+from nextstate.engine.base import SharedCores
 from nextstate.core.memory import total_bytes
 from nextstate.core.settings import Settings
 from nextstate.forget import follow_forgets, forget_online, keep_for
@@ -105,6 +106,8 @@ def build_services(settings: Settings, process: Process) -> Services:
     samples = stores.samples
     metrics = Metrics()
     activity = Activity()
+    if isinstance(engine, SharedCores):  # the judge's calls wait while the learner computes beside them
+        engine.hold_background(activity.learning_now)
     policies = policy_directory(settings)
     learner: Learner | None = None
 

@@ -203,6 +203,25 @@ def test_background_prompts_go_in_short_steps_only_beside_a_user():
     assert scheduler.runnable(now=later) == [judge] and judge.prefill_chunk == BACKGROUND_IDLE_CHUNK
 
 
+def test_background_work_holds_back_while_the_learner_computes():
+    """Beside an update on the same cores (`held`), background work goes as beside a user's
+    request: a short step per BACKGROUND_MAX_WAIT_S, never starved, never at full pace."""
+    from nextstate.engine.scheduler import BACKGROUND_CHUNK, BACKGROUND_IDLE_CHUNK, BACKGROUND_MAX_WAIT_S, Job, Scheduler
+
+    learning = [True]
+    scheduler = Scheduler(max_active=4, held=lambda: learning[0])
+    judge = Job(list(range(2000)), SamplingParams(max_new_tokens=1), None, None, None, background=True)
+    scheduler.add(judge)
+    scheduler.admit()
+    start = scheduler._last_background_step
+    assert scheduler.runnable(now=start + BACKGROUND_MAX_WAIT_S / 2) == []
+    assert scheduler.runnable(now=start + BACKGROUND_MAX_WAIT_S) == [judge] and judge.prefill_chunk == BACKGROUND_CHUNK
+    assert scheduler.runnable(now=start + 1.5 * BACKGROUND_MAX_WAIT_S) == [], "one short step, then it waits again"
+    learning[0] = False
+    assert scheduler.runnable(now=start + 1.5 * BACKGROUND_MAX_WAIT_S) == [judge]
+    assert judge.prefill_chunk == BACKGROUND_IDLE_CHUNK, "the update over: full steps at once"
+
+
 async def test_chunked_background_work_matches_foreground(engine):
     from nextstate.engine.scheduler import BACKGROUND_IDLE_CHUNK
 
