@@ -8,7 +8,9 @@ OpenClaw-size conversation — OpenClaw's real system prompt and tools (the trim
 shared/fixtures/openclaw-2026.9.6, ~3.8k tokens rendered) and its follow-ups — sent as OpenClaw
 sends them (streamed, tools, `tool_choice` auto) with a reply limit of `--max-tokens`. Each reply
 is rated −1 with a correction as soon as it ends, the way a person teaches it ("Answer in one
-short sentence."). Then the learner's progress is read every two seconds until a version is
+short sentence."), and the next message follows `--think-s` later (0: at once, the hardest case:
+what the learner reads ahead while a batch fills gets only the gaps between turns). Then the
+learner's progress is read every two seconds until a version is
 published: the time from the fourth rating to it, and how long each phase of the update took
 (scoring the serving version for the gate, training, the gate), from the live progress report.
 `--pause-s` after the version (20 s) the person writes again: that turn, the new version's first,
@@ -86,6 +88,8 @@ def main() -> None:
     parser.add_argument("--wait-s", type=float, default=1800, help="longest wait for a version after the 4th rating")
     parser.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE", help="a Settings field for this run")
     parser.add_argument("--variant", help="a name for this run's result file (with --set)")
+    parser.add_argument("--think-s", type=float, default=0.0,
+                        help="seconds the person takes after rating a reply before writing again (0: at once)")
     parser.add_argument("--pause-s", type=float, default=20.0,
                         help="seconds between the version and the person's next turn, which is timed too")
     args = parser.parse_args()
@@ -100,6 +104,7 @@ def main() -> None:
         rated_at = 0.0
         for i in range(TURNS):
             if i:
+                time.sleep(args.think_s)
                 messages.append(openclaw_follow_up(i))
             reply, row = turn(client, messages, tools, args.max_tokens)
             messages.append(reply)
@@ -134,7 +139,7 @@ def main() -> None:
             _, after = turn(client, messages, tools, args.max_tokens)
             print(json.dumps({"turn after the version": after}), flush=True)
     result = {"benchmark": "agent_pace", "model": model_dir.name, "variant": args.variant, "settings": overrides,
-              "max_tokens": args.max_tokens, "turns": turns, "version_after_rating_s": version_s,
+              "max_tokens": args.max_tokens, "think_s": args.think_s, "turns": turns, "version_after_rating_s": version_s,
               "phases": phases, "step": step, "after_version": after, "pause_s": args.pause_s}
     print(headline(result))
     save(result)

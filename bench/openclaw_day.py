@@ -44,7 +44,7 @@ from pathlib import Path
 import httpx
 
 from bench.models import bench_model
-from bench.openclaw_e2e import Nextstate, install, newest_main_turn, run_turn, tally
+from bench.openclaw_e2e import Nextstate, install, newest_main_turn, read_records, run_turn, tally
 from bench.openclaw_readme import readme_config
 from bench.report import pyplot, save
 
@@ -249,8 +249,18 @@ def main() -> None:
         server.stop()
     result["evaluations"] = evaluations
     result.update(tally(data))
+    result["first_version_after_4th_rating_s"] = first_version_wait(data)
     print(json.dumps({k: v for k, v in result.items() if k not in ("turns", "config")}, indent=1)[:6000])
     save(result)
+
+
+def first_version_wait(data: Path) -> float | None:
+    """Seconds from the day's fourth rating to the first version published, from the records
+    (None if no version came)."""
+    records = read_records(data)
+    rated = sorted(r["ts"] for r in records if r["kind"] == "feedback")
+    published = sorted(r["ts"] for r in records if r["kind"] == "train_step" and r.get("published"))
+    return round(published[0] - rated[3], 1) if len(rated) >= 4 and published else None
 
 
 def headline(result: dict) -> str:
@@ -260,8 +270,12 @@ def headline(result: dict) -> str:
 
     evaluation = "; ".join(f"v{e['version']}: {e['plain']['meets_wish']}/{e['plain']['asked']} short "
                            f"({e['plain']['mean_words']} words){through_openclaw(e)}" for e in result.get("evaluations", []))
-    return (f"{len(result['turns'])} OpenClaw turns, {result['lost_turns']} lost; {result['main_turns']} main turns in "
-            f"{result['sessions']} session(s), {result['side_turns']} side turns; held-out questions: {evaluation}")
+    turns = sorted(t["seconds"] for t in result["turns"] if not t["lost"])
+    pace = f" (median {statistics.median(turns):.0f} s)" if turns else ""
+    first = result.get("first_version_after_4th_rating_s")
+    version = f"; v1 {first / 60:.1f} min after the 4th rating" if first is not None else ""
+    return (f"{len(result['turns'])} OpenClaw turns{pace}, {result['lost_turns']} lost; {result['main_turns']} main turns in "
+            f"{result['sessions']} session(s), {result['side_turns']} side turns{version}; held-out questions: {evaluation}")
 
 
 def plot(result: dict):
