@@ -132,9 +132,13 @@ async def test_the_gate_reads_part_of_the_probe_for_a_version_far_inside_its_lim
     early = readings.version_figures("alice", held, max_forgetting=10.0)
     assert read == [PROBE_STEP], "far inside the limit after the first passages"
     assert early.forgetting == pytest.approx(whole.forgetting, abs=0.05) and early.gain == whole.gain
+    order, base = readings._probe_order(), readings._base_probe
+    worse = {i: (nll + 0.06 * n, n) for i, (nll, n) in zip(order, base)}  # every passage 6% more surprising
     read.clear()
-    readings.version_figures("alice", held, max_forgetting=0.0)
-    assert sum(read) == len(probe_passages()), "a limit of 0 is never cleared early: read whole"
+    readings._probe_nlls = lambda passages: read.append(len(passages)) or [worse[i] for i in passages]
+    over = readings.version_figures("alice", held, max_forgetting=0.05)
+    assert sum(read) == len(probe_passages()), "a version over the limit is read whole"
+    assert over.forgetting == pytest.approx(math.exp(0.06) - 1)
 
 
 async def test_a_scope_still_at_the_base_model_is_scored_from_the_base_models_kept_figures(tiny_model_dir, engine):
