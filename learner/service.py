@@ -186,9 +186,11 @@ class Learner:
         return True
 
     def _computing(self) -> contextlib.AbstractContextManager:
-        """Beside serving, the engine's background work holds back while this runs
-        (`Activity.learning`): the version a person waits for takes the cores first."""
-        return self.activity.learning() if self.activity is not None else contextlib.nullcontext()
+        """Beside serving on the same CPU, the engine's background work holds back while this
+        runs (`Activity.learning`): the version a person waits for takes the cores first. A GPU
+        learner takes none of them."""
+        on_cpu = self.trainer is not None and self.trainer.device == "cpu"
+        return self.activity.learning() if self.activity is not None and on_cpu else contextlib.nullcontext()
 
     def _read_ahead(self) -> None:
         """The base model's side of the ready samples' distillation targets, and of a new

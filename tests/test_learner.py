@@ -371,6 +371,22 @@ def test_while_a_batch_fills_the_learner_reads_its_samples_base_side_ahead(serve
     assert learner.steps == [] and learner.training is None
 
 
+def test_the_engines_background_work_holds_back_while_the_learner_trains_beside_it(server_factory):
+    """A CPU learner beside the embedded engine: while it reads ahead or trains, the engine's
+    background work (the judge's calls) goes in short steps, as beside a person's request."""
+    server = learning_server(server_factory)
+    services = server.app.state.services
+    learner, scheduler = services.learner, services.engine._scheduler
+    held, step, ahead = [], learner.trainer.step, learner.trainer.read_ahead
+    learner.trainer.step = lambda *a, **k: held.append(("step", scheduler.held())) or step(*a, **k)
+    learner.trainer.read_ahead = lambda *a, **k: held.append(("ahead", scheduler.held())) or ahead(*a, **k)
+    assert not scheduler.held()
+    feed(server, served_samples(server, 4))
+    wait_for(lambda: services.policies.current("alice").version == 1)
+    assert ("step", True) in held and all(h for _, h in held), held
+    wait_for(lambda: not scheduler.held(), timeout=10)
+
+
 def test_updates_publish_versions_that_serve(server_factory):
     server = learning_server(server_factory)
     client = server.client(server.key("alice"))
