@@ -11,7 +11,8 @@ key, and writes the json5 block of docs/agents.md's OpenClaw section, key and po
 whole `~/.openclaw/openclaw.json`. Then one person's day in one `--session-id`: everyday questions,
 one `openclaw agent --local` run each. The person wants short answers: a reply of more than
 `WISH_WORDS` words is rated -1 through `POST /v1/feedback` with the correction "Too long. One
-sentence please.", a short one +1.
+sentence please.", a short one +1, and one that is not English at all (`plain_english`) -1 with
+"That is not English. One plain sentence please."
 
 Reports:
 * lost turns: runs that exited non-zero or brought no reply (the issue's "Preflight compaction
@@ -50,6 +51,9 @@ from bench.report import pyplot, save
 
 WISH_WORDS = 20
 CORRECTION = "Too long. One sentence please."
+# What the person says to a reply that is not in her language at all (SmolLM2 sampled
+# character soup on OpenClaw prompts past ~5k tokens, 2026-12-07): few spaces made it "short"
+GIBBERISH_CORRECTION = "That is not English. One plain sentence please."
 # A reply stopped by the token limit this short was starved: OpenClaw asked for what it thought
 # was left of the context window (bench.openclaw_window counts the same way)
 STARVED_TOKENS = 64
@@ -95,8 +99,14 @@ def words(text: str) -> int:
     return len(text.split())
 
 
+def plain_english(text: str) -> bool:
+    """Whether the reply's letters are, nine in ten at least, the Latin alphabet's."""
+    letters = [c for c in text if c.isalpha()]
+    return bool(letters) and sum(c.isascii() for c in letters) >= 0.9 * len(letters)
+
+
 def meets_wish(text: str) -> bool:
-    return 0 < words(text) <= WISH_WORDS
+    return 0 < words(text) <= WISH_WORDS and plain_english(text)
 
 
 def day_config(port: int, key: str) -> str:
@@ -117,7 +127,8 @@ def rate(server: Nextstate, data: Path, key: str, seen: str | None) -> dict:
         # 512-token reply of few spaces is not: words alone told them apart wrongly)
         return {"response_id": turn["id"], "status": "cut", "words": words(reply)}
     rating = 1 if meets_wish(reply) else -1
-    body = {"response_id": turn["id"], "rating": rating, **({} if rating > 0 else {"correction": CORRECTION})}
+    correction = CORRECTION if plain_english(reply) else GIBBERISH_CORRECTION
+    body = {"response_id": turn["id"], "rating": rating, **({} if rating > 0 else {"correction": correction})}
     started = time.monotonic()
     answer = httpx.post(f"{server.root}/v1/feedback", json=body, headers={"Authorization": f"Bearer {key}"}, timeout=120)
     return {"response_id": turn["id"], "rating": rating, "status": answer.json().get("status", answer.text[:200]),
