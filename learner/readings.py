@@ -177,8 +177,9 @@ class Readings:
         base model, over the same passages: all of them, or, with `max_forgetting`, the first
         PROBE_STEP at a time until the forgetting plus PROBE_Z standard errors of the passages
         read (paired with the base model's, a ratio estimate) is under it. A version far inside
-        the limit — every update so far — is known from a third of the probe (the gate's check:
-        7 s instead of 20 on two cores); one near it is read whole."""
+        the limit, as an agent-size update's is (forgetting −0.1%), is known from a quarter of
+        the probe (6 s instead of 25 on two cores: docs/benchmark-log.md, ninth issue-76 pass);
+        one near it is read whole."""
         base = self._base_probe
         assert base is not None
         order, total = self._probe_order(), len(base)
