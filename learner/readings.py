@@ -141,7 +141,7 @@ class Readings:
                         self._base_probe = self._probe_nlls(self._probe_order())
             probe_nll = base_nll = None
             if probe:
-                probe_nll, base_nll = self._probe_nll(None if at_base else max_forgetting, at_base)
+                probe_nll, base_nll = self._probe_nll(max_forgetting, at_base)
             moves = self._hint_moves(held_out, at_base)
         if at_base:
             now = [b for b in base if b is not None]  # every one filled above
