@@ -23,7 +23,6 @@ from nextstate.core.durable import Durable, StorageUnavailable
 from nextstate.core.stores.samples import LEASE_S, SampleStore
 from nextstate.core.tasks import Periodic
 from nextstate.core.types import Transition, Turn
-from nextstate.judge.at_least_one import AtLeastOne
 from nextstate.judge.samples import SampleDesk
 
 log = logging.getLogger(__name__)
@@ -39,7 +38,6 @@ class InboxJudge(Protocol):
     the desk (judge/samples.py)."""
 
     implicit: bool  # next states are judged (False: the judge is off, or benched with no fallback)
-    guarantee: AtLeastOne  # the sessions whose turns are being judged (the at-least-one rule)
 
     async def verdict(self) -> bool:
         """Wait for the start-up check's verdict; False when the server stops first."""
@@ -129,7 +127,6 @@ class JudgeInbox:
         durable: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         if turn.response_id:
             self._arriving[turn.response_id] = transition
-        key = (turn.user, turn.session_id)
         if transition.revises:
             # its session settled and went on after all, replacing the next state judged then
             self.desk.spawn(self._revise(transition, durable))
@@ -139,13 +136,9 @@ class JudgeInbox:
             self.desk.spawn(self._last_step(transition, durable))
             return durable
         if transition.next_state is None or not self.judge.implicit:
-            # Nothing to judge (and the session is over for the guarantee too), but kept so that
-            # the turn can still be rated explicitly.
-            if transition.reason == "session_closed":
-                self.judge.guarantee.session_over(key)
+            # Nothing to judge, but kept so that the turn can still be rated explicitly.
             self.desk.spawn(self._keep(transition, durable))
             return durable
-        self.judge.guarantee.judging(key)
         self.desk.spawn(self._accept(transition, durable, again))
         return durable
 
@@ -210,30 +203,21 @@ class JudgeInbox:
         finally:
             self._handed_over(transition, durable)
         if transition_id is not None and judged and self.here:
-            key = (turn.user, turn.session_id)
-            self.judge.guarantee.judging(key)
-            try:
-                await self._judge(transition_id, transition)
-            finally:
-                self.judge.guarantee.judged(key)
+            await self._judge(transition_id, transition)
 
     async def _accept(self, transition: Transition, durable: asyncio.Future[None], again: bool = False) -> None:
         try:
-            try:
-                transition_id = await self._take(transition)
-                if transition_id is None:  # the inbox has this turn already: it is judged once
-                    log.log(logging.DEBUG if again else logging.INFO, "turn %d of session %s was handed over again; "
-                            "judged once", transition.turn.turn_index,
-                             transition.turn.session_id)
-                    return
-            except StorageUnavailable:
-                transition_id = None  # judged all the same; only a crash before it is stored loses it
-            finally:
-                self._handed_over(transition, durable)
-            if self.here:  # else a `nextstate judge` process claims it from the inbox
-                await self._judge(transition_id, transition)
+            transition_id = await self._take(transition)
+            if transition_id is None:  # the inbox has this turn already: it is judged once
+                log.log(logging.DEBUG if again else logging.INFO, "turn %d of session %s was handed over again; "
+                        "judged once", transition.turn.turn_index, transition.turn.session_id)
+                return
+        except StorageUnavailable:
+            transition_id = None  # judged all the same; only a crash before it is stored loses it
         finally:
-            self.judge.guarantee.judged((transition.turn.user, transition.turn.session_id))
+            self._handed_over(transition, durable)
+        if self.here:  # else a `nextstate judge` process claims it from the inbox
+            await self._judge(transition_id, transition)
 
     async def _judge(self, transition_id: int | None, transition: Transition) -> None:
         judge = self.judge

@@ -27,7 +27,6 @@ from typing import Any
 
 from nextstate.core.agent_texts import CODING_AGENT_TOOL_PRM
 from nextstate.engine.base import Engine, UnknownAdapterError
-from nextstate.judge.at_least_one import AtLeastOne
 from nextstate.judge.advantages import step_reward, token_advantages
 from nextstate.judge.client import JudgeClient
 from nextstate.judge.calibration import Calibration
@@ -95,7 +94,6 @@ class Judge:
         self.desk = SampleDesk(settings.mode, store, on_sample)
         self._harness = [re.compile(p) for p in settings.harness_patterns]
         self._unwrap = Unwrap(settings.harness_wrappers)
-        self.guarantee = AtLeastOne()
         # Whether transitions are judged from their next state (implicit feedback); off when
         # judging is disabled, or the judge failed its calibration and no fallback teaches in
         # its place. Explicit feedback always works.
@@ -232,7 +230,6 @@ class Judge:
                 return self.desk.make(transition.turn, "dropped", "format failure (the agent's own notice); opd mode needs a hint")
             n = len(turn.response_ids)
             w_binary = 1.0 if cfg.mode == "binary" else cfg.w_binary
-            self.guarantee.accepted((turn.user, turn.session_id))
             return self.desk.make(
                 turn, "ready", "format failure (the agent's own notice)", -1.0,
                 token_advantages(n, -1.0, None, w_binary, 0.0),
@@ -283,14 +280,16 @@ class Judge:
             return self.desk.make(transition.turn, "dropped", "no valid hint", 0.0, **common)
         signal = (reward not in (None, 0)) or teacher is not None
         advantages = token_advantages(len(turn.response_ids), reward, delta, w_binary, w_opd)
-        key = (turn.user, turn.session_id)
         if signal:
-            self.guarantee.accepted(key)
             reason = "hint" if reward in (None, 0) else ("reward and hint" if teacher is not None else "reward")
             return self.desk.make(transition.turn, "ready", reason, float(reward or 0), advantages, **common)
-        if self.guarantee.claim_neutral(key):
+        if turn.turn_index == 1:
             # At-least-one guarantee: a session whose turns were all neutral still trains one
-            # (zero advantage: only the KL term acts on it, as in the paper's pipeline).
+            # (zero advantage: only the KL term acts on it, as in the paper's pipeline). The
+            # paper keeps a neutral turn when none before it was accepted; its turns are judged
+            # in order, ours at once, so "before it" is read by turn index, not by which
+            # judgement ends first: the first turn, when neutral. The same conversation then
+            # always keeps the same sample.
             return self.desk.make(transition.turn, "ready", "at-least-one guarantee (neutral)", 0.0, advantages, **common)
         return self.desk.make(transition.turn, "dropped", "neutral: reward 0 and no hint", 0.0, **common)
 
@@ -308,7 +307,6 @@ class Judge:
         placebo = hindsight_placebo(transition.next_state, MAX_HINT_CHARS, self._unwrap) or hint
         teacher = await self.contrasted_teacher(turn, hint, placebo, detail)
         w_opd = 1.0 if cfg.mode == "opd" else cfg.w_opd
-        self.guarantee.accepted((turn.user, turn.session_id))
         return self.desk.make(turn, "ready", "hindsight: the next state as the hint (the judge is benched)", 0.0,
                            token_advantages(len(turn.response_ids), None, teacher.delta(turn.response_logprobs,
                                                                                         cfg.opd_clip), 0.0, w_opd),
