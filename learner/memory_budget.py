@@ -12,7 +12,7 @@ the refusal and retries later).
 
 The cost of a pass is modelled as `fixed + per_token × tokens`: `fixed` is the LM head's chunk
 of logits (with its log-softmax and gradient) and a margin, `per_token` what grows with the
-sequence (checkpointed layer inputs, one layer recomputed in the backward pass). Until a pass
+sequence (checkpointed layer inputs and attention outputs, one layer recomputed in the backward pass). Until a pass
 has been measured, `per_token` comes from the model's shape (a deliberate over-estimate: an
 8k-token SmolLM2 pass on the CPU measured +1.00 GiB with 341-row logit chunks, the prior says
 2.0 GB with SAFETY); after, from the longest measured pass — the one nearest to the passes that can
@@ -65,8 +65,9 @@ class MemoryBudget:
         intermediate = getattr(config, "intermediate_size", 4 * hidden)
         # the LM head's chunk: logits, their log-softmax and its gradient, in fp32
         self.fixed = logit_rows * config.vocab_size * 4 * 3 + MARGIN_BYTES
-        # checkpointed inputs of every layer, and one layer's activations and gradients recomputed
-        self.floor_per_token = layers * hidden * size
+        # checkpointed inputs of every layer and their attention's outputs (learner/checkpointing.py),
+        # and one layer's activations and gradients recomputed
+        self.floor_per_token = 2 * layers * hidden * size
         self.prior_per_token = self.floor_per_token + (6 * hidden + 4 * intermediate) * size * 2
         self.measured: tuple[int, int] | None = None  # the longest measured pass: (tokens, added bytes)
 

@@ -24,10 +24,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-import torch.utils.checkpoint
 
 from nextstate.core.settings import LearnerSettings
 from nextstate.core.types import Sample
+from nextstate.learner.checkpointing import enable_checkpointing
 from nextstate.learner.distillation import topk_reverse_kl
 from nextstate.learner.forward import BaseSides, ResponseReader, completed
 from nextstate.learner.learning_rate import resolve_learning_rate, warmed_up
@@ -79,12 +79,7 @@ class LoraTrainer(ResponseReader):
         self.memory = MemoryBudget(self._base.config, self.dtype, device, self.logit_rows, settings.learner_memory_mb)
         how = "auto, fitted to the model's size" if settings.lr == "auto" else "NEXTSTATE_LR"
         log.info("learner: learning rate %.3g (%s)", self.lr, how)
-        # Activations are recomputed in the backward pass instead of kept: memory grows with a
-        # sample's length, and agent samples run to thousands of tokens.
-        if hasattr(self._base, "activation_checkpointing_enable"):  # transformers >= 5.x names it so
-            self._base.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
-        else:
-            self._base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        enable_checkpointing(self._base)  # agent samples run to thousands of tokens
         self._optimizers: dict[str, torch.optim.Optimizer] = {}
         self._before: dict[str, tuple[list[torch.Tensor], dict]] = {}  # per scope: state before its last step
         self.step_sizes = StepSizes(settings.max_kl, settings.kl_backtracks)  # per scope: where a step starts
