@@ -41,7 +41,7 @@ def enhanced_messages(messages: list[dict], hint: str) -> list[dict]:
 
 async def teacher_prompt_ids(renderer: ChatRenderer, turn: Turn, hint: str) -> list[int]:
     messages = enhanced_messages(turn.messages, hint)
-    prompt = await asyncio.to_thread(renderer.render, messages, turn.tools, turn.tool_choice)
+    prompt = await asyncio.to_thread(renderer.render, messages, turn.tools, turn.tool_choice, turn.user)
     return prompt.ids
 
 

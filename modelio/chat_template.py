@@ -131,9 +131,11 @@ class ChatRenderer:
         messages: list[dict[str, Any]],
         tools: list[dict[str, Any]] | None = None,
         tool_choice: str | dict[str, Any] | None = None,
+        owner: str | None = None,
     ) -> RenderedPrompt:
         """Prompt ids for plain-dict `messages` and `tools` (OpenAI's shapes), as a recorded Turn
-        keeps them, so a turn can be re-rendered exactly, e.g. for the teacher."""
+        keeps them, so a turn can be re-rendered exactly, e.g. for the teacher. `owner`: whose
+        conversation it is: their replies come back as sampled (`remember_reply`)."""
         tool_dicts = list(tools) if tools and tool_choice != "none" else None
         if self.template_knows_tools:
             text = self.tokenizer.apply_chat_template(
@@ -147,7 +149,12 @@ class ChatRenderer:
         # engine then decodes the call's JSON under its schema (modelio.tool_calls).
         forced = tool_choice == "required" or isinstance(tool_choice, dict)
         prefill = f"{TOOL_CALL_OPEN}\n" if tool_dicts and forced else ""
-        return RenderedPrompt(ids=self.encoder.encode(text + prefill), prefill=prefill)
+        return RenderedPrompt(ids=self.encoder.encode(text + prefill, owner), prefill=prefill)
+
+    def remember_reply(self, owner: str, prompt_ids: list[int], reply_ids: list[int]) -> bool:
+        """A later prompt of `owner`'s holding this reply's text gets the ids sampled for it
+        (PromptEncoder.remember)."""
+        return self.encoder.remember(owner, prompt_ids, reply_ids)
 
     def token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)

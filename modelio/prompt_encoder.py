@@ -1,4 +1,5 @@
-"""Prompt text to token ids piece by piece, with the pieces seen before taken from a cache.
+"""Prompt text to token ids piece by piece, with the pieces seen before taken from a cache, and
+a person's replies as the ids they were sampled as (`PromptEncoder.remember`).
 
 A conversation's prompt grows by a message or two per turn, and an agent's is thousands of
 tokens (OpenClaw's system prompt and tools alone are ~3.8k). Byte-level BPE over all of it
@@ -33,6 +34,10 @@ class PromptEncoder:
         self._added = _piece_start(tokenizer) if self._backend is not None and max_cached_tokens > 0 else None
         self._cache: SizedLRU[str, list[int]] = SizedLRU(max_cached_tokens, lambda piece, ids: len(ids))
         self._lock = threading.Lock()  # prompts are rendered in worker threads
+        self._special_ids = frozenset(tokenizer.convert_tokens_to_ids(list(self._added[1]))) if self._added else frozenset()
+        # (owner, piece) -> the ids a reply was sampled as: kept per person, so that no one's
+        # prompt is encoded by what the model wrote for someone else (nor its length tells it)
+        self._replies: SizedLRU[tuple[str, str], list[int]] = SizedLRU(max_cached_tokens, lambda key, ids: len(ids))
 
     @property
     def piecewise(self) -> bool:
@@ -47,7 +52,8 @@ class PromptEncoder:
     def cached_tokens(self) -> int:
         return self._cache.total
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, owner: str | None = None) -> list[int]:
+        """`text`'s ids; `owner`'s replies as they were sampled (`remember`)."""
         if self._added is None:
             return list(self._tokenizer(text, add_special_tokens=False)["input_ids"])
         pattern, special = self._added
@@ -56,7 +62,9 @@ class PromptEncoder:
         found: dict[str, list[int]] = {}
         with self._lock:
             for piece in pieces:
-                ids = self._cache.get(piece)
+                ids = self._replies.get((owner, piece)) if owner is not None else None
+                if ids is None:
+                    ids = self._cache.get(piece)
                 if ids is not None:
                     found[piece] = ids
         missing = list(dict.fromkeys(p for p in pieces if p not in found))
@@ -67,6 +75,41 @@ class PromptEncoder:
                     found[piece] = enc.ids
                     self._cache.put(piece, enc.ids)
         return [i for piece in pieces for i in found[piece]]
+
+
+    def remember(self, owner: str, prompt_ids: list[int], reply_ids: list[int]) -> bool:
+        """The reply as sampled becomes the encoding of its text wherever a later prompt of
+        `owner`'s holds it as the piece it was sampled into (the prompt's last piece, the generation prompt, and the
+        reply up to its stop token). True if remembered.
+
+        A sampled reply is often not the tokenizer's own encoding of its text (a run of spaces
+        split otherwise, a word in two pieces): 1 of 3 256-token OpenClaw replies in
+        bench.update_speed's capture. Encoded anew, the next turn's prompt then departs from the
+        ids the model actually produced: the engine's kept prefix stops there, and the learner
+        can no longer read that turn's sample inside the next one's row (learner/micro_batches.py)
+        — a pass computed two rows where one held all four samples. Given the ids it sampled, the
+        model sees its own words as it wrote them."""
+        if self._added is None or not prompt_ids:
+            return False
+        start = max((i for i, t in enumerate(prompt_ids) if t in self._special_ids), default=None)
+        if start is None:
+            return False
+        head = prompt_ids[start:]
+        reply = list(reply_ids)
+        for i, t in enumerate(reply):
+            if t in self._special_ids:
+                reply = reply[:i]
+                break
+        decode = self._backend.decode
+        head_text = decode(head, skip_special_tokens=False)
+        if self.encode(head_text) != head:  # a tokenizer whose text does not come back from its ids as it went in
+            return False
+        text = head_text + decode(reply, skip_special_tokens=False)
+        if "\ufffd" in text[len(head_text):]:  # a character cut in two: no client holds this text
+            return False
+        with self._lock:
+            self._replies.put((owner, text), head + reply)
+        return True
 
 
 def _piece_start(tokenizer: Any) -> tuple[re.Pattern[str], frozenset[str]] | None:

@@ -162,7 +162,7 @@ class TurnService:
     # ------------------------------------------------------------------ preparation
 
     async def prepare(self, request: TurnRequest, key: ApiKey) -> PreparedTurn:
-        prompt = await self.render(request)
+        prompt = await self.render(request, key.user)
         sampling = self._sampling(request, len(prompt.ids), key)
         if key.tpm and request.max_tokens is None:
             # no max_tokens asked: the reply may take what the key's per-minute budget leaves
@@ -186,8 +186,8 @@ class TurnService:
         prep.extra_headers.update(quota.headers)
         return prep
 
-    async def render(self, request: TurnRequest) -> RenderedPrompt:
-        """The prompt the model would read for `request` (nothing else happens). The first step
+    async def render(self, request: TurnRequest, user: str | None = None) -> RenderedPrompt:
+        """The prompt the model would read for `request` of `user`'s (nothing else happens). The first step
         of every request that reaches the model or its tokenizer: where new work is refused
         while the server is short of memory, and prompts too long to fit are found untokenized."""
         if self.max_memory_bytes and (held := resident_bytes()) > self.max_memory_bytes:
@@ -213,7 +213,7 @@ class TurnService:
                 "length of the messages.", param="messages", code="context_length_exceeded",
             )
         async with self._rendering:
-            return await asyncio.to_thread(self.renderer.render, request.messages, request.tools, request.tool_choice)
+            return await asyncio.to_thread(self.renderer.render, request.messages, request.tools, request.tool_choice, user)
 
     def _sampling(self, request: TurnRequest, prompt_len: int, key: ApiKey) -> SamplingParams:
         limit = self.engine.info.max_context
@@ -468,6 +468,9 @@ class TurnService:
         }
         if plan.turn_type == "main" and plan.session is not None:
             self.warmup.served(prep.key.user, prep.sampling.cache_salt or "")
+            # the next turn's prompt holds this reply as sampled: the engine's kept prefix and the
+            # learner's shared rows run on through it (modelio/prompt_encoder.py `remember`)
+            self.renderer.remember_reply(prep.key.user, prep.prompt.ids, response_ids)
             turn = Turn(
                 session_id=plan.session.id,
                 user=prep.key.user,

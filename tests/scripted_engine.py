@@ -20,7 +20,7 @@ class ScriptedEngine:
         default_reply: str = "ok",
     ):
         self.tokenizer = tokenizer
-        self.replies: deque[str] = deque(replies or [])
+        self.replies: deque[str | list[int]] = deque(replies or [])
         self.default_reply = default_reply
         self._default_ids = None
         self.delay_s = delay_s
@@ -33,7 +33,9 @@ class ScriptedEngine:
         self.eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
         self._adapters: set[str] = set()
 
-    def script(self, *replies: str) -> None:
+    def script(self, *replies: str | list[int]) -> None:
+        """Replies to give, in order: a text (encoded as the tokenizer does) or the ids a model
+        sampled (which need not be the tokenizer's own encoding of their text)."""
         self.replies.extend(replies)
 
     async def generate(
@@ -61,8 +63,9 @@ class ScriptedEngine:
             self.generated += 1
             yield GeneratedToken(token, -0.5, ((token, -0.5),) * sampling.top_logprobs, reason)
 
-    def _encode(self, text: str) -> list[int]:
-        return self.tokenizer(text, add_special_tokens=False)["input_ids"] + [self.eos]
+    def _encode(self, reply: str | list[int]) -> list[int]:
+        ids = reply if isinstance(reply, list) else self.tokenizer(reply, add_special_tokens=False)["input_ids"]
+        return list(ids) + [self.eos]
 
     async def score(self, input_ids, start, adapter=None, temperature=1.0, background=False):
         return [-0.5] * (len(input_ids) - start)

@@ -110,3 +110,28 @@ def test_the_sized_lru_keeps_the_recently_used_within_its_budget():
     assert (lru.get("b"), lru.get("a"), lru.get("c"), lru.total) == (None, "xxxx", "xxxx", 8)
     lru.put("big", "x" * 11)
     assert lru.get("big", "missing") == "missing" and len(lru) == 2, "an entry over the whole budget is not kept"
+
+
+def test_a_reply_sampled_off_the_tokenizers_encoding_comes_back_as_sampled(tokenizer):
+    """The next turn's prompt holds the reply's ids as the model sampled them, so it begins with
+    the turn's prompt and reply: the engine's kept prefix and the learner's shared rows reach past it."""
+    renderer = ChatRenderer(tokenizer)
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Say hello to the world."}]
+    prompt = renderer.render(messages).ids
+    text = "hello   world, hello"
+    sampled = [i for ch in text for i in whole(tokenizer, ch)]  # a character at a time: not the tokenizer's own
+    assert sampled != whole(tokenizer, text)
+    stop = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    assert renderer.remember_reply("alice", prompt, sampled + [stop])
+    following = messages + [{"role": "assistant", "content": text}, {"role": "user", "content": "Again."}]
+    assert renderer.render(following, owner="alice").ids[: len(prompt) + len(sampled)] == prompt + sampled
+    # someone else's prompt with the same words is encoded as the tokenizer does: what the model
+    # wrote for one person shapes no one else's prompt
+    canonical = whole(tokenizer, tokenizer.apply_chat_template(following, add_generation_prompt=True, tokenize=False))
+    assert renderer.render(following, owner="bob").ids == renderer.render(following).ids == canonical
+    # so is another text, and a reply cut inside a character is not remembered
+    other = messages + [{"role": "assistant", "content": text + "!"}, {"role": "user", "content": "Again."}]
+    assert renderer.render(other, owner="alice").ids[len(prompt):][: len(sampled)] != sampled
+    cut = whole(tokenizer, "日")[:1]
+    assert tokenizer.decode(cut).endswith("\ufffd")
+    assert not renderer.remember_reply("alice", prompt, cut)

@@ -30,4 +30,4 @@ async def count_tokens(request: Request, key: ApiKey = Depends(authenticate)) ->
     body = await read_model(request, CountTokensRequest)
     # a request like any other against the key's limit: it tokenizes the whole prompt
     await services(request).turns.limiter.admit(key, 0)
-    return await services(request).messages.count_tokens(body, request.headers)
+    return await services(request).messages.count_tokens(body, request.headers, key.user)

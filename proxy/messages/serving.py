@@ -150,9 +150,9 @@ class MessagesServing:
     async def prepare(self, body: MessagesRequest, headers: Mapping[str, str], key: ApiKey) -> PreparedTurn:
         return await self.turns.prepare(turn_request(body, headers), key)
 
-    async def count_tokens(self, body: MessagesRequest, headers: Mapping[str, str]) -> dict[str, int]:
+    async def count_tokens(self, body: MessagesRequest, headers: Mapping[str, str], user: str) -> dict[str, int]:
         """The prompt's length as the model would read it: rendered exactly as a reply would be."""
-        prompt = await self.turns.render(turn_request(body, headers))
+        prompt = await self.turns.render(turn_request(body, headers), user)
         return {"input_tokens": len(prompt.ids)}
 
     async def complete(self, prep: PreparedTurn) -> dict[str, Any]:
