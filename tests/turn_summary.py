@@ -22,7 +22,10 @@ def judged_scripted_server(server_factory, judge, times: int = 2):
     from tests.conftest import scripted_factory
 
     factory, holder = scripted_factory()
-    server = server_factory(engine_factory=factory, judge_base_url=judge.base_url, judge_model="judge", prm_votes=3)
+    # the learner off: the judge's samples as stored, not as a batch the learner happened to take
+    # meanwhile left them (it drops a sample with nothing to teach when it takes it)
+    server = server_factory(engine_factory=factory, judge_base_url=judge.base_url, judge_model="judge", prm_votes=3,
+                            learn=False)
     holder["engine"].script(*REPLIES * times)
     return server
 
