@@ -76,11 +76,10 @@ class PromptEncoder:
                     self._cache.put(piece, enc.ids)
         return [i for piece in pieces for i in found[piece]]
 
-
     def remember(self, owner: str, prompt_ids: list[int], reply_ids: list[int]) -> bool:
         """The reply as sampled becomes the encoding of its text wherever a later prompt of
-        `owner`'s holds it as the piece it was sampled into (the prompt's last piece, the generation prompt, and the
-        reply up to its stop token). True if remembered.
+        `owner`'s holds it as the piece it was sampled into (the prompt's last piece, the
+        generation prompt, and the reply up to its stop token). True if remembered.
 
         A sampled reply is often not the tokenizer's own encoding of its text (a run of spaces
         split otherwise, a word in two pieces): 1 of 3 256-token OpenClaw replies in
@@ -89,17 +88,13 @@ class PromptEncoder:
         can no longer read that turn's sample inside the next one's row (learner/micro_batches.py)
         — a pass computed two rows where one held all four samples. Given the ids it sampled, the
         model sees its own words as it wrote them."""
-        if self._added is None or not prompt_ids:
+        if self._added is None:
             return False
-        start = max((i for i, t in enumerate(prompt_ids) if t in self._special_ids), default=None)
-        if start is None:
+        start = next((i for i in range(len(prompt_ids) - 1, -1, -1) if prompt_ids[i] in self._special_ids), None)
+        end = next((i for i, t in enumerate(reply_ids) if t in self._special_ids), len(reply_ids))
+        if start is None or end == 0:
             return False
-        head = prompt_ids[start:]
-        reply = list(reply_ids)
-        for i, t in enumerate(reply):
-            if t in self._special_ids:
-                reply = reply[:i]
-                break
+        head, reply = prompt_ids[start:], list(reply_ids[:end])
         decode = self._backend.decode
         head_text = decode(head, skip_special_tokens=False)
         if self.encode(head_text) != head:  # a tokenizer whose text does not come back from its ids as it went in
