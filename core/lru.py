@@ -37,6 +37,13 @@ class SizedLRU(Generic[K, V]):
         self._entries.move_to_end(key)
         return value
 
+    def discard(self, key: K) -> None:
+        if key in self._entries:
+            self.total -= self._size(key, self._entries.pop(key))
+
+    def keys(self) -> list[K]:
+        return list(self._entries)
+
     def put(self, key: K, value: V) -> None:
         size = self._size(key, value)
         if key in self._entries or size > self.max_size:

@@ -156,5 +156,9 @@ class ChatRenderer:
         (PromptEncoder.remember)."""
         return self.encoder.remember(owner, prompt_ids, reply_ids)
 
+    def forget_replies(self, owner: str) -> None:
+        """`owner` is forgotten: so are the replies kept for their prompts."""
+        self.encoder.forget(owner)
+
     def token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)

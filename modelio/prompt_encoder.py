@@ -103,8 +103,17 @@ class PromptEncoder:
         if "\ufffd" in text[len(head_text):]:  # a character cut in two: no client holds this text
             return False
         with self._lock:
+            self._replies.discard((owner, text))  # the same words sampled again: the latest ids
             self._replies.put((owner, text), head + reply)
         return True
+
+    def forget(self, owner: str) -> int:
+        """Drop `owner`'s remembered replies (their text is the person's data); how many."""
+        with self._lock:
+            keys = [k for k in self._replies.keys() if k[0] == owner]
+            for key in keys:
+                self._replies.discard(key)
+        return len(keys)
 
 
 def _piece_start(tokenizer: Any) -> tuple[re.Pattern[str], frozenset[str]] | None:

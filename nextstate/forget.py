@@ -14,7 +14,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from nextstate.core.settings import Settings
-from nextstate.user_data import USER_DATA, not_of
+from nextstate.user_data import USER_DATA, forget_conversations, not_of
 
 if TYPE_CHECKING:  # the running server's objects; offline use (status, forget) loads no model code
     from nextstate.services import Services
@@ -40,11 +40,11 @@ async def forget_online(services: Services, user: str) -> dict[str, Any]:
 
 async def purge_local(services: Services, users: set[str]) -> None:
     """What this process alone holds of `users`, forgotten through another process: its request
-    records (one pass over them for all) and its copies of their open sessions (the database's
-    rows are gone already)."""
+    records (one pass over them for all) and what it holds of their conversations in memory
+    (the database's rows are gone already)."""
     await services.records.purge(not_of(*users))
     for user in users:
-        services.sessions.forget(user)
+        forget_conversations(services, user)
 
 
 async def follow_forgets(services: Services, every_s: float = FOLLOW_FORGETS_S) -> None:

@@ -68,9 +68,16 @@ async def _forget_keys(s: Services, user: str) -> int:
 # ---------------------------------------------------------------------------- sessions
 
 
+def forget_conversations(s: Services, user: str) -> int:
+    """What this process holds of `user`'s conversations in memory: its copies of their open
+    sessions, and their replies kept as sampled for their next prompts (modelio/prompt_encoder.py)."""
+    s.turns.renderer.forget_replies(user)
+    return s.sessions.forget(user)
+
+
 async def _forget_sessions(s: Services, user: str) -> int:
     await s.sessions.refresh(user, every=True)  # shared: those open in other processes too
-    count = s.sessions.forget(user)
+    count = forget_conversations(s, user)
     await s.sessions.save()
     return count
 

@@ -110,6 +110,9 @@ def test_the_sized_lru_keeps_the_recently_used_within_its_budget():
     assert (lru.get("b"), lru.get("a"), lru.get("c"), lru.total) == (None, "xxxx", "xxxx", 8)
     lru.put("big", "x" * 11)
     assert lru.get("big", "missing") == "missing" and len(lru) == 2, "an entry over the whole budget is not kept"
+    lru.discard("a")
+    lru.discard("gone")
+    assert (lru.keys(), lru.total) == (["c"], 4)
 
 
 def test_a_reply_sampled_off_the_tokenizers_encoding_comes_back_as_sampled(tokenizer):
@@ -132,6 +135,9 @@ def test_a_reply_sampled_off_the_tokenizers_encoding_comes_back_as_sampled(token
     # so is another text, and a reply cut inside a character is not remembered
     other = messages + [{"role": "assistant", "content": text + "!"}, {"role": "user", "content": "Again."}]
     assert renderer.render(other, owner="alice").ids[len(prompt):][: len(sampled)] != sampled
+    # the same words sampled again as the tokenizer spells them: the latest ids stand
+    assert renderer.remember_reply("alice", prompt, whole(tokenizer, text) + [stop])
+    assert renderer.render(following, owner="alice").ids == canonical
     cut = whole(tokenizer, "日")[:1]
     assert tokenizer.decode(cut).endswith("\ufffd")
     assert not renderer.remember_reply("alice", prompt, cut)

@@ -3,6 +3,8 @@ sampled, for its own person only (modelio/prompt_encoder.py `remember`)."""
 
 from __future__ import annotations
 
+import httpx
+
 TEXT = "hello   world, hello"
 
 
@@ -24,3 +26,8 @@ def test_the_next_prompt_holds_the_reply_as_sampled_and_only_for_its_person(scri
     server.client(server.key("bob")).chat.completions.create(model="tiny", messages=following, max_tokens=5)
     assert engine.prompts[2] != again
     assert engine.prompts[2][: len(turn)] == turn
+    # Alice forgotten: nothing of her replies shapes a prompt any more
+    admin = server.key("admin", admin=True)
+    assert httpx.delete(f"{server.base_url}/admin/users/alice", headers={"Authorization": f"Bearer {admin}"}).status_code == 200
+    server.client(server.key("alice")).chat.completions.create(model="tiny", messages=following, max_tokens=5)
+    assert engine.prompts[3] == engine.prompts[2]
