@@ -36,6 +36,10 @@ class FakeWorker(ServerProcess):
         """The adapter of each reply this worker generated since it started (None: the base model)."""
         return httpx.get(f"{self.url}/fake/generations", timeout=10).json()
 
+    def set_mode(self, mode: str) -> None:
+        """tests/fake_sglang.py's failure mode, in the worker's process."""
+        httpx.post(f"{self.url}/fake/mode", json={"mode": mode}, timeout=10).raise_for_status()
+
 
 class NextstateProcess(ServerProcess):
     """`nextstate KIND` with `env` on top of the test's environment, its data dir of its own."""

@@ -7,7 +7,9 @@ GenerateReqInput / LoadLoRAAdapterReqInput; the tokenizer manager's output dicts
 cumulative streaming events or incremental ones, `finish_reason` {type: stop|length|abort},
 a null first entry in `input_token_logprobs`). The model behind it is the embedded engine on
 the tiny model, so what the client parses can be checked against a direct computation.
-`mode` injects failures: "500", "hang", "garbage", "drop" (close mid-stream), "abort".
+`mode` injects failures: "500", "hang", "garbage", "drop" (close mid-stream), "abort", "stall" (a
+stream waits after its first event until the mode changes: a reply that cannot end before a test
+kills what is reading it); `POST /fake/mode` sets it in a process of its own.
 Adapters behave as SGLang 0.5.23's do (checked against the real server by
 tests/test_engine_contract.py): a name, once loaded, is never forgotten — an unloaded adapter is
 loaded again from its path when a request names it, and loading that name again is refused as
@@ -137,6 +139,11 @@ class FakeSGLang(AppInThread):
             return [body.get("lora_path") for path, body in self.requests
                     if path == "/generate" and body["sampling_params"].get("max_new_tokens")]
 
+        @app.post("/fake/mode")
+        async def set_mode(request: Request):
+            self.mode = (await request.json())["mode"]
+            return {"mode": self.mode}
+
         @app.get("/v1/models")
         async def models():
             adapters = [{"id": n, "object": "model", "root": p, "parent": str(self.model_dir)} for n, p in self._loaded().items()]
@@ -215,6 +222,8 @@ class FakeSGLang(AppInThread):
             if self.mode == "drop" and n == 3:
                 return  # connection closes without a finish
             yield f"data: {json.dumps(event)}\n\n"
+            while self.mode == "stall":
+                await asyncio.sleep(0.05)
         if self.done_delay_s:
             await asyncio.sleep(self.done_delay_s)  # [DONE] some time after the finishing event
         yield "data: [DONE]\n\n"

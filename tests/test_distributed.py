@@ -203,8 +203,11 @@ def test_replicas_judges_and_a_learner_of_their_own_learn_from_one_conversation_
         assert adapter in worker.served(), f"{worker.name} served no request on the new version"
 
     # -- kill -9 of a serving process in the middle of a reply: the client tries again on the
-    #    other, and the conversation goes on as the same session
+    #    other, and the conversation goes on as the same session (the workers hold every stream
+    #    after its first event: a sampled stop token cannot end the reply before the kill)
     before = alice.turns
+    for worker in d.workers:
+        worker.set_mode("stall")
     streaming = client(d.proxies[0], alice.key).chat.completions.create(
         model="tiny", messages=alice.messages, max_tokens=400, temperature=1.0, stream=True)
     first = next(iter(streaming))
@@ -213,6 +216,8 @@ def test_replicas_judges_and_a_learner_of_their_own_learn_from_one_conversation_
     with pytest.raises(Exception):
         for _ in streaming:
             pass
+    for worker in d.workers:
+        worker.set_mode("ok")
     alice.ask(d.proxies[1])
     assert alice.turns == before + 1 and set(alice.sessions) == {alice.sessions[0]}
     d.proxies[0].start()  # back, it goes on with the same conversation too
