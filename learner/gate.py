@@ -221,12 +221,18 @@ class PublishGate:
         still at the base model is scored by the base model's replies, which are kept per prompt
         (learner/readings.py), so after the last rating only the prompt that rating added is
         answered. On four OpenClaw turns the serving side took 15-25 s after the last rating, most
-        of it on three prompts known before it. A prompt at a time, stopping once `stop()` (the
-        learner closes, or a sample arrives that may fill the batch). Returns how many prompts
-        were answered."""
-        if not self.settings.publish_gate or not self.trainer._at_base(scope):
+        of it on three prompts known before it. Then the base model's side of the forgetting
+        probe, which the first check in a process read after the update (10 s of a 32-s check on
+        four OpenClaw samples). A prompt, or a part of the probe, at a time, stopping once
+        `stop()` (the learner closes, or a sample arrives that may fill the batch). Returns how
+        many prompts were answered."""
+        if not self.settings.publish_gate:
             return 0
-        return self.readings.base_ahead(self._held_out(scope, ready)[2], GATE_NEW_TOKENS, stop)
+        answered = self.readings.base_ahead(self._held_out(scope, ready)[2], GATE_NEW_TOKENS, stop) \
+            if self.trainer._at_base(scope) else 0
+        if not stop():  # the forgetting check's base side, read once in a process's life
+            self.readings.base_probe_ahead(stop)
+        return answered
 
     def held_out_turns(self, scope: str) -> list[Sample]:
         """The turns of the scope's users that no version trains on (one user's, per user)."""

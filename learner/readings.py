@@ -110,7 +110,8 @@ class Readings:
         self._base_replies: OrderedDict[tuple, tuple[list[float | None], float]] = OrderedDict()
         # the base model's side of the held-out figures: per sample id, and the probe
         self._base_held_out: OrderedDict[int, torch.Tensor] = OrderedDict()
-        self._base_probe: list[tuple[float, int]] | None = None  # per passage: NLL summed, tokens
+        # per passage of the probe, in `_probe_order`: NLL summed and tokens (read ahead in parts)
+        self._base_probe: list[tuple[float, int]] = []
         self._probe: list[list[int]] | None = None
         self._everyday: list[list[int]] | None = None  # the gate's shipped prompts, rendered once
 
@@ -131,16 +132,15 @@ class Readings:
             now = t._logprobs_each(held_out) if held_out and not at_base else []
             base: list[torch.Tensor | None] = [self._base_held_out.get(s.id) if s.id is not None else None for s in held_out]
             missing = [i for i, b in enumerate(base) if b is None]
-            if missing or (probe and self._base_probe is None):
+            if missing:
                 with t._base_model():
-                    for i, lp in zip(missing, t._logprobs_each([held_out[i] for i in missing]) if missing else []):
+                    for i, lp in zip(missing, t._logprobs_each([held_out[i] for i in missing])):
                         base[i] = lp
                         if held_out[i].id is not None:
                             self._base_held_out[held_out[i].id] = lp
-                    if probe and self._base_probe is None:
-                        self._base_probe = self._probe_nlls(self._probe_order())
             probe_nll = base_nll = None
             if probe:
+                self.base_probe_ahead()  # what the read-ahead left
                 probe_nll, base_nll = self._probe_nll(max_forgetting, at_base)
             moves = self._hint_moves(held_out, at_base)
         if at_base:
@@ -163,6 +163,18 @@ class Readings:
                    else self.trainer._gathered(held_out, todo, {i: ids for i, (ids, _, _) in kept.items()}))
         return [HintMove(kept[i][1], kept[i][2], version[i]) if i in kept else None for i in range(len(held_out))]
 
+    def base_probe_ahead(self, stop: Callable[[], bool] = lambda: False) -> bool:
+        """The base model's side of the general-text probe, PROBE_STEP passages at a time until
+        `stop()`; whether all of it is read. It never changes, and at a scope's first check it
+        was read after the update, on the way to the version: 10-20 s of two cores (60 passages,
+        ~5k tokens), now read while the batch fills (learner/gate.py `read_ahead`)."""
+        order = self._probe_order()
+        if len(self._base_probe) < len(order):
+            with torch.no_grad(), self.trainer._base_model():
+                while len(self._base_probe) < len(order) and not stop():
+                    self._base_probe += self._probe_nlls(order[len(self._base_probe): len(self._base_probe) + PROBE_STEP])
+        return len(self._base_probe) == len(order)
+
     def _probe_order(self) -> list[int]:
         """The probe's passages in a fixed shuffled order, so that any first part of it is a fair
         sample of the whole (the file keeps passages of a kind together)."""
@@ -181,8 +193,8 @@ class Readings:
         the probe (6 s instead of 25 on two cores: docs/benchmark-log.md, ninth issue-76 pass);
         one near it is read whole."""
         base = self._base_probe
-        assert base is not None
         order, total = self._probe_order(), len(base)
+        assert total == len(order), "the base model's side is read first (`base_probe_ahead`)"
         step = PROBE_STEP if max_forgetting is not None else total
         read: list[tuple[float, int]] = [] if not at_base else list(base)
         while len(read) < total:

@@ -134,15 +134,22 @@ def test_a_step_that_went_too_far_is_tried_at_half_its_length(server_factory, mo
 
 def test_a_new_scopes_gate_reads_the_base_replies_it_can_while_the_batch_fills(server_factory):
     """Three ready samples of a batch of four: the base model's replies to the gate's prompts
-    known so far are read ahead (a new scope is served by the base model); after the fourth
-    rating the check answers only that rating's new prompt."""
+    known so far are read ahead (a new scope is served by the base model), and the base model's
+    side of the forgetting probe; after the fourth rating the check answers only that rating's
+    new prompt, and reads only the candidate's side of the probe."""
+    from nextstate.learner.held_out import probe_passages
+
     server = learning_server(server_factory, publish_gate=True)
     learner = server.app.state.services.learner
     readings = learner.gate.readings
     feed(server, served_samples(server, 3))
-    wait_for(lambda: len(readings._base_replies) == 8, timeout=120)  # their one prompt and 7 everyday ones
+    # their one prompt and 7 everyday ones, and every passage of the probe
+    wait_for(lambda: len(readings._base_replies) == 8 and len(readings._base_probe) == len(probe_passages()), timeout=120)
     assert learner.steps == [] and learner.training is None
     assert learner.trainer._optimizers == {}, "no adapter is made for a batch still filling"
+    probe_reads = []
+    real_nlls = readings._probe_nlls
+    readings._probe_nlls = lambda passages: probe_reads.append(readings.trainer._reading_base) or real_nlls(passages)
     answered = []
     real = readings.sampled
 
@@ -157,6 +164,7 @@ def test_a_new_scopes_gate_reads_the_base_replies_it_can_while_the_batch_fills(s
     feed(server, [fourth])
     wait_for(lambda: server.app.state.services.policies.current("alice").version == 1, timeout=120)
     assert answered == [new_prompt], "the base model answered the new prompt once, and nothing it had read ahead"
+    assert probe_reads and not any(probe_reads), "the probe's base side is not read again"
     first = learner.steps[0]["gate"]
     assert first["prompts"] == 8 and first["base_repetition"] is not None
 

@@ -141,6 +141,32 @@ async def test_the_gate_reads_part_of_the_probe_for_a_version_far_inside_its_lim
     assert over.forgetting == pytest.approx(math.exp(0.06) - 1)
 
 
+def test_the_probes_base_side_is_read_ahead_in_parts_until_told_to_stop(tiny_model_dir):
+    """The base model's side of the probe never changes: the learner reads it while a batch
+    fills (learner/gate.py `read_ahead`), a part at a time, stopping between two parts for an
+    update; what is left is read by the first check that needs it, and the same figures come out
+    as from one read of the whole."""
+    from nextstate.learner.readings import PROBE_STEP
+
+    trainer = LoraTrainer(tiny_model_dir, LearnerSettings(lora_r=4, lora_alpha=8))
+    readings = Readings(trainer)
+    parts, nlls = [], readings._probe_nlls
+    readings._probe_nlls = lambda passages: parts.append(len(passages)) or nlls(passages)
+    assert not readings.base_probe_ahead(stop=lambda: len(parts) == 1), "stopped after its first part"
+    assert parts == [PROBE_STEP] and len(readings._base_probe) == PROBE_STEP
+    parts.clear()
+    figures = readings.version_figures("alice", [])  # a fresh scope is the base model: only the rest is read
+    whole = len(probe_passages())
+    assert sum(parts) == whole - PROBE_STEP and max(parts) <= PROBE_STEP and len(readings._base_probe) == whole
+    assert figures.forgetting == pytest.approx(0.0, abs=1e-9)
+    parts.clear()
+    assert readings.base_probe_ahead() and parts == [], "nothing left to read"
+    with torch.no_grad(), trainer._base_model():
+        at_once = nlls(readings._probe_order())
+    assert [n for _, n in readings._base_probe] == [n for _, n in at_once]
+    assert [v for v, _ in readings._base_probe] == pytest.approx([v for v, _ in at_once], rel=1e-5), "in parts as whole"
+
+
 async def test_a_scope_still_at_the_base_model_is_scored_from_the_base_models_kept_figures(tiny_model_dir, engine):
     """A new user's first update: the serving weights are the base model's, whose figures the
     gate computes for its base side anyway (kept). They are not computed a second time through
