@@ -165,9 +165,9 @@ class Readings:
 
     def base_probe_ahead(self, stop: Callable[[], bool] = lambda: False) -> bool:
         """The base model's side of the general-text probe, PROBE_STEP passages at a time until
-        `stop()`; whether all of it is read. It never changes, and at a scope's first check it
-        was read after the update, on the way to the version: 10-20 s of two cores (60 passages,
-        ~5k tokens), now read while the batch fills (learner/gate.py `read_ahead`)."""
+        `stop()`; whether all of it is read. It never changes, and the first check in a process
+        read it after the update, on the way to the version: 10-20 s of two cores (60 passages,
+        ~5k tokens); now the learner reads it while a batch fills (learner/gate.py `read_ahead`)."""
         order = self._probe_order()
         if len(self._base_probe) < len(order):
             with torch.no_grad(), self.trainer._base_model():
