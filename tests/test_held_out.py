@@ -164,7 +164,7 @@ def test_the_probes_base_side_is_read_ahead_in_parts_until_told_to_stop(tiny_mod
     with torch.no_grad(), trainer._base_model():
         at_once = nlls(readings._probe_order())
     assert [n for _, n in readings._base_probe] == [n for _, n in at_once]
-    assert [v for v, _ in readings._base_probe] == pytest.approx([v for v, _ in at_once], rel=1e-5), "in parts as whole"
+    assert [v for v, _ in readings._base_probe] == pytest.approx([v for v, _ in at_once], rel=1e-4), "in parts as whole"
 
 
 async def test_a_scope_still_at_the_base_model_is_scored_from_the_base_models_kept_figures(tiny_model_dir, engine):
