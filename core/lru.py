@@ -17,8 +17,9 @@ V = TypeVar("V")
 
 class SizedLRU(Generic[K, V]):
     """`get` refreshes an entry; `put` adds one and pushes the least recently used out until
-    the sizes (`size(key, value)`) add up to `max_size` at most. An entry larger than the whole
-    budget is not kept. Not thread-safe: callers sharing one across threads lock around it."""
+    the sizes (`size(key, value)`) add up to `max_size` at most. A key already held keeps its
+    value (`discard` it first to replace it), and an entry larger than the whole budget is not
+    kept. Not thread-safe: callers sharing one across threads lock around it."""
 
     def __init__(self, max_size: int, size: Callable[[K, V], int]) -> None:
         self.max_size = max_size

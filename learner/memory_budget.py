@@ -15,8 +15,8 @@ of logits (with its log-softmax and gradient) and a margin, `per_token` what gro
 sequence (checkpointed layer inputs and attention outputs, one layer recomputed in the backward
 pass). Until a pass has been measured, `per_token` comes from the model's shape (a deliberate
 over-estimate: an 8k-token SmolLM2 pass on the CPU measured +1.00 GiB with 341-row logit chunks,
-the prior says 2.0 GB with SAFETY); after, from the longest measured pass — the one nearest to the passes that can
-fail. An estimate is used with `SAFETY` on top.
+the prior says 2.0 GB with SAFETY); after, from the longest measured pass — the one nearest to
+the passes that can fail. An estimate is used with `SAFETY` on top.
 """
 
 from __future__ import annotations
