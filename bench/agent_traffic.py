@@ -36,6 +36,8 @@ class TrafficLog:
         self.upstream = upstream.rstrip("/")
         self.out = out
         self.count = 0
+        self.open = 0  # exchanges under way (an interactive agent is idle when none is, for a while)
+        self.last = time.monotonic()  # when the last exchange began or ended
         self._session: ClientSession | None = None
 
     def app(self) -> web.Application:
@@ -46,22 +48,27 @@ class TrafficLog:
     async def forward(self, request: web.Request) -> web.StreamResponse:
         if self._session is None:
             self._session = ClientSession(timeout=ClientTimeout(total=None, sock_read=3600), auto_decompress=True)
-        started = time.monotonic()
-        body = await request.read()
-        headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP}
-        async with self._session.request(request.method, self.upstream + request.path_qs, data=body,
-                                         headers=headers) as upstream:
-            ttfb = time.monotonic() - started
-            response = web.StreamResponse(status=upstream.status, headers={
-                k: v for k, v in upstream.headers.items() if k.lower() not in HOP})
-            await response.prepare(request)
-            received = bytearray()
-            async for chunk in upstream.content.iter_any():
-                received += chunk
-                await response.write(chunk)
-            await response.write_eof()
-            self._keep(request, body, upstream, bytes(received), ttfb, time.monotonic() - started)
-            return response
+        started = self.last = time.monotonic()
+        self.open += 1
+        try:
+            body = await request.read()
+            headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP}
+            async with self._session.request(request.method, self.upstream + request.path_qs, data=body,
+                                             headers=headers) as upstream:
+                ttfb = time.monotonic() - started
+                response = web.StreamResponse(status=upstream.status, headers={
+                    k: v for k, v in upstream.headers.items() if k.lower() not in HOP})
+                await response.prepare(request)
+                received = bytearray()
+                async for chunk in upstream.content.iter_any():
+                    received += chunk
+                    await response.write(chunk)
+                await response.write_eof()
+                self._keep(request, body, upstream, bytes(received), ttfb, time.monotonic() - started)
+                return response
+        finally:
+            self.open -= 1
+            self.last = time.monotonic()
 
     def _keep(self, request, body: bytes, upstream, received: bytes, ttfb: float, total: float) -> None:
         self.count += 1

@@ -62,6 +62,8 @@ CLAUDE_CODE_WRAPPERS = (r"(?s)<system-reminder>.*?</system-reminder>\s*",)
 # The <environment_context> user message it sends with each conversation (its date changes at midnight).
 CODEX_VOLATILE = (r"(?s)<environment_context>.*?</environment_context>",)
 CODEX_WRAPPERS = (r"(?s)<environment_context>.*?</environment_context>\s*",)
+# Its interactive mode's title for a new thread, asked in a thread of its own (the header says so too).
+CODEX_TURNS = (r"\AGenerate a concise, single-line task title\b",)
 
 # ---------------------------------------------------------------- opencode 1.18 (tests/data/coding-agents)
 
@@ -75,7 +77,7 @@ VOLATILE_PATTERNS = OPENCLAW_VOLATILE + CLAUDE_CODE_VOLATILE + CODEX_VOLATILE
 # A next state matching one is the agent's own notice: the turn before it failed (learner rewards -1).
 HARNESS_NOTICES = OPENCLAW_NOTICES + CLAUDE_CODE_NOTICES
 # A request whose system prompt or last user message matches one is the agent's own: a side turn.
-HARNESS_TURNS = OPENCLAW_TURNS + CLAUDE_CODE_TURNS + OPENCODE_TURNS
+HARNESS_TURNS = OPENCLAW_TURNS + CLAUDE_CODE_TURNS + CODEX_TURNS + OPENCODE_TURNS
 # Text an agent wraps around its person's words, removed from what the judge reads.
 HARNESS_WRAPPERS = OPENCLAW_WRAPPERS + CLAUDE_CODE_WRAPPERS + CODEX_WRAPPERS
 
@@ -102,9 +104,13 @@ def coding_agent(user_agent: str | None) -> str | None:
 
 # Codex says what each request is for in its x-codex-turn-metadata header (a JSON object):
 # `request_kind` "turn" for the person's turns and their tool loop, other kinds for its own
-# requests (compacting the history, say), which are side turns.
+# requests (compacting the history, say), which are side turns. `thread_source` says whose thread
+# a request belongs to: "user" for the person's; its interactive mode also asks, in a thread of
+# its own, for each new thread's title ("thread_title", request_kind "turn"): a side turn too
+# (tests/data/coding-agents/codex-interactive.jsonl).
 CODEX_TURN_METADATA = "x-codex-turn-metadata"
 CODEX_MAIN_KINDS = ("turn",)
+CODEX_MAIN_SOURCES = ("user",)
 
 
 def harness_turn_type(headers: object) -> str | None:
@@ -115,7 +121,10 @@ def harness_turn_type(headers: object) -> str | None:
     if not raw:
         return None
     try:
-        kind = json.loads(raw).get("request_kind")
+        metadata = json.loads(raw)
+        kind, source = metadata.get("request_kind"), metadata.get("thread_source")
     except (ValueError, AttributeError):
         return None  # not the JSON object Codex sends: no say
-    return "side" if isinstance(kind, str) and kind not in CODEX_MAIN_KINDS else None
+    if isinstance(kind, str) and kind not in CODEX_MAIN_KINDS:
+        return "side"
+    return "side" if isinstance(source, str) and source not in CODEX_MAIN_SOURCES else None

@@ -17,11 +17,13 @@ from nextstate.engine.base import EngineInfo, GeneratedToken, SamplingParams
 class ScriptedEngine:
     def __init__(
         self, tokenizer, replies: list[str] | None = None, delay_s: float = 0.0, max_context: int = 4096,
-        default_reply: str = "ok",
+        default_reply: str = "ok", respond=None,
     ):
         self.tokenizer = tokenizer
         self.replies: deque[str | list[int]] = deque(replies or [])
         self.default_reply = default_reply
+        # (prompt text, sampling) -> the reply, for requests whose order is not known in advance
+        self.respond = respond
         self._default_ids = None
         self.delay_s = delay_s
         self.prefill_s = 0.0  # a pause before the first token, as a long prompt's prefill
@@ -50,7 +52,9 @@ class ScriptedEngine:
             raise self.fail_after_admit
         self.prompts.append(list(input_ids))
         self.samplings.append(sampling)
-        if self.replies:
+        if self.respond is not None:
+            ids = self._encode(self.respond(self.tokenizer.decode(input_ids), sampling))
+        elif self.replies:
             ids = self._encode(self.replies.popleft())
         else:  # tokenised once: a bench sends thousands of requests
             self._default_ids = self._default_ids or self._encode(self.default_reply)

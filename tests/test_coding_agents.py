@@ -4,7 +4,8 @@ session per conversation, the harness's own requests side turns, next states the
 tests/data/coding-agents/ holds what Codex CLI 0.171.0 (Responses API), Claude Code 2.1.332
 (Messages API) and opencode 1.18.33 (Chat Completions) sent nextstate when each was set up as
 docs/agents.md says and asked "List the files here." (`python -m bench.coding_agents --scripted
---keep ...`; its docstring says how). The model was scripted: a call to the agent's own shell
+--keep ...`; its docstring says how), run non-interactively (`<agent>.jsonl`) and in the terminal
+interface a person types into (`<agent>-interactive.jsonl`, `--interactive`). The model was scripted: a call to the agent's own shell
 tool, then an answer; each agent ran the call and sent its result back. Here each request is sent
 again as captured (headers included: opencode's session id is one), to a server whose engine
 writes what was written then, read back from the captured response.
@@ -99,6 +100,10 @@ def replayed(server_factory):
     ("claude", ["main", "main"], "Bash", "claude-code"),
     # opencode's title generator asks first, with the conversation's own session id
     ("opencode", ["side", "main", "main"], "bash", "opencode"),
+    # Codex's terminal interface asks for the new thread's title in a thread of its own
+    ("codex-interactive", ["main", "side", "main"], "exec_command", "codex"),
+    ("claude-interactive", ["main", "main"], "Bash", "claude-code"),
+    ("opencode-interactive", ["side", "main", "main"], "bash", "opencode"),
 ])
 def test_a_coding_agents_tool_loop_is_one_session_whose_next_state_is_the_tools_result(replayed, agent, turn_types, tool,
                                                                                      known_as):
@@ -161,6 +166,8 @@ def test_harness_text_is_matched_and_left_out_of_what_the_judge_reads():
     turns = HarnessTurns(HARNESS_TURNS)
     title = rows("opencode")[0]["req_body"]["messages"]
     assert turns.matches(title) and not turns.matches(rows("opencode")[1]["req_body"]["messages"])
+    codex_title = rows("codex-interactive")[1]["req_body"]["input"][-1]["content"][0]["text"]
+    assert turns.matches([{"role": "user", "content": codex_title}]), "without its header too"
     assert turns.matches([{"role": "user", "content": "Your task is to create a detailed summary of the conversation so far."}])
 
 
@@ -175,5 +182,10 @@ def test_codex_requests_of_its_own_kind_are_side_turns():
     assert harness_turn_type(captured) is None
     own = {**captured, "x-codex-turn-metadata": captured["x-codex-turn-metadata"].replace('"turn"', '"compact"', 1)}
     assert harness_turn_type(own) == "side" and TurnHints.from_request(own, None).turn_type == "side"
+    # its terminal interface's title request: request_kind "turn", in a thread of the title's own
+    sources = [json.loads(row["req_headers"]["x-codex-turn-metadata"]) for row in rows("codex-interactive")]
+    assert [(m["request_kind"], m["thread_source"]) for m in sources] == [("turn", "user"), ("turn", "thread_title"),
+                                                                          ("turn", "user")]
+    assert [harness_turn_type(row["req_headers"]) for row in rows("codex-interactive")] == [None, "side", None]
     assert TurnHints.from_request({**own, "x-turn-type": "main"}, None).turn_type == "main", "the client's own word wins"
     assert harness_turn_type({"x-codex-turn-metadata": "not json"}) is None
