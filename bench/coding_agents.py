@@ -71,8 +71,9 @@ def codex_setup(home: Path, root: str, model: str) -> dict[str, str]:
 
 def codex_config(root: str, model: str, small: bool) -> str:
     """docs/agents.md's Codex recipe; `small`: its lines for an 8k window (no web search, no
-    sub-agent or goal tools: their schemas alone are 2.7k tokens)."""
-    lean = 'web_search = "disabled"\n\n[features]\nmulti_agent = false\ngoals = false\n\n' if small else ""
+    sub-agent or goal tools: their schemas alone are 2.7k tokens; no skills list: 0.5k)."""
+    lean = ('web_search = "disabled"\n\n[features]\nmulti_agent = false\ngoals = false\n\n'
+            '[skills]\ninclude_instructions = false\n\n') if small else ""
     return f'''model = "{model}"
 model_provider = "nextstate"
 {lean}
