@@ -10,11 +10,11 @@ Each agent gets a scratch home holding only the recipe's config, a scratch folde
 files, and one task, "List the files here.", run non-interactively (`codex exec`, `claude -p`,
 `opencode run`) or, with `--interactive`, typed into the agent's terminal interface in a
 pseudo-terminal (pexpect) as a person would, the agent left once it has been idle for a while.
-nextstate serves it through bench/agent_traffic.py's proxy. `--scripted` serves
-a scripted model with a 64k window instead of SmolLM2: its first reply calls the agent's own
-shell tool, its second answers, so the agent's whole tool loop runs as it would on a capable
-model. Reported per agent: its exit status and last words, each request's path and status, the
-sessions nextstate made of them and which turns were side turns. Nothing here runs in CI (it
+nextstate serves it through bench/agent_traffic.py's proxy. `--scripted` serves a scripted
+model with a 64k window instead of SmolLM2: it calls the agent's own shell tool on the task and
+answers once the tool's output follows, so the agent's whole tool loop runs as it would on a
+capable model. Reported per agent: its exit status and last words, each request's path and
+status, the sessions nextstate made of them and which turns were side turns. Nothing here runs in CI (it
 needs npm and the CLIs); tests/test_coding_agents.py replays the kept traffic.
 """
 
@@ -23,8 +23,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import re
+import shutil
 import subprocess
 import tempfile
 import time

@@ -5,10 +5,11 @@ tests/data/coding-agents/ holds what Codex CLI 0.171.0 (Responses API), Claude C
 (Messages API) and opencode 1.18.33 (Chat Completions) sent nextstate when each was set up as
 docs/agents.md says and asked "List the files here." (`python -m bench.coding_agents --scripted
 --keep ...`; its docstring says how), run non-interactively (`<agent>.jsonl`) and in the terminal
-interface a person types into (`<agent>-interactive.jsonl`, `--interactive`). The model was scripted: a call to the agent's own shell
-tool, then an answer; each agent ran the call and sent its result back. Here each request is sent
-again as captured (headers included: opencode's session id is one), to a server whose engine
-writes what was written then, read back from the captured response.
+interface a person types into (`<agent>-interactive.jsonl`, `--interactive`). The model was
+scripted: a call to the agent's own shell tool, then an answer; each agent ran the call and sent
+its result back (Codex's terminal interface also asks for the new thread's title). Here each
+request is sent again as captured (headers included: opencode's session id is one), to a server
+whose engine writes what was written then, read back from the captured response.
 """
 
 from __future__ import annotations
