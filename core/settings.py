@@ -395,7 +395,9 @@ class LearnerSettings(BaseSettings):
             not fit is undone and its samples wait: a rating is never lost to the brake.
         ppo_epochs, epoch_kl_share: passes over each batch, stopped early once the batch's
             policy KL reaches this share of `max_kl` (PPO's `target_kl`, read as how far an
-            update should go) ["More passes"; "Passes until KL on every seed"].
+            update should go) ["More passes"; "Passes until KL on every seed"]. Two passes at
+            twice the rate would halve an agent-size update but learnt the opening word later
+            ["Half the passes at twice the step"].
         lr_warmup_steps: the learning rate rises linearly over a scope's first this many
             optimizer steps: Adam's first step is `lr` times the sign of each weight's gradient,
             however noisy, so a fresh adapter's first update was its longest and least directed
