@@ -29,7 +29,9 @@ only what a Python server would; nextstate's sides go through its engine as the 
 * `local-llama.cpp`: the embedded engine at its default on a CPU, llama.cpp on a float16 GGUF
   copy of the Hugging Face folder the GGUF is converted to (as `NEXTSTATE_MODEL=….gguf` does);
 * `local-float32`, `local-bfloat16`: the embedded engine on transformers, at that dtype;
-* `llama.cpp`: llama.cpp itself, on the GGUF as it is.
+* `llama.cpp`: llama.cpp itself, on the GGUF as it is (what a person runs in Ollama);
+* `llama.cpp-served`: llama.cpp itself on the float16 copy `local-llama.cpp` serves, the same
+  file on both sides (the learner needs the served logprobs close to its own: BENCHMARKS.md).
 
 Writes bench/results/serving_speed-<model>.json.
 """
@@ -52,7 +54,7 @@ PROMPT_TOKENS = 4096
 DECODE_TOKENS = 128
 BATCH = 4
 MISMATCH_TOKENS = 1500  # of the agent prompt, scored by the served model and the learner's
-SIDES = ("local-llama.cpp", "local-float32", "local-bfloat16", "llama.cpp")
+SIDES = ("local-llama.cpp", "local-float32", "local-bfloat16", "llama.cpp", "llama.cpp-served")
 SHORT_PROMPTS = [
     "Write a short story about a lighthouse keeper.",
     "Explain how a bicycle works to a child.",
@@ -298,21 +300,26 @@ def run_side(side: str, gguf: Path, repeats: int, threads: int) -> dict:
     long_ids, short = prompts(model_dir)
     if side == "llama.cpp":
         return run_llama_cpp(gguf, long_ids, short, repeats, threads)
+    if side == "llama.cpp-served":
+        from nextstate.core.settings import Settings
+        from nextstate.modelio.gguf_model import gguf_copy
+
+        return run_llama_cpp(gguf_copy(model_dir, Settings().models_dir / "gguf"), long_ids, short, repeats, threads)
     return run_local(model_dir, side.removeprefix("local-"), long_ids, short, repeats)
 
 
 def headline(result: dict) -> str:
     sides = result["sides"]
-    ref = sides.get("llama.cpp")
     parts = []
     for side, figures in sides.items():
         if "error" in figures:
             parts.append(f"{side}: {figures['error']}")
             continue
         text = ", ".join(f"{key} {figures[key]:g}" for key in ("prefill", "decode_1", f"decode_{BATCH}"))
-        if ref and side != "llama.cpp" and "error" not in ref:
-            ratio = " / ".join(f"{figures[k] / ref[k]:.2f}" for k in ("prefill", "decode_1", f"decode_{BATCH}"))
-            text += f" (× llama.cpp: {ratio})"
+        for name in ("llama.cpp", "llama.cpp-served") if side.startswith("local-") else ():
+            if (ref := sides.get(name)) and "error" not in ref:
+                ratio = " / ".join(f"{figures[k] / ref[k]:.2f}" for k in ("prefill", "decode_1", f"decode_{BATCH}"))
+                text += f" (× {name}: {ratio})"
         if "kept" in figures:
             text += "; a kept 4k turn's decode " + ", ".join(
                 f"{key.removeprefix('decode_')} {value:g}" for key, value in figures["kept"].items())
