@@ -172,14 +172,20 @@ async def measure_kept(model_dir: Path, gguf: Path, long_ids: list[int], repeats
     return figures
 
 
-def run_local(model_dir: Path, runtime: str, long_ids, short, repeats: int) -> dict:
+def served_gguf(model_dir: Path) -> Path:
+    """The float16 GGUF copy of `model_dir` the embedded engine serves on llama.cpp (made once)."""
     from nextstate.core.settings import Settings
-    from nextstate.engine.local import LocalEngine
     from nextstate.modelio.gguf_model import gguf_copy
+
+    return gguf_copy(model_dir, Settings().models_dir / "gguf")
+
+
+def run_local(model_dir: Path, runtime: str, long_ids, short, repeats: int) -> dict:
+    from nextstate.engine.local import LocalEngine
 
     async def go() -> dict:
         if runtime == "llama.cpp":  # the engine's default here: llama.cpp on the float16 copy
-            gguf = gguf_copy(model_dir, Settings().models_dir / "gguf")
+            gguf = served_gguf(model_dir)
             engine = await LocalEngine.open(model_dir, gguf=gguf, kv_cache_mb=0)
         else:
             engine = await LocalEngine.open(model_dir, device="cpu", dtype=runtime, kv_cache_mb=0)
@@ -301,10 +307,7 @@ def run_side(side: str, gguf: Path, repeats: int, threads: int) -> dict:
     if side == "llama.cpp":
         return run_llama_cpp(gguf, long_ids, short, repeats, threads)
     if side == "llama.cpp-served":
-        from nextstate.core.settings import Settings
-        from nextstate.modelio.gguf_model import gguf_copy
-
-        return run_llama_cpp(gguf_copy(model_dir, Settings().models_dir / "gguf"), long_ids, short, repeats, threads)
+        return run_llama_cpp(served_gguf(model_dir), long_ids, short, repeats, threads)
     return run_local(model_dir, side.removeprefix("local-"), long_ids, short, repeats)
 
 
@@ -316,7 +319,8 @@ def headline(result: dict) -> str:
             parts.append(f"{side}: {figures['error']}")
             continue
         text = ", ".join(f"{key} {figures[key]:g}" for key in ("prefill", "decode_1", f"decode_{BATCH}"))
-        for name in ("llama.cpp", "llama.cpp-served") if side.startswith("local-") else ():
+        references = ("llama.cpp", "llama.cpp-served") if side.startswith("local-") else ()
+        for name in references:
             if (ref := sides.get(name)) and "error" not in ref:
                 ratio = " / ".join(f"{figures[k] / ref[k]:.2f}" for k in ("prefill", "decode_1", f"decode_{BATCH}"))
                 text += f" (× {name}: {ratio})"

@@ -221,7 +221,8 @@ def test_a_proxy_that_does_not_learn_serves_the_versions_the_learner_publishes(s
         # (prefix warm-up, a one-token generation) and that read may land after the clear above.
         sent = generations(workers[0])
         assert {b.get("lora_path") for b in sent} == {name}
-        assert any(b["sampling_params"]["max_new_tokens"] == 3 for b in sent), "carol's question was sent"
+        assert sorted(b["sampling_params"]["max_new_tokens"] for b in sent) in ([3], [1, 3]), \
+            "carol's question, and at most the warm-up's read beside it"
         assert serving.app.state.services.engine.adapters == [name], "the version before is no longer sent"
 
 
